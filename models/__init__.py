@@ -1,0 +1,1 @@
+"""Embedded default model: shapes world, tokenizers, generation pipeline."""

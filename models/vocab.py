@@ -1,0 +1,99 @@
+"""The unified vocabulary: one id space holding specials, text tokens and image codebook ids.
+
+Layout of the embedded model (real checkpoints map their own ranges onto the same object):
+
+    [0, num_special)                      specials: <pad> <bos> <eos> <boi> <eoi> ...
+    [text_start, text_start + text_size)  BPE text tokens
+    [image_start, image_start + image_size)  image codebook ids (code c has id image_start + c)
+
+Routing rule (DESIGN.md §2): a position is routed by the modality of the token it *predicts*.
+`<boi>` predicts the first image code and every image code predicts the next one (the last predicts
+`<eoi>`, which generation forces anyway), so a lookup table over the *input* id suffices:
+`<boi>` and image codes -> image, everything else -> text.  Being a pure per-token lookup, prefill and
+token-by-token decode route identically.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+TEXT = 0
+IMAGE = 1
+MODALITY_NAMES = ("text", "image")
+
+
+class VocabError(ValueError):
+    """A vocabulary layout that is inconsistent or does not fit a model."""
+
+
+@dataclass(frozen=True)
+class UnifiedVocab:
+    vocab_size: int
+    text_start: int
+    text_size: int
+    image_start: int
+    image_size: int
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    boi_id: int
+    eoi_id: int
+    image_grid: tuple[int, int]  # (rows, cols) of codebook ids in one image span
+    row_end_id: int | None = None  # a marker after each row, for checkpoints that have one (Emu3)
+    special_tokens: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "image_grid", tuple(self.image_grid))
+        if self.text_start < 0 or self.text_start + self.text_size > self.vocab_size:
+            raise VocabError(f"text range [{self.text_start}, {self.text_start + self.text_size}) "
+                             f"does not fit vocab_size {self.vocab_size}")
+        if self.image_start < 0 or self.image_start + self.image_size > self.vocab_size:
+            raise VocabError(f"image range [{self.image_start}, {self.image_start + self.image_size}) "
+                             f"does not fit vocab_size {self.vocab_size}")
+        text_end, image_end = self.text_start + self.text_size, self.image_start + self.image_size
+        if self.text_start < image_end and self.image_start < text_end:
+            raise VocabError("text and image id ranges overlap")
+        for name in ("pad_id", "bos_id", "eos_id", "boi_id", "eoi_id"):
+            token_id = getattr(self, name)
+            if not 0 <= token_id < self.vocab_size:
+                raise VocabError(f"{name}={token_id} is outside the vocabulary of size {self.vocab_size}")
+            if self.is_image_code(token_id):
+                raise VocabError(f"{name}={token_id} lies inside the image codebook range")
+
+    # --- id ranges ---------------------------------------------------------------------------
+    @property
+    def tokens_per_image(self) -> int:
+        rows, cols = self.image_grid
+        return rows * (cols + (1 if self.row_end_id is not None else 0))
+
+    def is_image_code(self, token_id: int) -> bool:
+        return self.image_start <= token_id < self.image_start + self.image_size
+
+    def code_to_id(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes + self.image_start
+
+    def id_to_code(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids - self.image_start
+
+    def modality_table(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """int8[vocab_size]: the modality (TEXT/IMAGE) that a position holding this *input* id routes to."""
+        table = torch.full((self.vocab_size,), TEXT, dtype=torch.int8)
+        table[self.image_start:self.image_start + self.image_size] = IMAGE
+        table[self.boi_id] = IMAGE
+        return table.to(device) if device is not None else table
+
+    # --- persistence -------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> UnifiedVocab:
+        data = json.loads(Path(path).read_text())
+        return cls(**data)

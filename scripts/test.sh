@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs everything the tests need into ./.venv (CPU torch wheel first, so no CUDA build is pulled),
+# installs Debian's chromium for the browser test when missing, lints, and runs the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q torch==2.13.0
+python -m pip install -q -r requirements-dev.txt
+
+if [ ! -x /usr/bin/chromium ]; then
+    echo "installing Debian's chromium for the browser test"
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
+
+ruff check .
+python -m pytest -q --timeout=900 "$@"
