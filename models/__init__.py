@@ -1,1 +1,31 @@
-"""Embedded default model: shapes world, tokenizers, generation pipeline."""
+"""Embedded default model: shapes world, tokenizers, the interleaved generation engine and the Python API.
+
+    from models import InterleavedPipeline, Document, GenerationConfig, SamplingConfig
+
+The names are imported lazily (PEP 562): `routing` imports `models.vocab`, and the pipeline imports `routing`,
+so an eager import here would be circular.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "InterleavedPipeline": "models.pipeline",
+    "Document": "models.document",
+    "TokenRecord": "models.document",
+    "GenerationConfig": "models.generation",
+    "SamplingConfig": "models.sampling",
+    "GenerationError": "models.sampling",
+    "ModelDirError": "models.loading",
+    "DocumentError": "models.document",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'models' has no attribute {name!r}")

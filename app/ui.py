@@ -1,0 +1,300 @@
+"""The Gradio page: prompt and controls on the left, the streamed document and its routing on the right.
+
+One `InterleavedPipeline` is shared by every visitor; everything a visitor owns (uploaded adapters, documents) lives
+in their `SessionState` (gr.State), so concurrent sessions never see each other's adapters or outputs. The queue
+bounds how many generations run at once (see `DEFAULT_CONCURRENCY`).
+
+Named API endpoints (gradio_client): "/generate" (text, images, HTML file, ...), "/upload_adapter", "/adapters".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import gradio as gr
+
+from app.render import BASE_LABEL, RunView, color_map
+from app.session import NONE_CHOICE, SessionState, UploadedAdapter
+from app.uploads import MAX_ZIP_BYTES, check_adapter_name, remove_folder, validate_upload
+from models import GenerationConfig, SamplingConfig
+from models.events import Finished, ImageDone, ImageStarted
+from routing.errors import MoLoRAError
+
+log = logging.getLogger(__name__)
+
+# Two generations at once: on a 2-core CPU more threads only slow each other down, and two requests pin at most
+# four adapters, which the hot set's four slots always hold (a fifth distinct adapter would have to wait).
+DEFAULT_CONCURRENCY = 2
+MAX_PROMPT_CHARS = 2000
+MAX_NEW_TOKENS = 1024
+REFRESH_SECONDS = 0.15  # the page is refreshed at most this often while tokens stream (images always at once)
+
+# (prompt, start with an image) pairs in the shapes world's own phrasing (models/shapes/text.py)
+EXAMPLES: list[tuple[str, bool]] = [
+    ("Draw a red circle at the top left.", False),
+    ("Show me two blue squares on the left and a large yellow star in the center.", False),
+    ("First, a green triangle in the center:", False),
+    ("Arr, we start with a purple diamond, matey:", False),
+    ("A pink star sits at the bottom right.", True),
+]
+
+ROUTING_CHOICES = [
+    ("vocabulary: text tokens -> text adapter, image tokens -> image adapter", "vocab"),
+    ("per-sequence baseline: one adapter for everything", "sequence"),
+    ("off: base model only", "none"),
+]
+LEARNED_CHOICE = ("learned router (top-k gate over domain adapters)", "learned")
+
+CSS = """
+.molora-doc { font-size: 1.05rem; line-height: 1.6; white-space: pre-wrap; min-height: 4rem; }
+.molora-figure { display: inline-block; margin: 0.5rem; vertical-align: middle; text-align: center; }
+.molora-figure figcaption { font-size: 0.8rem; opacity: 0.7; }
+.molora-drawing progress { width: 192px; height: 1rem; }
+.molora-slot { display: inline-block; margin: 0 0.25rem; padding: 0 0.4rem; border-radius: 0.3rem; color: #111; }
+.molora-status { font-weight: 600; margin-bottom: 0.4rem; }
+.molora-cache, .molora-latency { margin: 0.3rem 0; }
+.molora-spark { display: block; margin-top: 0.2rem; }
+"""
+
+try:  # on a Hugging Face ZeroGPU Space the GPU is attached only inside functions decorated with spaces.GPU
+    import spaces
+
+    gpu = spaces.GPU
+except ImportError:
+    def gpu(fn):
+        return fn
+
+
+# Pipelines by id: the GPU function gets a small picklable key rather than the pipeline itself (ZeroGPU pickles
+# arguments into its worker; the worker finds the pipeline in this module, inherited from the main process).
+_PIPELINES: dict[int, object] = {}
+
+
+@gpu
+def stream_events(pipe_key: int, prompt: str, text_adapter: str | None, image_adapter: str | None, routing: str,
+                  config: GenerationConfig, extra_adapters: dict[str, str]) -> Iterator[object]:
+    """Run one generation; loads the session's uploads first if this process has not seen them (ZeroGPU workers)."""
+    pipe = _PIPELINES[pipe_key]
+    for name, folder in extra_adapters.items():
+        if name not in pipe.adapters:
+            pipe.load_adapter(folder, name=name)
+    yield from pipe.stream(prompt, text_adapter=text_adapter, image_adapter=image_adapter, routing=routing,
+                           config=config)
+
+
+class MoLoRAApp:
+    """Handlers bound to one shared pipeline; `build()` lays them out as a gr.Blocks."""
+
+    def __init__(self, pipe, *, examples: list[tuple[str, bool]] | None = None) -> None:
+        self.pipe = pipe
+        self.pipe_key = id(pipe)
+        _PIPELINES[self.pipe_key] = pipe
+        self.builtin: dict[str, str] = dict(pipe.adapters)  # name -> modality, captured before any upload
+        self.examples = examples if examples is not None else EXAMPLES
+
+    # --- helpers --------------------------------------------------------------------------------
+    def routing_choices(self) -> list[tuple[str, str]]:
+        has_router = getattr(self.pipe, "gates", None) is not None
+        return ROUTING_CHOICES + ([LEARNED_CHOICE] if has_router else [])
+
+    def default_adapter(self, modality: str) -> str:
+        return next((name for name, mod in self.builtin.items() if mod == modality), NONE_CHOICE)
+
+    def _labeller(self, state: SessionState):
+        uploads = state.display_names()
+
+        def label_of(name: str | None) -> str:
+            if name is None:
+                return BASE_LABEL
+            return uploads.get(name, name)
+        return label_of
+
+    # --- generation -----------------------------------------------------------------------------
+    def generate(self, prompt: str, text_choice: str, image_choice: str, routing: str, start_image: bool,
+                 text_temperature: float, text_top_k: int, text_top_p: float, image_temperature: float,
+                 image_top_k: int, cfg_scale: float, seed: int, max_new_tokens: int, state: SessionState,
+                 request: gr.Request) -> Iterator[tuple]:
+        """Stream one document: yields (text, images, html file, document view, routing map, stats) updates."""
+        try:
+            state.bind(request.session_hash)
+            prompt = prompt or ""
+            if len(prompt) > MAX_PROMPT_CHARS:
+                raise gr.Error(f"the prompt has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+            if routing not in {value for _, value in self.routing_choices()}:
+                raise gr.Error(f"unknown routing mode {routing!r}; choose one of "
+                               f"{', '.join(value for _, value in self.routing_choices())}")
+            text_adapter, _ = state.resolve(text_choice, self.builtin)
+            image_adapter, _ = state.resolve(image_choice, self.builtin)
+            config = GenerationConfig(
+                max_new_tokens=int(max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))),
+                text=SamplingConfig(temperature=text_temperature, top_k=int(text_top_k), top_p=text_top_p),
+                image=SamplingConfig(temperature=image_temperature, top_k=int(image_top_k)),
+                cfg_scale=float(cfg_scale), seed=int(seed), start_image=bool(start_image))
+            view = RunView(label_of=self._labeller(state))
+            colors = color_map([*self.builtin, *state.display_names().values()])
+            events = stream_events(self.pipe_key, prompt, text_adapter, image_adapter, routing, config,
+                                   state.extra_adapters())
+            started, last = time.perf_counter(), 0.0
+            for event in events:
+                if not view.apply(event):
+                    continue
+                now = time.perf_counter()
+                if isinstance(event, (ImageStarted, ImageDone)) or now - last >= REFRESH_SECONDS:
+                    last = now
+                    yield self._outputs(view, colors, f"generating… {now - started:.1f} s", None)
+                if isinstance(event, Finished):
+                    break
+            if view.document is None:
+                raise gr.Error("generation ended without a document; see the server log")
+            path = self._save_document(view.document, state)
+            status = f"done in {time.perf_counter() - started:.1f} s · {len(view.tokens)} tokens"
+            yield self._outputs(view, colors, status, path)
+        except MoLoRAError as err:
+            raise gr.Error(str(err)) from err
+
+    def _outputs(self, view: RunView, colors: dict[str, str], status: str, path: str | None) -> tuple:
+        routing_map = gr.HighlightedText(value=view.routing_map(), color_map=colors)
+        return (view.text, view.images, path, view.document_html(), routing_map,
+                view.stats_html(self.pipe.cache_stats(), colors, status))
+
+    @staticmethod
+    def _save_document(document, state: SessionState) -> str:
+        folder = Path(state.folder()) / f"doc-{time.time_ns()}"
+        folder.mkdir()
+        path = folder / "molora-document.html"
+        document.save_html(path)
+        return str(path)
+
+    # --- adapters -------------------------------------------------------------------------------
+    def upload_adapter(self, files, name: str, modality: str, state: SessionState, request: gr.Request):
+        """Validate and load an uploaded adapter for this session only; on any error nothing changes."""
+        try:
+            state.bind(request.session_hash)
+            if modality not in ("text", "image"):
+                raise gr.Error(f"modality must be 'text' or 'image', got {modality!r}")
+            files = files if isinstance(files, list) else [files] if files else []
+            paths = [f if isinstance(f, str) else getattr(f, "path", None) or f.name for f in files]
+            upload = validate_upload(paths)
+            display = check_adapter_name(name or upload.suggested_name or "uploaded")
+            state.check_new_name(display, self.builtin)
+            folder = upload.write(state.folder())
+            # our own metadata file (uploads may not carry one): it tells the pipeline which picker it belongs to
+            (folder / "molora.json").write_text(json.dumps({"modality": modality,
+                                                            "description": "uploaded by a visitor"}))
+            try:
+                internal = self.pipe.load_adapter(folder, name=state.internal_name(display))
+            except Exception:
+                remove_folder(folder)
+                raise
+            state.uploads[display] = UploadedAdapter(display, internal, modality, folder)
+        except MoLoRAError as err:
+            raise gr.Error(f"adapter upload refused: {err}") from err
+        text_update, image_update = self._picker_updates(state)
+        if modality == "text":
+            text_update = gr.Dropdown(choices=state.choices("text", self.builtin), value=display)
+        else:
+            image_update = gr.Dropdown(choices=state.choices("image", self.builtin), value=display)
+        gr.Info(f"adapter {display!r} loaded; it is visible only in this session")
+        return (state, text_update, image_update, f"Loaded **{display}** ({modality}); private to this session.",
+                self.list_adapters(state))
+
+    def _picker_updates(self, state: SessionState) -> tuple:
+        return (gr.Dropdown(choices=state.choices("text", self.builtin)),
+                gr.Dropdown(choices=state.choices("image", self.builtin)))
+
+    def list_adapters(self, state: SessionState) -> dict:
+        """What this session may pick: built-in adapters (shared) and its own uploads."""
+        return {"builtin": dict(self.builtin),
+                "uploaded": {name: up.modality for name, up in state.uploads.items()}}
+
+    # --- layout ---------------------------------------------------------------------------------
+    def build(self) -> gr.Blocks:
+        pipe = self.pipe
+        with gr.Blocks(title="MoLoRA: per-token LoRA routing") as demo:
+            state = gr.State(SessionState(), delete_callback=lambda s: s.cleanup(pipe))
+            gr.Markdown(
+                "# MoLoRA: per-token LoRA routing for text + image generation\n"
+                "One model writes text and images as tokens of one vocabulary. With **vocabulary routing** every "
+                "text token goes through the text adapter and every image token through the image adapter, in the "
+                "same forward pass. The routing map below colours each generated token by the adapter it used.")
+            with gr.Row():
+                with gr.Column(scale=2):
+                    prompt = gr.Textbox(label="Prompt", lines=3, value=self.examples[0][0] if self.examples else "",
+                                        elem_id="prompt")
+                    with gr.Row():
+                        text_adapter = gr.Dropdown(state.value.choices("text", self.builtin),
+                                                   value=self.default_adapter("text"), label="Text adapter",
+                                                   allow_custom_value=True, elem_id="text-adapter")
+                        image_adapter = gr.Dropdown(state.value.choices("image", self.builtin),
+                                                    value=self.default_adapter("image"), label="Image adapter",
+                                                    allow_custom_value=True, elem_id="image-adapter")
+                    routing = gr.Radio(self.routing_choices(), value="vocab", label="Routing")
+                    start_image = gr.Checkbox(False, label="Start with an image (text -> image: the prompt is "
+                                              "followed by <boi>)", elem_id="start-image")
+                    with gr.Accordion("Sampling", open=False):
+                        with gr.Row():
+                            text_temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Text temperature")
+                            text_top_k = gr.Slider(0, 200, value=0, step=1, label="Text top-k (0 = off)")
+                            text_top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="Text top-p (1 = off)")
+                        with gr.Row():
+                            image_temperature = gr.Slider(0.0, 2.0, value=1.0, step=0.05,
+                                                          label="Image temperature")
+                            image_top_k = gr.Slider(0, 512, value=100, step=1, label="Image top-k (0 = off)")
+                        with gr.Row():
+                            cfg_scale = gr.Slider(1.0, 10.0, value=3.0, step=0.5, label="Image CFG scale")
+                            seed = gr.Number(0, precision=0, label="Seed")
+                        max_new_tokens = gr.Slider(16, MAX_NEW_TOKENS, value=320, step=16,
+                                                   label="Max new tokens (an image is 258)")
+                    run = gr.Button("Generate", variant="primary", elem_id="generate")
+                    gr.Examples([list(e) for e in self.examples], inputs=[prompt, start_image], label="Example prompts")
+                    with gr.Accordion("Upload your own adapter (private to this session)", open=False):
+                        gr.Markdown(
+                            "A zipped PEFT LoRA folder, or its `adapter_config.json` and "
+                            f"`adapter_model.safetensors`; at most {MAX_ZIP_BYTES // 2**20} MB. It is checked, "
+                            "loaded for this browser session only, and removed when you close the tab.")
+                        upload_files = gr.File(label="Adapter files", file_count="multiple",
+                                               file_types=[".zip", ".json", ".safetensors"], type="filepath")
+                        with gr.Row():
+                            upload_name = gr.Textbox(label="Name", placeholder="my-adapter", max_lines=1)
+                            upload_modality = gr.Radio(["text", "image"], value="text", label="Use for")
+                        upload_button = gr.Button("Load adapter")
+                        upload_status = gr.Markdown()
+                with gr.Column(scale=3):
+                    document = gr.HTML(label="Document", elem_id="document",
+                                       value='<div class="molora-doc molora-empty">Press Generate.</div>')
+                    routing_map = gr.HighlightedText(label="Routing map: each generated token, coloured by its adapter",
+                                                     show_legend=True, show_inline_category=False,
+                                                     combine_adjacent=False, elem_id="routing-map")
+                    stats = gr.HTML(elem_id="stats")
+                    with gr.Accordion("Outputs (text, images, HTML download)", open=False):
+                        text_out = gr.Textbox(label="Text", lines=4, elem_id="text-out")
+                        images = gr.Gallery(label="Images", format="png", columns=4, height="auto",
+                                            elem_id="images")
+                        html_file = gr.File(label="Document (HTML)", elem_id="html-file")
+                    adapters_json = gr.JSON(visible=False)
+
+            run.click(self.generate,
+                      inputs=[prompt, text_adapter, image_adapter, routing, start_image, text_temperature,
+                              text_top_k, text_top_p, image_temperature, image_top_k, cfg_scale, seed, max_new_tokens, state],
+                      outputs=[text_out, images, html_file, document, routing_map, stats],
+                      api_name="generate", show_progress="minimal")
+            upload_button.click(self.upload_adapter,
+                                inputs=[upload_files, upload_name, upload_modality, state],
+                                outputs=[state, text_adapter, image_adapter, upload_status, adapters_json],
+                                api_name="upload_adapter")
+            demo.load(self.list_adapters, inputs=[state], outputs=[adapters_json], api_name="adapters")
+        return demo
+
+
+def build_demo(pipe, *, examples: list[tuple[str, bool]] | None = None) -> gr.Blocks:
+    """The app's gr.Blocks over a loaded pipeline (queue not yet configured; see app.py / `launch`)."""
+    return MoLoRAApp(pipe, examples=examples).build()
+
+
+def launch_kwargs() -> dict:
+    """Arguments every launch shares (Gradio 6 takes theme and CSS at launch)."""
+    return {"css": CSS, "theme": gr.themes.Soft(), "max_file_size": MAX_ZIP_BYTES}

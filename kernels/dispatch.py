@@ -1,0 +1,54 @@
+"""One dispatcher for every routed-LoRA call: torch path on CPU, Triton gather or grouped kernel on CUDA.
+
+The choice depends only on shapes (rows M = N*k), never on slot values, so it is the same on every replay of a
+captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kernels.metadata import RoutingMeta
+from kernels.torch_ops import routed_lora_torch
+from kernels.triton_common import HAS_TRITON, interpreting
+
+log = logging.getLogger(__name__)
+
+# Rows (N*k) up to which the gather kernel beats the grouped one. Set from benchmarks/kernels.py on the H200
+# (4 slots, d=4096, r=16, bf16, CUDA-graph replay, median us) -- see benchmarks/RESULTS.md "Kernels (K1-K5)".
+GATHER_MAX_ROWS = 32
+
+PATHS = ("auto", "torch", "gather", "grouped")
+
+
+def triton_usable(x: torch.Tensor) -> bool:
+    """Triton runs CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); float64 always takes the torch path."""
+    return HAS_TRITON and (x.is_cuda or interpreting()) and x.dtype != torch.float64
+
+
+def choose_path(x: torch.Tensor, k: int) -> str:
+    if not triton_usable(x):
+        return "torch"
+    return "gather" if x.shape[0] * k <= GATHER_MAX_ROWS else "grouped"
+
+
+def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                        weights: torch.Tensor | None, scale: torch.Tensor, out: torch.Tensor | None = None,
+                        meta: RoutingMeta | None = None, path: str = "auto") -> torch.Tensor:
+    """No-autograd forward for slots [N, k]: the delta in x's dtype, or `out` after out += delta."""
+    if path == "auto":
+        path = choose_path(x, slots.shape[1])
+    if path == "torch":
+        delta = routed_lora_torch(x, A, B, slots, weights, scale)
+        if out is not None:
+            return out.add_(delta)
+        return delta.to(x.dtype)
+    if path == "gather":
+        from kernels.triton_gather import gather_lora
+        return gather_lora(x, A, B, slots, weights, scale, out)
+    if path == "grouped":
+        from kernels.triton_grouped import grouped_lora
+        return grouped_lora(x, A, B, slots, weights, scale, out, meta)
+    raise ValueError(f"unknown path {path!r}; choose one of {PATHS}")

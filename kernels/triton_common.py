@@ -1,0 +1,39 @@
+"""Small helpers shared by the Triton launchers: availability, interpreter detection, dot dtype choice."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs (e.g. a Space without triton) run the torch path only
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1 when triton was imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_config(dtype: torch.dtype) -> tuple[object, str]:
+    """(operand dtype for tl.dot, input_precision) for activations of `dtype`.
+
+    GPU: bf16/fp16 stay 16-bit (tensor-core dots); fp32 uses "ieee" so fp32 callers get fp32 accuracy.
+    Interpreter: bf16 operands are cast to fp32 first, because under TRITON_INTERPRET=1 tl.dot on bf16 returns
+    garbage (DESIGN.md §3, measured with triton 3.9: relative error ~6e9); the GPU build never takes that branch.
+    """
+    if dtype == torch.float16:
+        return tl.float16, "tf32"
+    if dtype == torch.bfloat16 and not interpreting():
+        return tl.bfloat16, "tf32"
+    return tl.float32, "ieee"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

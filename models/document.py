@@ -1,0 +1,422 @@
+"""Document: a generated sequence of text and images, with the adapter that produced every token.
+
+Saved as one self-contained HTML file (images inline as base64 PNG, tokens coloured by adapter, and the whole
+document as JSON in a <script> block) or as Markdown with the images beside it (plus document.json).
+Document.load reads either back: text, images (pixel-exact: PNG is lossless), routing, prompt and metadata.
+
+    doc = pipe.generate("a red circle")
+    doc.save_html("out/doc.html"); doc.save_markdown("out/doc")
+    assert Document.load("out/doc.html").text == doc.text
+
+DocumentBuilder turns one row's generated tokens into events and, at the end, its Document.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from models.events import Finished, ImageDone, ImageProgress, ImageStarted, Notice, TextDelta
+from routing.errors import MoLoRAError
+
+FORMAT = "molora-document"
+VERSION = 1
+JSON_SIDECAR = "document.json"
+_SCRIPT_ID = "molora-document"
+_IMG_RE = re.compile(r'<img id="(molora-[a-z-]+-\d+)"[^>]*?src="data:image/png;base64,([A-Za-z0-9+/=]*)"')
+_SCRIPT_RE = re.compile(r'<script type="application/json" id="molora-document">(.*?)</script>', re.S)
+# colours for adapters in order of appearance (base model = no colour)
+PALETTE = ("#ffd8a8", "#a5d8ff", "#b2f2bb", "#eebefa", "#ffec99", "#99e9f2", "#ffc9c9", "#d0bfff")
+
+
+class DocumentError(MoLoRAError):
+    """A document file that cannot be read back (not written by Document.save_*, or damaged)."""
+
+
+@dataclass
+class TokenRecord:
+    """One generated token: its id, readable piece, modality ("text" | "image" | "special"), the adapter that
+    produced it (None = base model) and the index of the part it belongs to (None for <eos>)."""
+
+    id: int
+    piece: str
+    modality: str
+    adapter: str | None
+    part: int | None = None
+
+
+Part = str | Image.Image
+
+
+@dataclass
+class Document:
+    """Ordered parts (str and PIL images) of the generated continuation, plus its prompt and routing."""
+
+    parts: list[Part] = field(default_factory=list)
+    routing: list[TokenRecord] = field(default_factory=list)
+    prompt: list[Part] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        """All generated text, images left out."""
+        return "".join(p for p in self.parts if isinstance(p, str))
+
+    @property
+    def images(self) -> list[Image.Image]:
+        return [p for p in self.parts if isinstance(p, Image.Image)]
+
+    def adapter_colors(self) -> dict[str, str]:
+        names = list(dict.fromkeys(r.adapter for r in self.routing if r.adapter is not None))
+        return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(names)}
+
+    # --- JSON ---------------------------------------------------------------------------------
+    def to_json_dict(self, image_ref: Any) -> dict:
+        """The document as JSON-able data; `image_ref(kind, index, image)` names where an image is stored."""
+        def encode(parts: list[Part], kind: str) -> list[dict]:
+            out, n = [], 0
+            for part in parts:
+                if isinstance(part, Image.Image):
+                    out.append({"type": "image", "src": image_ref(kind, n, part)})
+                    n += 1
+                else:
+                    out.append({"type": "text", "text": part})
+            return out
+
+        return {"format": FORMAT, "version": VERSION, "prompt": encode(self.prompt, "prompt-image"),
+                "parts": encode(self.parts, "image"), "routing": [asdict(r) for r in self.routing],
+                "meta": self.meta, "notices": self.notices}
+
+    @classmethod
+    def from_json_dict(cls, data: dict, load_image: Any) -> Document:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise DocumentError("not a MoLoRA document (missing format marker)")
+
+        def decode(items: list[dict]) -> list[Part]:
+            parts: list[Part] = []
+            for item in items:
+                if item.get("type") == "image":
+                    parts.append(load_image(item["src"]))
+                elif item.get("type") == "text":
+                    parts.append(str(item["text"]))
+                else:
+                    raise DocumentError(f"unknown part {item!r}")
+            return parts
+
+        try:
+            routing = [TokenRecord(**r) for r in data.get("routing", [])]
+            return cls(decode(data.get("parts", [])), routing, decode(data.get("prompt", [])),
+                       dict(data.get("meta", {})), list(data.get("notices", [])))
+        except (KeyError, TypeError) as exc:
+            raise DocumentError(f"damaged document data: {exc}") from exc
+
+    # --- HTML ---------------------------------------------------------------------------------
+    def save_html(self, path: str | Path, *, color_tokens: bool = True, title: str = "MoLoRA document") -> Path:
+        """One self-contained HTML file; Document.load(path) reads it back exactly."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        images: dict[str, str] = {}
+
+        def ref(kind: str, index: int, image: Image.Image) -> str:
+            key = f"molora-{kind}-{index}"
+            images[key] = _png_b64(image)
+            return "#" + key
+
+        data = self.to_json_dict(ref)
+        colors = self.adapter_colors() if color_tokens else {}
+        body = [f"<h1>{html.escape(title)}</h1>"]
+        if self.prompt:
+            body.append('<section class="prompt"><h2>Prompt</h2>')
+            body += _render_parts(self.prompt, "prompt-image", images, [], {})
+            body.append("</section>")
+        body.append('<section class="document">')
+        body += _render_parts(self.parts, "image", images, self.routing, colors)
+        body.append("</section>")
+        if colors:
+            legend = " ".join(f'<span class="tok" style="background:{c}">{html.escape(n)}</span>'
+                              for n, c in colors.items())
+            body.append(f'<p class="legend">Adapters: {legend} <span class="tok">base model</span></p>')
+        for notice in self.notices:
+            body.append(f'<p class="notice">{html.escape(notice)}</p>')
+        payload = json.dumps(data, ensure_ascii=False).replace("</", "<\\/")
+        page = _HTML_TEMPLATE.format(title=html.escape(title), body="\n".join(body), payload=payload)
+        path.write_text(page, encoding="utf-8")
+        return path
+
+    # --- Markdown -----------------------------------------------------------------------------
+    def save_markdown(self, directory: str | Path) -> Path:
+        """document.md with image_<k>.png beside it, plus document.json for Document.load. Returns the .md path."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+
+        def ref(kind: str, index: int, image: Image.Image) -> str:
+            name = f"{kind.replace('-', '_')}_{index}.png"
+            image.save(directory / name, format="PNG")
+            return name
+
+        data = self.to_json_dict(ref)
+        lines = []
+        if data["prompt"]:
+            lines.append("**Prompt:** " + " ".join(
+                p["text"] if p["type"] == "text" else f"![prompt image]({p['src']})" for p in data["prompt"]))
+            lines.append("")
+        for k, part in enumerate(p for p in data["parts"]):
+            if part["type"] == "text":
+                lines.append(part["text"])
+            else:
+                lines.append(f"\n![image {k}]({part['src']})\n")
+        for notice in self.notices:
+            lines.append(f"\n> {notice}")
+        (directory / JSON_SIDECAR).write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
+        md = directory / "document.md"
+        md.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return md
+
+    # --- loading ------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path) -> Document:
+        """Read a document saved by save_html (the .html) or save_markdown (its directory, .md or .json)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / JSON_SIDECAR
+        elif path.suffix.lower() == ".md":
+            path = path.parent / JSON_SIDECAR
+        if not path.is_file():
+            raise DocumentError(f"{path} does not exist; load a .html written by save_html or the directory "
+                                "written by save_markdown")
+        if path.suffix.lower() in (".html", ".htm"):
+            page = path.read_text(encoding="utf-8")
+            match = _SCRIPT_RE.search(page)
+            if match is None:
+                raise DocumentError(f"{path} has no embedded MoLoRA document (not written by Document.save_html)")
+            images = dict(_IMG_RE.findall(page))
+
+            def load_image(src: str) -> Image.Image:
+                key = src.lstrip("#")
+                if key not in images:
+                    raise DocumentError(f"{path}: image {key} is missing from the page")
+                return _png_from_b64(images[key])
+
+            return cls.from_json_dict(_parse_json(match.group(1), path), load_image)
+        base = path.parent
+
+        def load_file(src: str) -> Image.Image:
+            image_path = base / src
+            if not image_path.is_file() or Path(src).name != src:
+                raise DocumentError(f"{path}: image file {src} is missing")
+            with Image.open(image_path) as im:
+                return im.convert("RGB") if im.mode not in ("RGB", "RGBA", "L") else im.copy()
+
+        return cls.from_json_dict(_parse_json(path.read_text(encoding="utf-8"), path), load_file)
+
+
+# --- building a document from generated tokens -----------------------------------------------------
+
+class DocumentBuilder:
+    """Turns one row's generated tokens into events, then into a Document.
+
+    Text is detokenised incrementally: a token is committed once its text no longer ends inside a multi-byte
+    character, so TextDelta pieces always concatenate to the document's text.
+    """
+
+    def __init__(self, tokenizer: Any, image_tokenizer: Any, *, row: int = 0, prompt: list[Part] | None = None,
+                 meta: dict | None = None, notices: list[str] | None = None, image_open: bool = False) -> None:
+        self.tok, self.vq, self.row = tokenizer, image_tokenizer, row
+        self.vocab = tokenizer.vocab
+        self.doc = Document(prompt=list(prompt or []), meta=dict(meta or {}), notices=list(notices or []))
+        self._text_ids: list[int] = []  # current text segment
+        self._pending: list[int] = []  # its tokens whose text is not out yet (inside a character)
+        self._seg_records: list[TokenRecord] = []
+        self._seg_text = ""
+        self._image: list[int] | None = None  # ids of the open image span
+        self._image_adapters: list[str | None] = []
+        self._images = 0
+        rows, cols = self.vocab.image_grid
+        self._row_len = cols + (1 if self.vocab.row_end_id is not None else 0)
+        self._opened_events = [ImageStarted(0, row)] if image_open else []
+        if image_open:
+            self._open_image()
+
+    def start(self) -> list:
+        """Events due before the first token (an image opened by the prompt, notices)."""
+        return [Notice(n, self.row) for n in self.doc.notices] + self._opened_events
+
+    def add(self, token: int, adapter: str | None) -> list:
+        """Record one generated token; returns the events it causes."""
+        v = self.vocab
+        if self._image is not None:
+            if token == v.eoi_id:
+                return self._close_image(adapter)
+            self._image.append(token)
+            self._image_adapters.append(adapter)
+            self.doc.routing.append(TokenRecord(token, self.tok.token_piece(token), "image", adapter,
+                                                len(self.doc.parts)))
+            done = len(self._image)
+            if done % self._row_len == 0:
+                return [ImageProgress(self._images, done, v.tokens_per_image, self.row)]
+            return []
+        if token == v.boi_id:
+            events = self._close_text()
+            self._open_image()
+            self.doc.routing.append(TokenRecord(token, "<boi>", "special", adapter, len(self.doc.parts)))
+            return events + [ImageStarted(self._images, self.row)]
+        if token == v.eos_id:
+            events = self._close_text()
+            self.doc.routing.append(TokenRecord(token, "<eos>", "special", adapter, None))
+            return events
+        return self._add_text(token, adapter)
+
+    def finish(self, reason: str) -> list:
+        """Close the document (reason "eos" or "length"); returns the last events, ending with Finished."""
+        events = self._close_text()
+        if self._image is not None:
+            self.doc.notices.append(f"image {self._images} was cut off after {len(self._image)} of "
+                                    f"{self.vocab.tokens_per_image} tokens by the token budget and left out")
+            events.append(Notice(self.doc.notices[-1], self.row))
+            self._image = None
+        self.doc.meta["finish_reason"] = reason
+        return events + [Finished(self.doc, self.row, reason)]
+
+    # --- internals ---------------------------------------------------------------------------
+    def _add_text(self, token: int, adapter: str | None) -> list:
+        part = len(self.doc.parts)
+        record = TokenRecord(token, "", "text" if self._is_text(token) else "special", adapter, part)
+        self.doc.routing.append(record)
+        self._seg_records.append(record)
+        self._text_ids.append(token)
+        self._pending.append(token)
+        new = self.tok.decode_text(self._pending)
+        if new.endswith("\ufffd") and len(self._pending) < 8:
+            return [TextDelta("", [token], [adapter], self.row)]
+        self._pending = []
+        record.piece = new
+        self._seg_text += new
+        return [TextDelta(new, [token], [adapter], self.row)]
+
+    def _close_text(self) -> list:
+        events = []
+        if self._pending:
+            new = self.tok.decode_text(self._pending)
+            self._pending = []
+            if new:
+                self._seg_records[-1].piece += new
+                self._seg_text += new
+                events.append(TextDelta(new, [], [], self.row))
+        if self._text_ids:
+            final = self.tok.decode_text(self._text_ids)
+            if final != self._seg_text:  # decoding in pieces differed (invalid bytes): trust the whole
+                self._seg_text = final
+            if final:
+                self.doc.parts.append(final)
+            else:  # a segment of tokens without text (e.g. lone bytes): nothing to show
+                for record in self._seg_records:
+                    record.part = None
+        self._text_ids, self._seg_records, self._seg_text = [], [], ""
+        return events
+
+    def _open_image(self) -> None:
+        self._image, self._image_adapters = [], []
+
+    def _close_image(self, adapter: str | None) -> list:
+        ids = [t for t in self._image if t != self.vocab.row_end_id]
+        codes = self.tok.codes_from_ids(ids)
+        image = self.vq.decode(codes[None])[0]
+        part = len(self.doc.parts)
+        self.doc.parts.append(image)
+        self.doc.routing.append(TokenRecord(self.vocab.eoi_id, "<eoi>", "special", adapter, part))
+        event = ImageDone(self._images, image, [*self._image_adapters, adapter], self.row)
+        self._images += 1
+        self._image = None
+        return [event]
+
+    def _is_text(self, token: int) -> bool:
+        v = self.vocab
+        return v.text_start <= token < v.text_start + v.text_size
+
+
+# --- rendering helpers -------------------------------------------------------------------------------
+
+def _png_b64(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _png_from_b64(data: str) -> Image.Image:
+    try:
+        with Image.open(io.BytesIO(base64.b64decode(data, validate=True))) as im:
+            im.load()
+            return im.copy()
+    except Exception as exc:  # PIL raises several types on damaged data
+        raise DocumentError(f"an embedded image is not a valid PNG: {exc}") from exc
+
+
+def _parse_json(text: str, path: Path) -> dict:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DocumentError(f"{path}: the embedded document JSON is damaged ({exc})") from exc
+
+
+def _render_parts(parts: list[Part], kind: str, images: dict[str, str], routing: list[TokenRecord],
+                  colors: dict[str, str]) -> list[str]:
+    out, n = [], 0
+    for index, part in enumerate(parts):
+        if isinstance(part, Image.Image):
+            key = f"molora-{kind}-{n}"
+            n += 1
+            counts = Counter(r.adapter for r in routing if r.part == index and r.modality == "image")
+            adapter = counts.most_common(1)[0][0] if counts else None
+            style = f' style="border-color:{colors[adapter]}"' if adapter in colors else ""
+            tip = f' title="adapter: {html.escape(adapter)}"' if adapter else ""
+            out.append(f'<figure><img id="{key}" alt="image {n}"{style}{tip} '
+                       f'src="data:image/png;base64,{images[key]}"></figure>')
+            continue
+        records = [r for r in routing if r.part == index]
+        if colors and records and "".join(r.piece for r in records) == part:
+            spans = []
+            for r in records:
+                if not r.piece:
+                    continue
+                color = colors.get(r.adapter)
+                style = f' style="background:{color}"' if color else ""
+                tip = html.escape(f"{r.id} {r.adapter or 'base'}")
+                spans.append(f'<span class="tok"{style} title="{tip}">{html.escape(r.piece)}</span>')
+            out.append(f'<p class="text">{"".join(spans)}</p>')
+        else:
+            out.append(f'<p class="text">{html.escape(part)}</p>')
+    return out
+
+
+_HTML_TEMPLATE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>{title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 46rem; margin: 2rem auto; line-height: 1.5; }}
+.text {{ white-space: pre-wrap; }}
+.prompt {{ color: #555; border-left: 3px solid #ccc; padding-left: 1rem; }}
+figure {{ margin: 1rem 0; }}
+figure img {{ width: 256px; image-rendering: pixelated; border: 4px solid transparent; }}
+.tok {{ border-radius: 3px; }}
+.legend .tok {{ padding: 0 .3rem; border: 1px solid #ccc; }}
+.notice {{ color: #a60; font-size: .9rem; }}
+</style>
+</head>
+<body>
+{body}
+<script type="application/json" id="molora-document">{payload}</script>
+</body>
+</html>
+"""

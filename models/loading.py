@@ -1,0 +1,183 @@
+"""Load a model directory (assets/model layout) and the adapters beside it, checking everything first.
+
+    assets/model/vocab.json, tokenizer.json, lm/ (transformers, safetensors), vq/ (diffusers VQModel), README.md
+    assets/model/generation.json      optional: default GenerationConfig fields for this model
+    assets/adapters/<name>/           adapter_config.json + adapter_model.safetensors (+ molora.json modality)
+    assets/router/gates.safetensors   optional: learned-router gates (routing.LearnedGates.save) over adapters
+
+Missing pieces are reported all at once, by path, as a ModelDirError (a MoLoRAError).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from routing.errors import MoLoRAError
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_DIR = REPO_ROOT / "assets" / "model"
+DEFAULT_ADAPTERS_DIR = REPO_ROOT / "assets" / "adapters"
+GATES_CANDIDATES = ("router/gates.safetensors", "gates.safetensors")
+MODALITIES = ("text", "image", "any")
+
+
+class ModelDirError(MoLoRAError):
+    """A model or adapter directory that is missing files or whose pieces do not fit together."""
+
+
+@dataclass
+class AdapterInfo:
+    """An adapter folder: its name, modality ("text" | "image" | "any" when molora.json is absent) and path."""
+
+    name: str
+    path: Path
+    modality: str = "any"
+    description: str = ""
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    tokenizer: Any  # models.tokenizer.UnifiedTokenizer
+    lm: torch.nn.Module  # transformers causal LM
+    image_tokenizer: Any  # models.image_tokenizer.ImageTokenizer
+    adapters: list[AdapterInfo] = field(default_factory=list)
+    gates_path: Path | None = None
+    generation_defaults: dict = field(default_factory=dict)
+
+    @property
+    def vocab(self) -> Any:
+        return self.tokenizer.vocab
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.lm.config, "max_position_embeddings", 2048))
+
+
+def missing_model_files(model_dir: Path) -> list[str]:
+    """The required files of a model directory that are not there (empty list = complete)."""
+    missing = [str(model_dir / name) for name in ("vocab.json", "tokenizer.json", "lm/config.json",
+                                                  "vq/config.json") if not (model_dir / name).is_file()]
+    for sub in ("lm", "vq"):
+        if (model_dir / sub).is_dir() and not any((model_dir / sub).glob("*.safetensors")):
+            missing.append(str(model_dir / sub / "*.safetensors"))
+    return missing
+
+
+def read_adapter_info(path: str | Path, name: str | None = None) -> AdapterInfo:
+    """Name and modality of an adapter folder (molora.json is optional; a bad one is an error)."""
+    path = Path(path)
+    info = AdapterInfo(name or path.resolve().name, path)
+    meta_path = path / "molora.json"
+    if meta_path.is_file():
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelDirError(f"{meta_path} is not valid JSON: {exc}") from exc
+        modality = meta.get("modality", "any") if isinstance(meta, dict) else None
+        if modality not in MODALITIES:
+            raise ModelDirError(f"{meta_path}: modality must be one of {MODALITIES}, got {modality!r}")
+        info.modality = modality
+        info.description = str(meta.get("description", ""))
+    return info
+
+
+def find_adapters(adapters_dir: Path) -> list[AdapterInfo]:
+    """Every adapter folder (holding adapter_config.json) directly under `adapters_dir`, sorted by name."""
+    if not adapters_dir.is_dir():
+        return []
+    return [read_adapter_info(p) for p in sorted(adapters_dir.iterdir())
+            if p.is_dir() and (p / "adapter_config.json").is_file()]
+
+
+def adapter_rank(path: Path) -> int:
+    """Largest LoRA rank an adapter folder declares (r and rank_pattern), for sizing the hot set."""
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+        return max([int(config.get("r", 0)), *(int(v) for v in (config.get("rank_pattern") or {}).values())])
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0  # the adapter loader reports the real problem
+
+
+def resolve_dirs(path: str | Path | None, adapters_dir: str | Path | None) -> tuple[Path, Path | None]:
+    """(model_dir, adapters_dir). `path` may be a model dir or a folder holding model/ (+ adapters/)."""
+    if path is None:
+        model_dir = DEFAULT_MODEL_DIR
+    else:
+        model_dir = Path(path)
+        if not model_dir.exists():
+            raise ModelDirError(f"model path {model_dir} does not exist")
+        if not (model_dir / "vocab.json").is_file() and (model_dir / "model" / "vocab.json").is_file():
+            model_dir = model_dir / "model"
+    if adapters_dir is not None:
+        return model_dir, Path(adapters_dir)
+    for candidate in (model_dir / "adapters", model_dir.parent / "adapters"):
+        if candidate.is_dir():
+            return model_dir, candidate
+    return model_dir, None
+
+
+def load_model_dir(path: str | Path | None = None, *, adapters_dir: str | Path | None = None,
+                   device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
+    """Load tokenizer, LM and VQ of a model directory (None = assets/model) and list its adapters.
+
+    Checks before loading anything big: the files exist; after: the LM's vocabulary covers the unified
+    vocabulary and the VQ's grid and codebook match it.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from models.image_tokenizer import ImageTokenizer
+    from models.tokenizer import UnifiedTokenizer
+
+    model_dir, adapters_dir = resolve_dirs(path, adapters_dir)
+    if not model_dir.is_dir():
+        hint = " (the embedded model is built by the training scripts)" if path is None else ""
+        raise ModelDirError(f"model directory {model_dir} does not exist{hint}")
+    missing = missing_model_files(model_dir)
+    if missing:
+        raise ModelDirError(f"{model_dir} is not a complete model directory; missing: {', '.join(missing)}")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+    tokenizer = UnifiedTokenizer.load(model_dir)
+    vocab = tokenizer.vocab
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(str(model_dir / "lm"), use_safetensors=True, dtype=dtype)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise ModelDirError(f"cannot load the language model from {model_dir / 'lm'}: {exc}") from exc
+    lm = lm.to(device).eval().requires_grad_(False)
+    # from_pretrained replaces name_or_path by the directory; adapters name the stable base-model name
+    lm.name_or_path = getattr(lm.config, "molora_base_model", None) or lm.name_or_path
+    lm_vocab = int(lm.config.get_text_config().vocab_size)
+    if lm_vocab < vocab.vocab_size:
+        raise ModelDirError(f"{model_dir / 'lm'} has {lm_vocab} token embeddings but vocab.json needs "
+                            f"{vocab.vocab_size}; the LM and the tokenizer do not belong together")
+    image_tokenizer = ImageTokenizer.from_pretrained(model_dir / "vq", device=device, dtype=torch.float32)
+    if tuple(image_tokenizer.grid) != tuple(vocab.image_grid) or image_tokenizer.codebook_size != vocab.image_size:
+        raise ModelDirError(f"{model_dir / 'vq'} makes {image_tokenizer.grid} grids of a {image_tokenizer.codebook_size}"
+                            f"-code book, but vocab.json expects {tuple(vocab.image_grid)} and {vocab.image_size}")
+
+    defaults: dict = {}
+    gen_path = model_dir / "generation.json"
+    if gen_path.is_file():
+        try:
+            defaults = json.loads(gen_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelDirError(f"{gen_path} is not valid JSON: {exc}") from exc
+    adapters = find_adapters(adapters_dir) if adapters_dir is not None else []
+    gates = None
+    for root in [d for d in (adapters_dir.parent if adapters_dir else None, model_dir) if d is not None]:
+        for rel in GATES_CANDIDATES:
+            if (root / rel).is_file():
+                gates = gates or root / rel
+    log.info("loaded %s: vocab %d, %d adapters%s", model_dir, vocab.vocab_size, len(adapters),
+             f", learned gates {gates}" if gates else "")
+    return LoadedModel(model_dir, tokenizer, lm, image_tokenizer, adapters, gates, defaults)

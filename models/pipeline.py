@@ -1,0 +1,307 @@
+"""InterleavedPipeline: the Python API that writes documents of text and images with routed LoRA adapters.
+
+    >>> from models import InterleavedPipeline
+    >>> pipe = InterleavedPipeline.from_pretrained()             # assets/model + every adapter in assets/adapters
+    >>> doc = pipe.generate("a red circle in the top left", seed=0, start_image=True,
+    ...                     text_adapter=None, image_adapter="outline", routing="vocab")
+    >>> doc.save_html("out/circle.html")
+    >>> for event in pipe.stream("two blue squares", seed=1):   # TextDelta, ImageStarted, ImageDone, ...
+    ...     print(type(event).__name__)
+
+Routing modes (DESIGN.md §2):
+    "vocab"     per token by vocabulary range: text positions -> text_adapter, <boi> and image codes -> image_adapter
+    "sequence"  the baseline: one adapter for the whole sequence (text_adapter if given, else image_adapter)
+    "none"      the base model
+    "learned"   MoLoRA top-k gates over the adapters they were trained on (text positions); image positions ->
+                image_adapter. Needs learned gates (loaded from assets/router/ or with load_learned_router).
+
+Every call has its own state (KV cache, masks, random generator, routers), so threads may call generate at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from models.document import Document, DocumentBuilder
+from models.events import Finished, StepTiming
+from models.generation import NO_TOKEN, GenerationConfig, InterleavedDecoder, Request, open_image_span
+from models.loading import AdapterInfo, LoadedModel, adapter_rank, load_model_dir, read_adapter_info
+from models.sampling import GenerationError
+from routing import (
+    LearnedGates,
+    LearnedRouter,
+    SequenceRouter,
+    UnknownAdapterError,
+    VocabRangeRouter,
+    attach_routed_lora,
+)
+
+log = logging.getLogger(__name__)
+
+ROUTING_MODES = ("vocab", "sequence", "none", "learned")
+Prompt = str | Image.Image | Sequence[str | Image.Image]
+
+
+class InterleavedPipeline:
+    """A unified text-and-image LM with routed LoRA adapters, its tokenizers and the interleaved decoder."""
+
+    def __init__(self, loaded: LoadedModel, *, num_slots: int | None = None, r_max: int | None = None,
+                 learned_top_k: int = 2) -> None:
+        self.path = loaded.path
+        self.tokenizer = loaded.tokenizer
+        self.vocab = loaded.vocab
+        self.image_tokenizer = loaded.image_tokenizer
+        self.max_positions = loaded.max_positions
+        ranks = [adapter_rank(a.path) for a in loaded.adapters]
+        self.routed = attach_routed_lora(loaded.lm, num_slots=num_slots or max(4, min(8, len(loaded.adapters))),
+                                         r_max=r_max or max([16, *ranks]))
+        self.device = self.routed.device
+        self._lock = threading.RLock()
+        self._adapters: dict[str, AdapterInfo] = {}
+        for info in loaded.adapters:
+            self._add(info, info.name)
+        self.gates: LearnedGates | None = None
+        self.learned_top_k = learned_top_k
+        if loaded.gates_path is not None:
+            self.load_learned_router(loaded.gates_path)
+        logits_size = int(loaded.lm.config.get_text_config().vocab_size)
+        self.decoder = InterleavedDecoder(self.routed, self.vocab, device=self.device,
+                                          max_positions=self.max_positions, logits_size=logits_size)
+        self.default_config = GenerationConfig.from_dict(loaded.generation_defaults) \
+            if loaded.generation_defaults else GenerationConfig()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None = None, *, adapters_dir: str | Path | None = None,
+                        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                        num_slots: int | None = None, r_max: int | None = None) -> InterleavedPipeline:
+        """Load a model directory (None = the repo's assets/model) and every adapter beside it.
+
+        `path` may be a model directory (vocab.json, tokenizer.json, lm/, vq/) or a folder holding model/ and
+        adapters/. Adapters come from `adapters_dir`, else <path>/adapters, else the sibling adapters/ folder.
+        Raises ModelDirError (a MoLoRAError) naming every missing file.
+        """
+        loaded = load_model_dir(path, adapters_dir=adapters_dir, device=device, dtype=dtype)
+        return cls(loaded, num_slots=num_slots, r_max=r_max)
+
+    # --- adapters ---------------------------------------------------------------------------------
+    @property
+    def adapters(self) -> dict[str, str]:
+        """{name: modality} of every loaded adapter ("text", "image", or "any" without molora.json)."""
+        with self._lock:
+            return {name: info.modality for name, info in self._adapters.items()}
+
+    def load_adapter(self, path: str | Path, name: str | None = None, *, force: bool = False) -> str:
+        """Load a PEFT LoRA folder (+ optional molora.json); returns its name. Bad files raise, nothing changes."""
+        info = read_adapter_info(path, name)
+        return self._add(info, name, force=force)
+
+    def _add(self, info: AdapterInfo, name: str | None, *, force: bool = False) -> str:
+        with self._lock:
+            loaded = self.routed.load_adapter(info.path, name=name, force=force)
+            info.name = loaded
+            self._adapters[loaded] = info
+            return loaded
+
+    def load_learned_router(self, path: str | Path, *, top_k: int | None = None) -> None:
+        """Load learned gates (routing.LearnedGates.save); their adapters must be loaded already."""
+        gates = LearnedGates.load(path, device=self.device)
+        missing = [n for n in gates.adapters if n not in self.adapters]
+        if missing:
+            raise UnknownAdapterError(f"learned gates {path} route over adapters {missing} that are not loaded "
+                                      f"(loaded: {', '.join(self.adapters) or 'none'})")
+        with self._lock:
+            self.gates = gates
+            if top_k is not None:
+                self.learned_top_k = top_k
+
+    def cache_stats(self) -> dict:
+        """Hot-set adapter cache counters: hits, misses, evictions, bytes_copied, slots, ..."""
+        return self.routed.cache.stats()
+
+    # --- routing and prompts ----------------------------------------------------------------------
+    def make_router(self, routing: str, text_adapter: str | None, image_adapter: str | None) -> Any:
+        """The router of one request (None = base model). Unknown names raise, listing the loaded adapters."""
+        if routing not in ROUTING_MODES:
+            raise GenerationError(f"unknown routing mode {routing!r}; choose one of {', '.join(ROUTING_MODES)}")
+        loaded = self.adapters
+        for role, name in (("text_adapter", text_adapter), ("image_adapter", image_adapter)):
+            if name is not None and name not in loaded:
+                raise UnknownAdapterError(f"unknown {role} {name!r}; loaded adapters: "
+                                          f"{', '.join(f'{n} ({m})' for n, m in loaded.items()) or 'none'}")
+        if routing == "none":
+            return None
+        if routing == "sequence":
+            adapter = text_adapter if text_adapter is not None else image_adapter
+            return None if adapter is None else SequenceRouter(adapter)
+        if routing == "learned":
+            if self.gates is None:
+                raise GenerationError("routing='learned' needs learned gates; none are loaded (ship "
+                                      "assets/router/gates.safetensors or call load_learned_router(path))")
+            top_k = max(1, min(self.learned_top_k, self.gates.num_experts))
+            return LearnedRouter(self.gates, top_k=top_k, vocab=self.vocab, image_adapter=image_adapter)
+        if text_adapter is None and image_adapter is None:
+            return None
+        return VocabRangeRouter(self.vocab, text_adapter, image_adapter)
+
+    def encode_prompt(self, prompt: Prompt, config: GenerationConfig, max_new_tokens: int
+                      ) -> tuple[list[int], list[str | Image.Image], list[str]]:
+        """(unified ids starting with <bos>, prompt parts, notices). Truncates from the left to leave room for
+        `max_new_tokens` (at most half the model's positions), never cutting an image span."""
+        parts = [prompt] if isinstance(prompt, (str, Image.Image)) else list(prompt) if prompt is not None else None
+        if parts is None or not all(isinstance(p, (str, Image.Image)) for p in parts):
+            raise GenerationError("a prompt is a str, a PIL image, or a list of them; got "
+                                  f"{type(prompt).__name__}")
+        v = self.vocab
+        ids = [v.bos_id]
+        for part in parts:
+            if isinstance(part, str):
+                ids += self.tokenizer.encode_text(part)
+            else:
+                ids += self.tokenizer.image_span(self.image_tokenizer.encode(part)[0])
+        if config.start_image:
+            ids.append(v.boi_id)
+        notices = []
+        limit = self.max_positions - min(max_new_tokens, self.max_positions // 2)
+        if len(ids) > limit:
+            kept = truncate_prompt(ids, limit, v)
+            notices.append(f"the prompt has {len(ids)} tokens; only its last {len(kept) - 1} were kept to fit the "
+                           f"model's {self.max_positions} positions with {max_new_tokens} new tokens")
+            log.warning(notices[-1])
+            ids = kept
+        return ids, parts, notices
+
+    # --- generation -------------------------------------------------------------------------------
+    def resolve_config(self, config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
+        config = (config or self.default_config).with_overrides(**overrides)
+        if config.seed is None:
+            config = config.with_overrides(seed=random.SystemRandom().randrange(2 ** 31))
+        return config
+
+    def stream(self, prompt: Prompt | list[Prompt], *, text_adapter: str | None | Sequence[str | None] = None,
+               image_adapter: str | None | Sequence[str | None] = None, routing: str = "vocab",
+               config: GenerationConfig | None = None, **overrides: Any) -> Iterator[Any]:
+        """Generate and yield events as they happen (models/events.py); the last event of each prompt is
+        Finished(document). A list of prompts decodes as one batch; events carry their prompt's `row`.
+
+        >>> for event in pipe.stream("a green triangle", seed=0, max_new_tokens=300):
+        ...     pass
+        """
+        prompts, _ = split_prompts(prompt)
+        config = self.resolve_config(config, overrides)
+        if config.start_image and config.max_new_tokens < self.vocab.tokens_per_image + 1:
+            raise GenerationError(f"start_image needs max_new_tokens >= {self.vocab.tokens_per_image + 1} (one "
+                                  f"image and <eoi>), got {config.max_new_tokens}")
+        text_adapters = _per_prompt(text_adapter, len(prompts), "text_adapter")
+        image_adapters = _per_prompt(image_adapter, len(prompts), "image_adapter")
+        routers = [self.make_router(routing, t, i) for t, i in zip(text_adapters, image_adapters)]
+
+        encoded = [self.encode_prompt(p, config, config.max_new_tokens) for p in prompts]
+        longest = max(len(ids) for ids, _, _ in encoded)
+        max_new = min(config.max_new_tokens, self.max_positions - longest)
+        shared_notices = []
+        if max_new < config.max_new_tokens:
+            shared_notices.append(f"max_new_tokens lowered from {config.max_new_tokens} to {max_new} to fit the "
+                                  f"model's {self.max_positions} positions")
+            log.warning(shared_notices[-1])
+        run_config = config.with_overrides(max_new_tokens=max_new)
+
+        builders = []
+        for row, ((ids, parts, notices), t, i) in enumerate(zip(encoded, text_adapters, image_adapters)):
+            meta = {"model": str(self.path), "routing": routing, "text_adapter": t, "image_adapter": i,
+                    "config": config.to_dict(), "seed": config.seed, "prompt_tokens": len(ids)}
+            builders.append(DocumentBuilder(self.tokenizer, self.image_tokenizer, row=row, prompt=parts,
+                                            meta=meta, notices=notices + shared_notices,
+                                            image_open=open_image_span(ids, self.vocab) is not None))
+        for builder in builders:
+            yield from builder.start()
+
+        requests = [Request(ids, router) for (ids, _, _), router in zip(encoded, routers)]
+        total_ms, steps = 0.0, 0
+        alive = [True] * len(prompts)
+        for step in self.decoder.generate(requests, run_config):
+            total_ms += step.ms
+            steps += 1
+            yield StepTiming(step.index, step.ms, batch=sum(alive))
+            for row, (token, adapter) in enumerate(zip(step.tokens, step.adapters)):
+                if token == NO_TOKEN:
+                    continue
+                yield from builders[row].add(token, adapter)
+                if token == self.vocab.eos_id:
+                    alive[row] = False
+                    yield from self._finish(builders[row], "eos", steps, total_ms)
+        for row, builder in enumerate(builders):
+            if alive[row]:
+                yield from self._finish(builder, "length", steps, total_ms)
+
+    def generate(self, prompt: Prompt | list[Prompt], *, text_adapter: str | None | Sequence[str | None] = None,
+                 image_adapter: str | None | Sequence[str | None] = None, routing: str = "vocab",
+                 config: GenerationConfig | None = None, **overrides: Any) -> Document | list[Document]:
+        """Generate a Document (a list of Documents for a list of prompts, decoded together in one batch).
+
+        Keyword overrides change the config: seed=, max_new_tokens=, cfg_scale=, temperature= (both modalities),
+        text_temperature=, image_top_k=, ..., max_images=, start_image=. A prompt is a str, a PIL image or a list
+        mixing them (images are VQ-encoded into <boi> codes <eoi>, so image -> text works).
+        `text_adapter` / `image_adapter` may be lists (one per prompt) to route each row differently.
+
+        >>> doc = pipe.generate("a blue star", seed=0, start_image=True, image_adapter="outline")
+        >>> doc.images[0].size
+        (64, 64)
+        """
+        documents: dict[int, Document] = {}
+        for event in self.stream(prompt, text_adapter=text_adapter, image_adapter=image_adapter, routing=routing,
+                                 config=config, **overrides):
+            if isinstance(event, Finished):
+                documents[event.row] = event.document
+        ordered = [documents[row] for row in sorted(documents)]
+        return ordered if split_prompts(prompt)[1] else ordered[0]
+
+    def _finish(self, builder: DocumentBuilder, reason: str, steps: int, total_ms: float) -> list:
+        builder.doc.meta["timing"] = {"steps": steps, "total_ms": round(total_ms, 3),
+                                      "ms_per_step": round(total_ms / max(steps, 1), 3)}
+        return builder.finish(reason)
+
+
+def truncate_prompt(ids: list[int], limit: int, vocab: Any) -> list[int]:
+    """<bos> + the last limit-1 ids, moved forward past a partial image span so no span is cut."""
+    tail = ids[len(ids) - (limit - 1):]
+    for i, token in enumerate(tail):
+        if token == vocab.boi_id:
+            break
+        if token == vocab.eoi_id:  # the tail starts inside an image: drop its remains
+            tail = tail[i + 1:]
+            break
+    else:  # no marker at all: plain text, or the inside of one image span (then nothing usable is left)
+        if any(vocab.is_image_code(t) or t == vocab.row_end_id for t in tail):
+            tail = []
+    return [vocab.bos_id, *tail]
+
+
+def split_prompts(prompt: Any) -> tuple[list[Any], bool]:
+    """(prompts, batched). A str, a PIL image or a tuple is ONE prompt; a list holding a PIL image is one mixed
+    prompt (["describe this:", image]); any other list is a batch of prompts (each a str, image, list or tuple)."""
+    if isinstance(prompt, list):
+        if not prompt:
+            raise GenerationError("got an empty list of prompts; pass at least one prompt (\"\" is a valid prompt)")
+        if any(isinstance(p, Image.Image) for p in prompt):
+            return [prompt], False
+        return list(prompt), True
+    return [prompt], False
+
+
+def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise GenerationError(f"{name} has {len(value)} entries for {n} prompts; give one per prompt or one name")
+        return list(value)
+    return [value] * n
+
+
+__all__ = ["InterleavedPipeline", "ROUTING_MODES", "truncate_prompt", "split_prompts"]

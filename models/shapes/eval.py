@@ -1,0 +1,418 @@
+"""ShapesEval: exact scoring of generated images and text in the shapes world, and the runner.
+
+Reading back (exact on ground truth, tolerant of VQ blur and colour jitter):
+    analyse_image(img) -> ImageReading    (analyse.py: objects with colour/shape/size/cell/style, background)
+    parse_caption(text) -> ParsedText     (parse.py: objects, register, background, stated total)
+
+Scoring (each returns a bool; "content" means every attribute the prompt or caption names is right and the
+number of objects is exactly right):
+    score_text_to_image(prompt, image)      the image shows the prompt's scene        (6 GenEval categories)
+    score_image_to_text(scene, text)        the caption names every object with colour, shape and cell,
+                                            nothing else, and any size/background it names is right
+    score_interleaved(parts)                every picture shows what the text so far has introduced, and a
+                                            stated total ("Now there are three shapes.") matches
+    is_outline(reading) / is_pirate(parsed) style adherence of an image / a text
+
+Runner: run_shapes_eval(pipe, n_per_category=200, conditions=None, categories=None, batch_size=32, seed=0)
+-> (results dict, markdown table). It drives the generation API of CONTRACTS.md:
+    pipe.generate(list_of_prompts, text_adapter=..., image_adapter=..., routing=..., seed=...)
+        -> list of documents with .parts (str and PIL images, in order)
+image-to-text prompts are [PIL image] (the pipeline VQ-encodes it as <boi> codes <eoi>).
+Conditions (CONDITIONS): base (no adapter); image_lora / text_lora alone (vocab routing); vocab_both (both
+adapters, one pass, vocabulary routing); seq_text / seq_image (per-sequence routing, the S-LoRA/PEFT
+baseline: one adapter for every token); merged (one adapter holding both, per-sequence) when the pipeline
+has one: an adapter whose modality is "merged" in pipe.adapters, or pipe.merge_adapters([text, image]) ->
+name. Adapters are found in pipe.adapters (name -> modality "text" / "image"), or named by the caller.
+
+CLI: python -m models.shapes.eval --model assets/model --n 200 --out results.md [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from tqdm import tqdm
+
+from .analyse import ImageReading, ReadObj, analyse_image
+from .errors import ShapesError
+from .parse import ParsedObj, ParsedText, parse_caption
+from .prompts import CATEGORIES, T2I_CATEGORIES, EvalPrompt, build_prompts
+from .world import Obj, Scene
+
+__all__ = [
+    "CATEGORIES", "CONDITIONS", "T2I_CATEGORIES", "Condition", "EvalPrompt", "ImageReading", "ParsedText",
+    "analyse_image", "build_prompts", "default_conditions", "document_consistency", "is_outline", "is_pirate",
+    "match_objects", "parse_caption", "results_markdown", "run_shapes_eval", "score_image_to_text",
+    "score_interleaved", "score_text_to_image",
+]
+
+log = logging.getLogger(__name__)
+
+CONDITIONS: tuple[str, ...] = ("base", "image_lora", "text_lora", "vocab_both", "seq_text", "seq_image", "merged")
+
+_FIELDS = ("shape", "colour", "size", "cell")
+
+
+# ---------------------------------------------------------------------------------------------- matching
+
+
+def _fits(spec: ParsedObj, obj: ReadObj | Obj | ParsedObj) -> bool:
+    return all(getattr(spec, f) is None or getattr(spec, f) == getattr(obj, f) for f in _FIELDS)
+
+
+def match_objects(specs: Sequence[ParsedObj], objects: Sequence[ReadObj | Obj | ParsedObj]) -> bool:
+    """True when the objects can be paired one to one with the specs (None in a spec matches anything)."""
+    if len(specs) != len(objects):
+        return False
+    owner: list[int] = [-1] * len(objects)  # bipartite matching (Kuhn): object j -> spec owner[j]
+
+    def augment(i: int, seen: list[bool]) -> bool:
+        for j, obj in enumerate(objects):
+            if not seen[j] and _fits(specs[i], obj):
+                seen[j] = True
+                if owner[j] < 0 or augment(owner[j], seen):
+                    owner[j] = i
+                    return True
+        return False
+
+    return all(augment(i, [False] * len(objects)) for i in range(len(specs)))
+
+
+def _as_reading(image: Image.Image | ImageReading) -> ImageReading:
+    return image if isinstance(image, ImageReading) else analyse_image(image)
+
+
+def _as_parsed(text: str | ParsedText) -> ParsedText:
+    return text if isinstance(text, ParsedText) else parse_caption(text)
+
+
+def is_outline(image: Image.Image | ImageReading) -> bool:
+    return _as_reading(image).style == "outline"
+
+
+def is_pirate(text: str | ParsedText) -> bool:
+    return _as_parsed(text).register == "pirate"
+
+
+# ----------------------------------------------------------------------------------------------- scoring
+
+
+def score_text_to_image(prompt: EvalPrompt, image: Image.Image | ImageReading | None) -> bool:
+    """Does the image show exactly what the instruction asks for (style aside)?"""
+    if image is None:
+        return False
+    reading = _as_reading(image)
+    if prompt.check_background and reading.background != prompt.scene.background:
+        return False
+    return match_objects(prompt.target(), reading.objects)
+
+
+def score_image_to_text(scene: Scene, text: str | ParsedText) -> bool:
+    """Does the caption name every object of the scene (colour, shape and cell), and nothing else?"""
+    parsed = _as_parsed(text)
+    if any(o.colour is None or o.cell is None for o in parsed.objects):
+        return False
+    if parsed.background is not None and parsed.background != scene.background:
+        return False
+    if parsed.total is not None and parsed.total != len(scene.objects):
+        return False
+    return match_objects(list(parsed.objects), scene.objects)
+
+
+def document_consistency(parts: Sequence[str | Image.Image]) -> list[bool]:
+    """For each picture in an interleaved document: does it show what the text before it introduced?
+
+    Texts add objects (the story only ever adds), so picture k must show the union of the objects named in
+    the texts before it. A closing "N shapes" total must match the last picture."""
+    named: list[ParsedObj] = []
+    verdicts: list[bool] = []
+    last: ImageReading | None = None
+    for part in parts:
+        if isinstance(part, str):
+            parsed = parse_caption(part)
+            named.extend(parsed.objects)
+            if parsed.total is not None and last is not None and verdicts:
+                verdicts[-1] = verdicts[-1] and parsed.total == last.count
+        elif isinstance(part, Image.Image):
+            last = analyse_image(part)
+            verdicts.append(bool(named) and match_objects(named, last.objects))
+        else:
+            raise ShapesError(f"a document part must be str or PIL image, got {type(part).__name__}")
+    return verdicts
+
+
+def score_interleaved(parts: Sequence[str | Image.Image]) -> bool:
+    """At least one picture, and every picture consistent with its text."""
+    verdicts = document_consistency(parts)
+    return bool(verdicts) and all(verdicts)
+
+
+# ------------------------------------------------------------------------------------------- conditions
+
+
+@dataclass(frozen=True)
+class Condition:
+    name: str
+    text_adapter: str | None
+    image_adapter: str | None
+    routing: str  # "none" | "vocab" | "sequence"
+    expect_outline: bool  # the image-style adapter reaches image tokens
+    expect_pirate: bool  # the text-style adapter reaches text tokens
+
+
+def _adapter_of(pipe, modality: str) -> str | None:
+    adapters = dict(getattr(pipe, "adapters", {}) or {})
+    names = sorted(n for n, m in adapters.items() if m == modality)
+    preferred = {"text": "pirate", "image": "outline"}[modality]
+    for n in names:
+        if preferred in n:
+            return n
+    return names[0] if names else None
+
+
+def _merged_adapter(pipe, text: str, image: str) -> str | None:
+    adapters = dict(getattr(pipe, "adapters", {}) or {})
+    merged = sorted(n for n, m in adapters.items() if m == "merged")
+    if merged:
+        return merged[0]
+    merge = getattr(pipe, "merge_adapters", None)
+    if callable(merge):
+        return merge([text, image])
+    return None
+
+
+def default_conditions(pipe, names: Iterable[str] | None = None, *, text_adapter: str | None = None,
+                       image_adapter: str | None = None) -> tuple[list[Condition], dict[str, str]]:
+    """The conditions to run (and, by name, those skipped with the reason)."""
+    names = list(CONDITIONS if names is None else names)
+    unknown = [n for n in names if n not in CONDITIONS]
+    if unknown:
+        raise ShapesError(f"unknown conditions {unknown}; expected some of {list(CONDITIONS)}")
+    txt = text_adapter or _adapter_of(pipe, "text")
+    img = image_adapter or _adapter_of(pipe, "image")
+    table = {
+        "base": (None, None, "none", False, False),
+        "image_lora": (None, img, "vocab", True, False),
+        "text_lora": (txt, None, "vocab", False, True),
+        "vocab_both": (txt, img, "vocab", True, True),
+        "seq_text": (txt, None, "sequence", False, True),
+        "seq_image": (None, img, "sequence", True, False),
+    }
+    conditions, skipped = [], {}
+    for name in names:
+        if name == "merged":
+            if txt is None or img is None:
+                skipped[name] = "needs a text and an image adapter"
+                continue
+            merged = _merged_adapter(pipe, txt, img)
+            if merged is None:
+                skipped[name] = "the pipeline exposes no merged adapter"
+                continue
+            conditions.append(Condition(name, merged, None, "sequence", True, True))
+            continue
+        t, i, routing, outline, pirate = table[name]
+        if (outline and i is None) or (pirate and t is None):
+            skipped[name] = f"no {'image' if outline and i is None else 'text'} adapter loaded"
+            continue
+        conditions.append(Condition(name, t, i, routing, outline, pirate))
+    return conditions, skipped
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+def _parts(doc) -> list:
+    parts = getattr(doc, "parts", doc)
+    if not isinstance(parts, (list, tuple)):
+        raise ShapesError(f"pipeline returned {type(doc).__name__}, expected a Document with .parts")
+    return list(parts)
+
+
+def _score_one(prompt: EvalPrompt, doc) -> dict:
+    """Content, and the style of what was generated, for one prompt's output document."""
+    parts = _parts(doc)
+    images = [p for p in parts if isinstance(p, Image.Image)]
+    texts = [p for p in parts if isinstance(p, str) and p.strip()]
+    out: dict = {"content": False, "outline": None, "pirate": None}
+    if prompt.category in T2I_CATEGORIES:
+        if images:
+            reading = analyse_image(images[0])
+            out["content"] = score_text_to_image(prompt, reading)
+            out["outline"] = reading.style == "outline"
+    elif prompt.category == "image_to_text":
+        text = " ".join(texts)
+        if text:
+            parsed = parse_caption(text)
+            out["content"] = score_image_to_text(prompt.scene, parsed)
+            out["pirate"] = parsed.register == "pirate"
+    else:  # interleaved: the prompt opens the document; the pipeline may or may not echo it
+        if texts and parts and isinstance(parts[0], str) and parts[0].strip().startswith(prompt.text.strip()):
+            generated_text = [parts[0].strip()[len(prompt.text.strip()):]] + texts[1:]
+            full = parts
+        else:
+            generated_text = texts
+            full = [prompt.text] + parts
+        out["content"] = score_interleaved(full)
+        readings = [analyse_image(im) for im in images]
+        if readings:
+            out["outline"] = float(np.mean([r.style == "outline" for r in readings])) >= 0.5
+        generated = " ".join(t for t in generated_text if t.strip())
+        if generated.strip():
+            out["pirate"] = parse_caption(generated).register == "pirate"
+    return out
+
+
+def _mean(values: list) -> float | None:
+    values = [float(v) for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def _style_ok(cond: Condition, rec: dict) -> bool | None:
+    checks = []
+    if cond.expect_outline and rec["outline"] is not None:
+        checks.append(rec["outline"])
+    if cond.expect_pirate and rec["pirate"] is not None:
+        checks.append(rec["pirate"])
+    return all(checks) if checks else None
+
+
+def run_shapes_eval(pipeline, *, n_per_category: int = 200, conditions: Iterable[str | Condition] | None = None,
+                    categories: Iterable[str] | None = None, batch_size: int = 32, seed: int = 0,
+                    text_adapter: str | None = None, image_adapter: str | None = None,
+                    generate_kwargs: dict | None = None, progress: bool = True) -> tuple[dict, str]:
+    """Generate for every (condition, category) prompt set and score it. Returns (results, markdown)."""
+    if batch_size < 1:
+        raise ShapesError(f"batch_size must be >= 1, got {batch_size}")
+    categories = list(CATEGORIES if categories is None else categories)
+    bad = [c for c in categories if c not in CATEGORIES]
+    if bad:
+        raise ShapesError(f"unknown categories {bad}; expected some of {list(CATEGORIES)}")
+    given = list(conditions) if conditions is not None else None
+    if given is not None and all(isinstance(c, Condition) for c in given):
+        conds, skipped = given, {}
+    else:
+        conds, skipped = default_conditions(pipeline, [c if isinstance(c, str) else c.name for c in given]
+                                            if given is not None else None,
+                                            text_adapter=text_adapter, image_adapter=image_adapter)
+    for name, why in skipped.items():
+        log.warning("ShapesEval: skipping condition %s: %s", name, why)
+    prompt_sets = {c: build_prompts(c, n_per_category, seed) for c in categories}
+    results: dict = {"n_per_category": n_per_category, "seed": seed, "skipped": skipped, "conditions": {}}
+    total = sum(len(conds) * -(-len(p) // batch_size) for p in prompt_sets.values())
+    bar = tqdm(total=total, desc="ShapesEval", disable=not progress)
+    for cond in conds:
+        t0 = time.perf_counter()
+        per_cat: dict = {}
+        records_all: list[dict] = []
+        for cat, prompts in prompt_sets.items():
+            records = []
+            for start in range(0, len(prompts), batch_size):
+                batch = prompts[start:start + batch_size]
+                docs = pipeline.generate([p.pipeline_prompt() for p in batch], text_adapter=cond.text_adapter,
+                                         image_adapter=cond.image_adapter, routing=cond.routing,
+                                         seed=seed + start, **(generate_kwargs or {}))
+                if len(docs) != len(batch):
+                    raise ShapesError(f"pipeline returned {len(docs)} documents for {len(batch)} prompts")
+                for p, d in zip(batch, docs):
+                    rec = _score_one(p, d)
+                    rec["style_ok"] = _style_ok(cond, rec)
+                    rec["style_and_content"] = None if rec["style_ok"] is None else rec["style_ok"] and rec["content"]
+                    records.append(rec)
+                bar.update(1)
+            per_cat[cat] = {
+                "n": len(records),
+                "content": _mean([r["content"] for r in records]),
+                "outline": _mean([r["outline"] for r in records]),
+                "pirate": _mean([r["pirate"] for r in records]),
+                "style_ok": _mean([r["style_ok"] for r in records]),
+                "style_and_content": _mean([r["style_and_content"] for r in records]),
+            }
+            records_all.extend(records)
+        t2i = [per_cat[c]["content"] for c in T2I_CATEGORIES if c in per_cat]
+        results["conditions"][cond.name] = {
+            "condition": asdict(cond),
+            "categories": per_cat,
+            "summary": {
+                "text_to_image": _mean(t2i),
+                "image_to_text": per_cat.get("image_to_text", {}).get("content"),
+                "interleaved": per_cat.get("interleaved", {}).get("content"),
+                "outline_rate": _mean([r["outline"] for r in records_all]),
+                "pirate_rate": _mean([r["pirate"] for r in records_all]),
+                "style_ok": _mean([r["style_ok"] for r in records_all]),
+                "style_and_content": _mean([r["style_and_content"] for r in records_all]),
+                "seconds": time.perf_counter() - t0,
+            },
+        }
+    bar.close()
+    return results, results_markdown(results)
+
+
+def _fmt(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
+def results_markdown(results: dict) -> str:
+    """One row per condition: content per category, style rates, style adherence with content."""
+    short = {"single_object": "single", "colour": "colour", "counting": "count", "position": "position",
+             "two_objects": "two obj", "colour_attribution": "colour attr", "image_to_text": "I2T",
+             "interleaved": "interleaved"}
+    head = (["condition", "adapters (routing)", "T2I"] + [short[c] for c in CATEGORIES]
+            + ["outline rate", "pirate rate", "style ok", "style ∧ content"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, res in results["conditions"].items():
+        c, s, cats = res["condition"], res["summary"], res["categories"]
+        adapters = ", ".join(a for a in (c["text_adapter"], c["image_adapter"]) if a) or "none"
+        row = [name, f"{adapters} ({c['routing']})", _fmt(s["text_to_image"])]
+        row += [_fmt(cats.get(cat, {}).get("content")) for cat in CATEGORIES]
+        row += [_fmt(s["outline_rate"]), _fmt(s["pirate_rate"]), _fmt(s["style_ok"]), _fmt(s["style_and_content"])]
+        lines.append("| " + " | ".join(row) + " |")
+    notes = [f"\n{results['n_per_category']} prompts per category (held-out combinations, seed {results['seed']}). "
+             "Content: every attribute named is right and the object count is exact. Outline/pirate rate: share "
+             "of generated images read as outline / texts in the pirate register. Style ok: the styles the "
+             "condition's adapters should produce are there (image style on images, text style on text)."]
+    for name, why in results.get("skipped", {}).items():
+        notes.append(f"- {name}: skipped ({why})")
+    return "\n".join(lines) + "\n" + "\n".join(notes) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="ShapesEval: score the embedded model on held-out shape scenes.")
+    ap.add_argument("--model", default=None, help="model directory (default: the embedded assets/model)")
+    ap.add_argument("--n", type=int, default=200, help="prompts per category")
+    ap.add_argument("--conditions", nargs="*", default=None, choices=CONDITIONS)
+    ap.add_argument("--categories", nargs="*", default=None, choices=CATEGORIES)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--text-adapter", default=None)
+    ap.add_argument("--image-adapter", default=None)
+    ap.add_argument("--out", default=None, help="write the markdown table here")
+    ap.add_argument("--json", default=None, help="write the full results here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from models import InterleavedPipeline  # the generation API (helper G); imported only to run
+
+    pipe = InterleavedPipeline.from_pretrained(args.model)
+    results, table = run_shapes_eval(pipe, n_per_category=args.n, conditions=args.conditions,
+                                     categories=args.categories, batch_size=args.batch_size, seed=args.seed,
+                                     text_adapter=args.text_adapter, image_adapter=args.image_adapter)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

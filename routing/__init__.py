@@ -1,0 +1,29 @@
+"""Per-token LoRA routing: PEFT adapters, a hot-set slot cache, routed linear layers and routers.
+
+    routed = attach_routed_lora(model, num_slots=4, r_max=16)
+    routed.load_adapter("assets/adapters/outline")
+    out = routed(input_ids, routers=VocabRangeRouter(vocab, text_adapter="formal", image_adapter="outline"))
+"""
+
+from routing.adapters import LoraAdapter, load_peft_adapter, save_peft_adapter
+from routing.cache import HotSetCache
+from routing.errors import AdapterError, CacheFullError, MoLoRAError, RoutingError, UnknownAdapterError
+from routing.lora import RoutedLoRALinear
+from routing.model import RoutedModel, RoutedOutput, TokenRouting, attach_routed_lora
+from routing.routers import (
+    LearnedGates,
+    LearnedRouter,
+    Router,
+    SequenceRouter,
+    VocabRangeRouter,
+    load_balance_loss,
+    router_z_loss,
+)
+
+__all__ = [
+    "MoLoRAError", "AdapterError", "UnknownAdapterError", "CacheFullError", "RoutingError",
+    "LoraAdapter", "load_peft_adapter", "save_peft_adapter",
+    "attach_routed_lora", "RoutedModel", "RoutedOutput", "HotSetCache", "RoutedLoRALinear",
+    "VocabRangeRouter", "SequenceRouter", "LearnedRouter", "LearnedGates", "Router", "TokenRouting",
+    "load_balance_loss", "router_z_loss",
+]

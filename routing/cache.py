@@ -1,0 +1,258 @@
+"""HotSetCache: a fixed set of GPU adapter slots in front of a CPU pool holding every loaded adapter.
+
+Every routed layer owns stacked slot tensors A[S, r_max, in], B[S, out, r_max], scale[S], allocated once when
+the layer is wrapped.  Swapping an adapter in copies into those tensors (`copy_`), so their addresses never
+change and a captured CUDA graph stays valid while adapters come and go (DESIGN.md §4).
+
+`acquire(names)` pins the adapters a request needs and returns their slots, loading misses into free slots or
+over the least-recently-used adapter that no running request holds; `release(names)` unpins.  An acquire that
+cannot be satisfied raises CacheFullError before touching anything.  All bookkeeping is under one lock, so the
+generation engine can serve several requests from several threads.
+
+On CUDA the pool is pinned and copies are issued non-blocking on a side stream that first waits for the
+compute stream (work already queued on a slot finishes before the slot is overwritten); the compute stream then
+waits for the copies, so the next forward sees the new weights without a host synchronisation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from routing.adapters import LoraAdapter
+from routing.errors import AdapterError, CacheFullError, UnknownAdapterError
+from routing.lora import RoutedLoRALinear
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _PoolEntry:
+    """One adapter in the CPU pool, already zero-padded to r_max so a swap-in is one contiguous copy per tensor."""
+
+    adapter: LoraAdapter  # name, scales, config; its weights dict points at the padded pool tensors' slices
+    A: dict[str, torch.Tensor]  # layer name -> [r_max, in]
+    B: dict[str, torch.Tensor]  # layer name -> [out, r_max]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.A.values()) + sum(t.nbytes for t in self.B.values())
+
+
+class HotSetCache:
+    """LRU hot set of `num_slots` adapter slots over the routed layers `layers` (name -> RoutedLoRALinear)."""
+
+    def __init__(self, layers: Mapping[str, RoutedLoRALinear], num_slots: int, r_max: int) -> None:
+        if not layers:
+            raise AdapterError("HotSetCache needs at least one routed layer")
+        for name, layer in layers.items():
+            if layer.num_slots != num_slots or layer.r_max != r_max:
+                raise AdapterError(f"layer '{name}' has {layer.num_slots} slots of rank {layer.r_max}, "
+                                   f"but the cache was asked for {num_slots} of rank {r_max}")
+        self.layers = dict(layers)
+        self.num_slots = num_slots
+        self.r_max = r_max
+        self._lock = threading.RLock()
+        self._pool: dict[str, _PoolEntry] = {}
+        self._slot_name: list[str | None] = [None] * num_slots
+        self._slot_of: dict[str, int] = {}
+        self._pins: dict[str, int] = {}
+        self._last_use: dict[str, int] = {}
+        self._tick = 0
+        self._streams: dict[torch.device, Any] = {}
+        self.hits = self.misses = self.evictions = self.bytes_copied = 0
+
+    # --- pool ------------------------------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._pool)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._pool
+
+    def adapter(self, name: str) -> LoraAdapter:
+        """The LoraAdapter stored under `name` (weights are views into the pool: do not modify)."""
+        with self._lock:
+            return self._entry(name).adapter
+
+    def _entry(self, name: str) -> _PoolEntry:
+        entry = self._pool.get(name)
+        if entry is None:
+            loaded = ", ".join(sorted(self._pool)) or "none"
+            raise UnknownAdapterError(f"no adapter named '{name}' is loaded (loaded: {loaded}); "
+                                      "load it first with load_adapter / add_adapter")
+        return entry
+
+    def validate(self, adapter: LoraAdapter) -> None:
+        """Every check `add` does, without changing anything."""
+        adapter.validate()
+        for module, (a, b) in adapter.weights.items():
+            layer = self.layers.get(module)
+            if layer is None:
+                raise AdapterError(f"adapter '{adapter.name}' has weights for '{module}', which is not a routed "
+                                   f"layer of this model ({len(self.layers)} routed layers, e.g. "
+                                   f"'{next(iter(self.layers))}'); the adapter belongs to another model or "
+                                   "attach_routed_lora needs that module in target_modules")
+            r = a.shape[0]
+            if r > self.r_max:
+                raise AdapterError(f"adapter '{adapter.name}' has rank {r} at '{module}' but the cache holds ranks "
+                                   f"up to r_max={self.r_max}; attach_routed_lora(..., r_max>={r})")
+            if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
+                raise AdapterError(f"adapter '{adapter.name}' at '{module}': A {tuple(a.shape)} / B {tuple(b.shape)} "
+                                   f"do not fit the layer (in={layer.in_features}, out={layer.out_features}); "
+                                   "the adapter was made for a model of another size")
+
+    def add(self, adapter: LoraAdapter) -> None:
+        """Put `adapter` in the CPU pool (it reaches a GPU slot on its first acquire)."""
+        with self._lock:
+            if adapter.name in self._pool:
+                raise AdapterError(f"an adapter named '{adapter.name}' is already loaded; remove_adapter it first "
+                                   "or load this one under another name")
+            self.validate(adapter)
+            pin = torch.cuda.is_available() and any(layer.lora_A.is_cuda for layer in self.layers.values())
+            A: dict[str, torch.Tensor] = {}
+            B: dict[str, torch.Tensor] = {}
+            weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            for module, (a, b) in adapter.weights.items():
+                layer = self.layers[module]
+                r = a.shape[0]
+                pa = torch.zeros(self.r_max, layer.in_features, dtype=layer.lora_A.dtype, pin_memory=pin)
+                pb = torch.zeros(layer.out_features, self.r_max, dtype=layer.lora_B.dtype, pin_memory=pin)
+                pa[:r].copy_(a.detach())
+                pb[:, :r].copy_(b.detach())
+                A[module], B[module] = pa, pb
+                weights[module] = (pa[:r], pb[:, :r])
+            stored = LoraAdapter(adapter.name, weights, dict(adapter.scales), dict(adapter.config))
+            self._pool[adapter.name] = _PoolEntry(stored, A, B)
+            self._last_use[adapter.name] = 0
+            log.info("adapter '%s' added to the pool (%d modules, %.1f KiB)", adapter.name, len(A),
+                     self._pool[adapter.name].nbytes() / 1024)
+
+    def remove(self, name: str) -> None:
+        """Drop `name` from the pool and its slot.  Refused while a running request holds it."""
+        with self._lock:
+            self._entry(name)
+            if self._pins.get(name, 0) > 0:
+                raise AdapterError(f"adapter '{name}' is in use by {self._pins[name]} running request(s); "
+                                   "remove it after they finish")
+            self._sync_side_streams()  # an in-flight copy may still read its pinned memory or write its slot
+            slot = self._slot_of.pop(name, None)
+            if slot is not None:
+                self._slot_name[slot] = None
+                for layer in self.layers.values():
+                    layer.clear_slot(slot)
+            del self._pool[name]
+            self._last_use.pop(name, None)
+            self._pins.pop(name, None)
+
+    # --- hot set ---------------------------------------------------------------------------------------
+    def acquire(self, names: Sequence[str]) -> list[int]:
+        """Pin `names` in the hot set and return their slots (same order).  All or nothing."""
+        with self._lock:
+            unique = list(dict.fromkeys(names))
+            for name in unique:
+                self._entry(name)
+            misses = [n for n in unique if n not in self._slot_of]
+            free = [s for s, n in enumerate(self._slot_name) if n is None]
+            evictable = sorted((n for n in self._slot_of if self._pins.get(n, 0) == 0 and n not in unique),
+                               key=lambda n: self._last_use[n])
+            if len(misses) > len(free) + len(evictable):
+                pinned = sorted(n for n in self._slot_of if self._pins.get(n, 0) > 0)
+                raise CacheFullError(f"request needs {len(unique)} distinct adapters ({len(misses)} not resident) "
+                                     f"but the cache has {self.num_slots} slots and {len(pinned)} are held by "
+                                     f"running requests ({', '.join(pinned) or 'none'}); use fewer adapters per "
+                                     "batch, wait for running requests, or attach with a larger num_slots")
+            self._tick += 1
+            to_copy: list[tuple[int, _PoolEntry]] = []
+            for name in misses:
+                if free:
+                    slot = free.pop(0)
+                else:
+                    victim = evictable.pop(0)
+                    slot = self._slot_of.pop(victim)
+                    self.evictions += 1
+                    log.debug("evict '%s' from slot %d", victim, slot)
+                self._slot_of[name] = slot
+                self._slot_name[slot] = name
+                to_copy.append((slot, self._pool[name]))
+            self.misses += len(misses)
+            self.hits += len(unique) - len(misses)
+            for name in unique:
+                self._pins[name] = self._pins.get(name, 0) + 1
+                self._last_use[name] = self._tick
+            if to_copy:
+                self._copy_in(to_copy)
+            return [self._slot_of[n] for n in names]
+
+    def release(self, names: Iterable[str]) -> None:
+        """Unpin adapters acquired by a finished request (each name once per acquire that named it)."""
+        with self._lock:
+            for name in dict.fromkeys(names):
+                count = self._pins.get(name, 0)
+                if count <= 0:
+                    raise AdapterError(f"release('{name}') without a matching acquire")
+                self._pins[name] = count - 1
+
+    def slot_of(self, name: str) -> int | None:
+        with self._lock:
+            return self._slot_of.get(name)
+
+    def pins(self, name: str) -> int:
+        with self._lock:
+            return self._pins.get(name, 0)
+
+    @property
+    def slots(self) -> list[str | None]:
+        with self._lock:
+            return list(self._slot_name)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions,
+                    "bytes_copied": self.bytes_copied, "slots": list(self._slot_name),
+                    "pinned": {n: c for n, c in self._pins.items() if c > 0}, "pool": list(self._pool),
+                    "num_slots": self.num_slots, "r_max": self.r_max, "layers": len(self.layers)}
+
+    # --- copies --------------------------------------------------------------------------------------------
+    def _side_stream(self, device: torch.device) -> Any:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    def _sync_side_streams(self) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()
+
+    def _copy_in(self, items: list[tuple[int, _PoolEntry]]) -> None:
+        device = next(iter(self.layers.values())).lora_A.device
+        if device.type != "cuda":
+            self._copy(items, non_blocking=False)
+            return
+        compute = torch.cuda.current_stream(device)
+        side = self._side_stream(device)
+        side.wait_stream(compute)  # kernels already queued on these slots run before we overwrite them
+        with torch.cuda.stream(side):
+            self._copy(items, non_blocking=True)
+        compute.wait_stream(side)  # the next forward sees the new weights; no host sync
+
+    @torch.no_grad()
+    def _copy(self, items: list[tuple[int, _PoolEntry]], non_blocking: bool) -> None:
+        for slot, entry in items:
+            for name, layer in self.layers.items():
+                a = entry.A.get(name)
+                if a is None:
+                    layer.clear_slot(slot)
+                    continue
+                b = entry.B[name]
+                if layer.lora_A.is_cuda and not a.is_pinned():  # model moved to the GPU after the adapter was added
+                    a, b = a.pin_memory(), b.pin_memory()
+                    entry.A[name], entry.B[name] = a, b
+                layer.lora_A[slot].copy_(a, non_blocking=non_blocking)
+                layer.lora_B[slot].copy_(b, non_blocking=non_blocking)
+                layer.lora_scale[slot] = entry.adapter.scales[name]
+                self.bytes_copied += a.nbytes + b.nbytes

@@ -1,0 +1,110 @@
+"""The per-call routing state, visible to every routed layer of one forward pass.
+
+RoutedModel.forward builds a `CallRouting` once, sets it in a ContextVar for the duration of the HF model's
+forward, and resets it afterwards.  Layers read it with `current_routing()`.  A ContextVar is per thread (and per
+asyncio task), so two requests running at once never see each other's routing and there is no global state.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kernels import build_routing_meta
+from routing.errors import RoutingError
+
+
+@dataclass
+class BlockDecision:
+    """What a learned gate decided in one block, kept for the aux losses and the routing report."""
+
+    logits: torch.Tensor  # [n, E] float32 gate logits of the gated tokens' rows
+    topk: torch.Tensor  # [n, k] expert indices
+    mask: torch.Tensor  # [n] bool: positions the gate actually routes (text positions of learned rows)
+
+
+@dataclass
+class CallRouting:
+    """Routing of one forward pass over N = B*T tokens.
+
+    Static routing (vocabulary range, per sequence) is `slots` [N].  When any row uses a LearnedRouter, each
+    block gets its own [N, k] slots and weights, filled by the block's pre-hook (`route_block`) from the block
+    input; rows without a learned router keep their static slot in column 0 with weight 1.
+    """
+
+    batch: int
+    length: int
+    slots: torch.Tensor  # [N] long, -1 = base model
+    num_slots: int
+    slot_of: dict[str, int] = field(default_factory=dict)  # adapter name -> slot pinned for this call
+    learned: list[Any] = field(default_factory=list)  # routers.LearnedGroup, one per distinct LearnedRouter
+    k: int = 1
+    block_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    decisions: dict[int, list[tuple[Any, BlockDecision]]] = field(default_factory=dict)
+    _static_k: tuple[torch.Tensor, torch.Tensor] | None = None
+    _meta: dict[int | None, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch * self.length
+
+    def static_topk(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static slots as [N, k] slots / weights (slot in column 0, weight 1; -1 / 0 elsewhere)."""
+        if self._static_k is None:
+            n = self.slots.shape[0]
+            slots = torch.full((n, self.k), -1, dtype=torch.long, device=self.slots.device)
+            slots[:, 0] = self.slots
+            weights = torch.zeros(n, self.k, dtype=torch.float32, device=self.slots.device)
+            weights[:, 0] = (self.slots >= 0).float()
+            self._static_k = (slots, weights)
+        return self._static_k
+
+    def for_block(self, block: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(slots, weights) for a layer of `block`: ([N], None) when static, ([N, k], [N, k]) when learned."""
+        if not self.learned:
+            return self.slots, None
+        if block is not None and block in self.block_slots:
+            return self.block_slots[block]
+        return self.static_topk()
+
+    def meta(self, block: int | None) -> Any:
+        """Slot-sorted kernel metadata for the layers of `block`, built once per forward (CUDA only)."""
+        key = block if self.learned and block in self.block_slots else None
+        if key not in self._meta:
+            slots, _ = self.for_block(block)
+            self._meta[key] = build_routing_meta(slots, self.num_slots)
+        return self._meta[key]
+
+    def route_block(self, block: int, hidden: torch.Tensor) -> None:
+        """Run every learned gate on the block input `hidden` [B, T, d] and store the block's decision."""
+        if hidden.shape[0] * hidden.shape[1] != self.num_tokens:
+            raise RoutingError(f"block {block} input has shape {tuple(hidden.shape)} but routing was built for "
+                               f"{self.batch}x{self.length} tokens")
+        slots, weights = (t.clone() for t in self.static_topk())
+        slots = slots.view(self.batch, self.length, self.k)
+        weights = weights.view(self.batch, self.length, self.k)
+        decisions = []
+        for group in self.learned:
+            decision = group.decide(block, hidden, slots, weights, self.k)
+            decisions.append((group, decision))
+        self.block_slots[block] = (slots.view(-1, self.k), weights.view(-1, self.k))
+        self.decisions[block] = decisions
+
+
+_ROUTING: ContextVar[CallRouting | None] = ContextVar("molora_routing", default=None)
+
+
+def current_routing() -> CallRouting | None:
+    """The routing of the forward pass running in this thread / task, or None (plain base model)."""
+    return _ROUTING.get()
+
+
+def set_routing(routing: CallRouting | None) -> Any:
+    return _ROUTING.set(routing)
+
+
+def reset_routing(token: Any) -> None:
+    _ROUTING.reset(token)

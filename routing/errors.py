@@ -1,0 +1,31 @@
+"""The project's exception types.
+
+Every error a user can cause (a bad adapter file, an unknown name, a full cache, a routing request the model
+cannot honour) is raised as a subclass of `MoLoRAError`, with a message that says what went wrong and what to do.
+Other packages subclass `MoLoRAError` for their own errors so callers can catch one type.
+"""
+
+from __future__ import annotations
+
+
+class MoLoRAError(Exception):
+    """Base class of every error raised on purpose by this project."""
+
+
+class AdapterError(MoLoRAError):
+    """An adapter file or object that cannot be used with this model (format, values, shapes, base model)."""
+
+
+class UnknownAdapterError(AdapterError, KeyError):
+    """A name that no loaded adapter has."""
+
+    def __str__(self) -> str:  # KeyError would otherwise print the message with quotes around it
+        return str(self.args[0]) if self.args else ""
+
+
+class CacheFullError(MoLoRAError):
+    """More distinct adapters requested at once than the hot set has free (unpinned) slots."""
+
+
+class RoutingError(MoLoRAError):
+    """A routing request that does not fit the batch or the model (wrong router count, shapes, gate sizes)."""

@@ -1,0 +1,262 @@
+"""Routers: small per-request objects that turn token ids (and, for the learned router, block inputs) into
+per-token adapter slots.  They hold no global state; the only tensors they keep are device-side lookup tables
+cached on the router instance (reuse one router object across decode steps to build the table once).
+
+    VocabRangeRouter  vocabulary range: a position is routed by the modality of the token it predicts
+                      (vocab.modality_table: `<boi>` and image codes -> image adapter, the rest -> text adapter).
+    SequenceRouter    one adapter for the whole sequence: the S-LoRA / PEFT baseline.
+    LearnedRouter     MoLoRA: per transformer block a gate Linear(d_model, E) on the block input picks top-k of
+                      E named adapters, softmax over the k kept logits; optionally hierarchical (a vocabulary
+                      decides the modality first, image positions go to `image_adapter`, the gate routes text).
+
+Protocol used by RoutedModel: `adapters() -> list[str]` and `route(input_ids [b, T], slot_of) -> [b, T]` long
+slots (-1 = base).  Learned routers also give `gated(input_ids)` (where the gate decides) and the gate module.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from models.vocab import IMAGE, UnifiedVocab
+from routing.context import BlockDecision
+from routing.errors import RoutingError
+
+
+@runtime_checkable
+class Router(Protocol):
+    def adapters(self) -> list[str]: ...
+
+    def route(self, input_ids: torch.Tensor, slot_of: Mapping[str, int]) -> torch.Tensor: ...
+
+
+def _slot(slot_of: Mapping[str, int], name: str | None) -> int:
+    return -1 if name is None else slot_of[name]
+
+
+@dataclass
+class SequenceRouter:
+    """Every position of the sequence uses `adapter` (None = base model)."""
+
+    adapter: str | None
+
+    def adapters(self) -> list[str]:
+        return [] if self.adapter is None else [self.adapter]
+
+    def route(self, input_ids: torch.Tensor, slot_of: Mapping[str, int]) -> torch.Tensor:
+        return torch.full(input_ids.shape, _slot(slot_of, self.adapter), dtype=torch.long, device=input_ids.device)
+
+
+@dataclass
+class VocabRangeRouter:
+    """Text positions -> `text_adapter`, image positions -> `image_adapter` (None = base), by vocab.modality_table.
+
+    A pure per-token lookup on the device (no Python loop, no host sync), so prefill and token-by-token decode
+    route identically.  Ids beyond the vocabulary layout (e.g. a model's padded embedding rows) count as text.
+    """
+
+    vocab: UnifiedVocab
+    text_adapter: str | None = None
+    image_adapter: str | None = None
+    _tables: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def adapters(self) -> list[str]:
+        return [n for n in dict.fromkeys((self.text_adapter, self.image_adapter)) if n is not None]
+
+    def modality(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """TEXT / IMAGE (int8) of every position of `input_ids`, any shape."""
+        table = self._tables.get(input_ids.device)
+        if table is None:
+            table = self._tables[input_ids.device] = self.vocab.modality_table(input_ids.device)
+        size = table.shape[0]
+        inside = (input_ids >= 0) & (input_ids < size)
+        return torch.where(inside, table[input_ids.clamp(0, size - 1)], torch.zeros_like(table[:1]))
+
+    def route(self, input_ids: torch.Tensor, slot_of: Mapping[str, int]) -> torch.Tensor:
+        is_image = self.modality(input_ids) == IMAGE
+        text, image = _slot(slot_of, self.text_adapter), _slot(slot_of, self.image_adapter)
+        return torch.where(is_image, image, text).long()
+
+
+# --- learned (MoLoRA) -------------------------------------------------------------------------------------
+
+class LearnedGates(nn.Module):
+    """One gate Linear(d_model, E) per transformer block over E named adapters (no bias, as in Switch)."""
+
+    def __init__(self, d_model: int, adapters: Sequence[str], num_blocks: int, *, init_std: float = 0.02) -> None:
+        super().__init__()
+        names = list(adapters)
+        if len(names) < 1 or len(set(names)) != len(names):
+            raise RoutingError(f"LearnedGates needs distinct adapter names, got {names}")
+        if d_model < 1 or num_blocks < 1:
+            raise RoutingError(f"LearnedGates needs d_model >= 1 and num_blocks >= 1, got {d_model}, {num_blocks}")
+        self.adapters, self.d_model, self.num_blocks = names, d_model, num_blocks
+        self.gates = nn.ModuleList(nn.Linear(d_model, len(names), bias=False) for _ in range(num_blocks))
+        for gate in self.gates:
+            nn.init.normal_(gate.weight, std=init_std)
+
+    @classmethod
+    def for_model(cls, routed: nn.Module, adapters: Sequence[str], **kw: float) -> LearnedGates:
+        """Gates sized for a RoutedModel (its hidden size and number of blocks), on its device."""
+        gates = cls(routed.hidden_size, adapters, routed.num_blocks, **kw)
+        return gates.to(routed.device)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.adapters)
+
+    def logits(self, block: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 gate logits [n, E] of block `block` for block inputs `hidden` [n, d_model]."""
+        if not 0 <= block < self.num_blocks:
+            raise RoutingError(f"no gate for block {block}: these gates cover {self.num_blocks} blocks")
+        if hidden.shape[-1] != self.d_model:
+            raise RoutingError(f"gate expects hidden size {self.d_model}, the model's blocks give {hidden.shape[-1]}")
+        weight = self.gates[block].weight
+        return F.linear(hidden.to(weight.dtype), weight).float()
+
+    def save(self, path: str | Path) -> None:
+        """Safetensors file; the adapter names and sizes go in its metadata."""
+        tensors = {f"gates.{i}.weight": g.weight.detach().cpu().contiguous() for i, g in enumerate(self.gates)}
+        meta = {"adapters": json.dumps(self.adapters), "d_model": str(self.d_model),
+                "num_blocks": str(self.num_blocks), "format": "molora-gates"}
+        save_file(tensors, str(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: str | Path, device: torch.device | str | None = None) -> LearnedGates:
+        path = Path(path)
+        if path.suffix.lower() != ".safetensors":
+            raise RoutingError(f"{path}: gate weights are read from .safetensors files only (pickles can run code)")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            adapters = json.loads(meta["adapters"])
+            d_model, num_blocks = int(meta["d_model"]), int(meta["num_blocks"])
+        except Exception as e:
+            raise RoutingError(f"{path} is not a gate file written by LearnedGates.save ({type(e).__name__}: {e})") from e
+        gates = cls(d_model, adapters, num_blocks)
+        expected = {f"gates.{i}.weight" for i in range(num_blocks)}
+        if set(tensors) != expected:
+            raise RoutingError(f"{path}: tensors {sorted(tensors)} do not match {num_blocks} gates")
+        for i, g in enumerate(gates.gates):
+            t = tensors[f"gates.{i}.weight"]
+            if tuple(t.shape) != tuple(g.weight.shape) or not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+                raise RoutingError(f"{path}: gate {i} has shape {tuple(t.shape)} / dtype {t.dtype} or non-finite "
+                                   f"values; expected finite {tuple(g.weight.shape)}")
+            with torch.no_grad():
+                g.weight.copy_(t)
+        return gates.to(device) if device is not None else gates
+
+
+@dataclass(eq=False)
+class LearnedRouter:
+    """MoLoRA top-k routing over `gates.adapters`, decided per block from the block input.
+
+    With `vocab`, routing is hierarchical: image positions (vocab.modality_table) go to `image_adapter`
+    (None = base) and only text positions are gated.
+    """
+
+    gates: LearnedGates
+    top_k: int = 2
+    vocab: UnifiedVocab | None = None
+    image_adapter: str | None = None
+    _vocab_router: VocabRangeRouter | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.gates.num_experts:
+            raise RoutingError(f"top_k={self.top_k} must be between 1 and the number of adapters "
+                               f"({self.gates.num_experts})")
+        if self.image_adapter is not None and self.vocab is None:
+            raise RoutingError("image_adapter needs a vocab to tell image positions from text positions")
+        if self.vocab is not None:
+            self._vocab_router = VocabRangeRouter(self.vocab, None, self.image_adapter)
+
+    def adapters(self) -> list[str]:
+        extra = [self.image_adapter] if self.image_adapter is not None else []
+        return list(dict.fromkeys(self.gates.adapters + extra))
+
+    def route(self, input_ids: torch.Tensor, slot_of: Mapping[str, int]) -> torch.Tensor:
+        """The static part: image positions' slot (hierarchical), -1 where the gate will decide."""
+        if self._vocab_router is None:
+            return torch.full(input_ids.shape, -1, dtype=torch.long, device=input_ids.device)
+        return self._vocab_router.route(input_ids, slot_of)
+
+    def gated(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """bool, same shape: positions the learned gate routes."""
+        if self._vocab_router is None:
+            return torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+        return self._vocab_router.modality(input_ids) != IMAGE
+
+
+@dataclass(eq=False)
+class LearnedGroup:
+    """One LearnedRouter's share of a forward pass: its rows, expert -> slot map and gated positions."""
+
+    router: LearnedRouter
+    rows: torch.Tensor | None  # row indices into the batch, None = every row
+    expert_slots: torch.Tensor  # [E] long
+    gated: torch.Tensor  # [b, T] bool
+
+    def decide(self, block: int, hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+               k_max: int) -> BlockDecision:
+        """Gate this group's rows of `hidden` [B, T, d]; write top-k slots/weights into `slots`/`weights` [B, T, K]."""
+        h = hidden if self.rows is None else hidden[self.rows]
+        b, t = h.shape[0], h.shape[1]
+        logits = self.router.gates.logits(block, h.reshape(b * t, -1))
+        k = self.router.top_k
+        top_val, top_idx = logits.topk(k, dim=-1)
+        w = torch.softmax(top_val, dim=-1)
+        s = self.expert_slots[top_idx]
+        if k < k_max:
+            s = torch.cat([s, s.new_full((b * t, k_max - k), -1)], dim=1)
+            w = torch.cat([w, w.new_zeros(b * t, k_max - k)], dim=1)
+        mask = self.gated.reshape(-1)
+        old_s = (slots if self.rows is None else slots[self.rows]).reshape(b * t, k_max)
+        old_w = (weights if self.rows is None else weights[self.rows]).reshape(b * t, k_max)
+        new_s = torch.where(mask[:, None], s, old_s).view(b, t, k_max)
+        new_w = torch.where(mask[:, None], w, old_w).view(b, t, k_max)
+        if self.rows is None:
+            slots.copy_(new_s)
+            weights.copy_(new_w)
+        else:
+            slots[self.rows] = new_s
+            weights[self.rows] = new_w
+        return BlockDecision(logits=logits, topk=top_idx, mask=mask)
+
+
+# --- auxiliary losses (training the gates) ----------------------------------------------------------------
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.to(values.dtype)
+    while m.dim() < values.dim():
+        m = m.unsqueeze(-1)
+    return (values * m).sum(0) / m.sum(0).clamp(min=1.0)
+
+
+def load_balance_loss(decision: BlockDecision) -> torch.Tensor:
+    """Switch-Transformer load-balance loss generalised to top-k: E * sum_i f_i * P_i.
+
+    f_i = share of the k*n assignments that went to adapter i, P_i = mean gate probability of adapter i, over
+    gated positions.  Equals 1 when routing is uniform; grows as it collapses onto a few adapters.
+    """
+    logits, topk, mask = decision.logits, decision.topk, decision.mask
+    num_experts, k = logits.shape[-1], topk.shape[-1]
+    probs = torch.softmax(logits, dim=-1)
+    dispatch = F.one_hot(topk, num_experts).sum(1).float() / k
+    return num_experts * (_masked_mean(dispatch, mask) * _masked_mean(probs, mask)).sum()
+
+
+def router_z_loss(decision: BlockDecision) -> torch.Tensor:
+    """ST-MoE router z-loss: mean squared log-sum-exp of the gate logits (keeps logits small and stable)."""
+    z = torch.logsumexp(decision.logits, dim=-1) ** 2
+    return _masked_mean(z, decision.mask)
+

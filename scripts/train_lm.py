@@ -1,0 +1,222 @@
+"""Train the embedded LM (transformers LlamaForCausalLM, ~7M parameters) on shapes-world sequences.
+
+Base data (plain register, filled style only; the adapters learn the rest):
+    40% text->image from an instruction, 15% text->image from a caption, 30% image->text captions,
+    15% interleaved documents; text before <boi> dropped 10% of the time (classifier-free guidance).
+Needs tokenizer.json, vocab.json and vq/ in the model directory (train_tokenizer.py, train_vq.py); writes
+lm/ (safetensors, bf16 by default: the loader upcasts on CPU) and lm/metrics.json.
+
+    python scripts/train_lm.py --model-dir runs/model --workers 16          # the real run (GPU)
+    python scripts/train_lm.py --model-dir /tmp/m --tiny --steps 3           # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.data import (  # noqa: E402
+    ExampleSpec,
+    Schedule,
+    collate,
+    encode_examples,
+    example_scenes,
+    images_to_tensor,
+    length_batches,
+    load_checkpoint,
+    render_batch,
+    sample_examples,
+    save_checkpoint,
+)
+from models.image_tokenizer import ImageTokenizer  # noqa: E402
+from models.testing import llama_config  # noqa: E402
+from models.tokenizer import UnifiedTokenizer  # noqa: E402
+from models.vocab import IMAGE  # noqa: E402
+
+log = logging.getLogger("train_lm")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, required=True)
+    p.add_argument("--n-examples", type=int, default=160_000)
+    p.add_argument("--n-val", type=int, default=1024, help="held-out-split examples for validation loss")
+    p.add_argument("--steps", type=int, default=2500)
+    p.add_argument("--tokens-per-batch", type=int, default=65_536)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=1024)
+    p.add_argument("--max-positions", type=int, default=1024)
+    p.add_argument("--save-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--device", type=str, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--max-minutes", type=float, default=0.0,
+                   help="stop early (and still save) after this much training time; 0 = no limit")
+    p.add_argument("--ckpt-every", type=int, default=500)
+    p.add_argument("--resume", action="store_true", help="continue from LM_DIR/checkpoint.safetensors")
+    p.add_argument("--tiny", action="store_true", help="tiny model and data (CPU smoke test)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.n_examples, args.n_val, args.hidden, args.layers, args.heads = 48, 8, 32, 2, 2
+        args.intermediate, args.tokens_per_batch = 64, 4096
+    return args
+
+
+@torch.no_grad()
+def encode_scenes(vq: ImageTokenizer, scenes: list, workers: int, batch: int = 1024) -> torch.Tensor:
+    """VQ codes [N, rows, cols] (cpu) of the renders of `scenes`."""
+    images = render_batch(scenes, workers=workers)
+    codes = [vq.encode(images_to_tensor(images[i:i + batch])).cpu()
+             for i in tqdm(range(0, len(images), batch), desc="vq-encode", mininterval=10)]
+    return torch.cat(codes) if codes else torch.zeros((0, *vq.grid), dtype=torch.long)
+
+
+def build_sequences(tok: UnifiedTokenizer, vq: ImageTokenizer, n: int, *, seed: str, split: str, workers: int,
+                    cfg_dropout: float) -> list[list[int]]:
+    examples = sample_examples(n, seed=seed, spec=ExampleSpec(split=split), workers=workers)
+    codes = encode_scenes(vq, example_scenes(examples), workers)
+    return encode_examples(examples, tok, codes, seed=zlib.crc32(seed.encode()), cfg_dropout=cfg_dropout,
+                           max_len=10**9)
+
+
+def token_losses(model: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor, amp: bool) -> torch.Tensor:
+    """Per-position next-token loss [B, T-1] (0 at padding)."""
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    loss = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+    return loss * mask[:, 1:]
+
+
+@torch.no_grad()
+def evaluate(model: LlamaForCausalLM, seqs: list[list[int]], tok: UnifiedTokenizer, device: torch.device,
+             amp: bool, tokens_per_batch: int) -> dict:
+    """Mean loss on text targets and on image targets (image codes and <eoi>) of held-out sequences."""
+    model.eval()
+    table = tok.vocab.modality_table(device)
+    sums = {"text": 0.0, "image": 0.0}
+    counts = {"text": 0, "image": 0}
+    for batch in length_batches([len(s) for s in seqs], tokens_per_batch, seed=0, epoch=0):
+        ids, mask = collate([seqs[i] for i in batch], tok.vocab.pad_id)
+        ids, mask = ids.to(device), mask.to(device)
+        loss = token_losses(model, ids, mask, amp)
+        # a target is an image target when the position predicting it is routed to the image side
+        is_image = (table[ids[:, :-1]] == IMAGE) & (mask[:, 1:] > 0)
+        is_text = (table[ids[:, :-1]] != IMAGE) & (mask[:, 1:] > 0)
+        for name, sel in (("text", is_text), ("image", is_image)):
+            sums[name] += float(loss[sel].sum())
+            counts[name] += int(sel.sum())
+    model.train()
+    return {f"val_{k}_loss": sums[k] / max(1, counts[k]) for k in sums}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    amp = device.type == "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    t0 = time.time()
+
+    tok = UnifiedTokenizer.load(args.model_dir)
+    vq = ImageTokenizer.from_pretrained(args.model_dir / "vq", device=device)
+    if vq.codebook_size != tok.vocab.image_size or tuple(vq.grid) != tuple(tok.vocab.image_grid):
+        raise SystemExit(f"vocab.json (image_size {tok.vocab.image_size}, grid {tok.vocab.image_grid}) does not "
+                         f"match the VQ (codebook {vq.codebook_size}, grid {vq.grid}): retrain the tokenizer")
+    train = build_sequences(tok, vq, args.n_examples, seed=f"lm{args.seed}", split="train", workers=args.workers,
+                            cfg_dropout=0.1)
+    val = build_sequences(tok, vq, args.n_val, seed=f"lm-val{args.seed}", split="heldout", workers=args.workers,
+                          cfg_dropout=0.0)
+    too_long = sum(len(s) > args.max_positions for s in train)
+    train = [s for s in train if len(s) <= args.max_positions]
+    val = [s for s in val if len(s) <= args.max_positions]
+    n_tokens = sum(len(s) for s in train)
+    log.info("data: %d sequences (%.1fM ids, %d over %d dropped), %d val, in %.0fs", len(train), n_tokens / 1e6,
+             too_long, args.max_positions, len(val), time.time() - t0)
+    del vq
+
+    config = llama_config(tok.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                          intermediate_size=args.intermediate, max_positions=args.max_positions)
+    model = LlamaForCausalLM(config).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("LlamaForCausalLM: %.2fM parameters, vocab %d", n_params / 1e6, config.vocab_size)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), fused=amp)
+    lm_dir = args.model_dir / "lm"
+    lm_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = lm_dir / "checkpoint.safetensors"
+    start = 0
+    if args.resume and ckpt.is_file():
+        start = load_checkpoint(ckpt, model, opt)["step"]
+        log.info("resumed from step %d", start)
+
+    lengths = [len(s) for s in train]
+    epoch, batches = 0, []
+    seen = 0
+    for epoch in range(10**6):  # skip the batches a resumed run already trained on
+        batches = length_batches(lengths, args.tokens_per_batch, seed=args.seed, epoch=epoch)
+        if seen + len(batches) > start:
+            batches = batches[start - seen:]
+            break
+        seen += len(batches)
+    t_train, step, losses = time.time(), start, []
+    sched = Schedule(args.steps, min(200, args.steps // 10), args.max_minutes)
+    bar = tqdm(total=args.steps, initial=start, desc="lm", mininterval=10)
+    while not sched.done(step):
+        if not batches:
+            epoch += 1
+            batches = length_batches(lengths, args.tokens_per_batch, seed=args.seed, epoch=epoch)
+        ids, mask = collate([train[i] for i in batches.pop()], tok.vocab.pad_id)
+        ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
+        for group in opt.param_groups:
+            group["lr"] = args.lr * sched.factor(step)
+        loss = token_losses(model, ids, mask, amp).sum() / mask[:, 1:].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        bar.update(1)
+        if step % 50 == 0 or step == args.steps:
+            losses.append((step, loss.item()))
+            bar.set_postfix(loss=f"{losses[-1][1]:.4f}", epoch=epoch)
+        if args.ckpt_every and step % args.ckpt_every == 0 and step < args.steps:
+            save_checkpoint(ckpt, model, opt, {"step": step})
+    bar.close()
+    train_seconds = time.time() - t_train
+    final_loss = loss.item()
+    metrics = evaluate(model, val, tok, device, amp, args.tokens_per_batch)
+    metrics.update(train_loss=final_loss, steps=step, planned_steps=args.steps, epochs=epoch + 1,
+                   sequences=len(train), train_tokens_per_epoch=n_tokens, params=n_params, seed=args.seed,
+                   tokens_per_batch=args.tokens_per_batch, lr=args.lr, train_seconds=round(train_seconds, 1),
+                   total_seconds=round(time.time() - t0, 1), loss_curve=losses,
+                   device=torch.cuda.get_device_name() if amp else "cpu")
+    log.info("step %d: train loss %.4f, val text %.4f, val image %.4f", step, final_loss,
+             metrics["val_text_loss"], metrics["val_image_loss"])
+    model.to("cpu", dtype=getattr(torch, args.save_dtype)).save_pretrained(lm_dir, safe_serialization=True)
+    (lm_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    ckpt.unlink(missing_ok=True)
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

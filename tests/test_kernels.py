@@ -1,0 +1,195 @@
+"""routed_lora / routed_lora_topk: the torch CPU path and the dispatcher against the reference, autograd,
+input errors, and no host synchronisation in the metadata builder. (Triton kernels: test_kernels_triton.py.)"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels.dispatch as dispatch
+from kernels import (
+    KernelInputError,
+    build_routing_meta,
+    routed_lora,
+    routed_lora_reference,
+    routed_lora_topk,
+    routed_lora_topk_reference,
+)
+from kernels.metadata import build_routing_meta_torch
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-6}  # the reference itself accumulates fp64 in fp32
+
+
+def make(n, d_in, d_out, s, r, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g).to(dtype)
+    A = (torch.randn(s, r, d_in, generator=g) / d_in ** 0.5).to(dtype)
+    B = torch.randn(s, d_out, r, generator=g).to(dtype)
+    scale = torch.rand(s, generator=g) + 0.5
+    return x, A, B, scale, g
+
+
+def rel_err(y, ref):
+    return ((y.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-6)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n,d_in,d_out", [(1, 33, 29), (37, 64, 48), (129, 17, 31)])
+def test_routed_lora_cpu_matches_reference(dtype, n, d_in, d_out):
+    x, A, B, scale, g = make(n, d_in, d_out, 4, 8, dtype)
+    slot = torch.randint(-1, 4, (n,), generator=g)
+    y = routed_lora(x, A, B, slot, scale)
+    assert y.dtype == dtype and y.shape == (n, d_out)
+    assert rel_err(y, routed_lora_reference(x, A, B, slot, scale)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("pattern", ["none", "one", "every"])
+def test_routed_lora_slot_patterns(pattern):
+    n, s = 23, 5
+    x, A, B, scale, g = make(n, 24, 20, s, 8)
+    slot = {"none": torch.full((n,), -1), "one": torch.full((n,), 2),
+            "every": torch.arange(n) % s}[pattern].int()
+    y = routed_lora(x, A, B, slot, scale)
+    if pattern == "none":
+        assert torch.equal(y, torch.zeros_like(y))
+    assert rel_err(y, routed_lora_reference(x, A, B, slot, scale)) <= TOL[torch.float32] or pattern == "none"
+
+
+def test_ranks_below_rmax_zero_padded_equal_the_small_rank_adapter():
+    x, A, B, scale, g = make(9, 24, 20, 2, 16)
+    A[0, 5:] = 0
+    B[0, :, 5:] = 0
+    slot = torch.zeros(9, dtype=torch.long)
+    small = (x @ A[0, :5].t() @ B[0, :, :5].t()) * scale[0]
+    assert rel_err(routed_lora(x, A, B, slot, scale), small) <= 1e-5
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_matches_reference_with_repeated_slots(k, dtype):
+    n, s = 31, 3
+    x, A, B, scale, g = make(n, 40, 24, s, 8, dtype)
+    slots = torch.randint(-1, s, (n, k), generator=g)
+    slots[:, -1] = slots[:, 0]  # repeated slot within a token
+    weights = torch.rand(n, k, generator=g)
+    y = routed_lora_topk(x, A, B, slots, weights, scale)
+    assert y.dtype == dtype
+    assert rel_err(y, routed_lora_topk_reference(x, A, B, slots, weights, scale)) <= TOL[dtype]
+
+
+def test_out_variant_adds_in_place_and_returns_out():
+    x, A, B, scale, g = make(17, 24, 20, 3, 8)
+    slot = torch.randint(-1, 3, (17,), generator=g)
+    base = torch.randn(17, 20, generator=g)
+    out = base.clone()
+    res = routed_lora(x, A, B, slot, scale, out=out)
+    assert res is out
+    assert rel_err(out - base, routed_lora_reference(x, A, B, slot, scale)) <= 1e-5
+    slots, w = torch.randint(-1, 3, (17, 2), generator=g), torch.rand(17, 2, generator=g)
+    out = base.clone()
+    routed_lora_topk(x, A, B, slots, w, scale, out=out)
+    assert rel_err(out - base, routed_lora_topk_reference(x, A, B, slots, w, scale)) <= 1e-5
+
+
+def test_empty_batch():
+    x, A, B, scale, _ = make(0, 24, 20, 3, 8)
+    assert routed_lora(x, A, B, torch.zeros(0, dtype=torch.long), scale).shape == (0, 20)
+
+
+def test_gradcheck_topk_float64_x_A_B_weights():
+    x, A, B, scale, g = make(7, 6, 5, 3, 4, torch.float64)
+    slots = torch.randint(-1, 3, (7, 3), generator=g)
+    slots[0] = torch.tensor([1, 1, -1])
+    w = torch.rand(7, 3, generator=g, dtype=torch.float64)
+    inputs = [t.clone().requires_grad_() for t in (x, A, B, w)]
+    assert torch.autograd.gradcheck(lambda x, A, B, w: routed_lora_topk(x, A, B, slots, w, scale.double()),
+                                    inputs)
+
+
+def test_gradcheck_routed_lora_float64():
+    x, A, B, scale, g = make(8, 6, 5, 3, 4, torch.float64)
+    slot = torch.randint(-1, 3, (8,), generator=g)
+    inputs = [t.clone().requires_grad_() for t in (x, A, B)]
+    assert torch.autograd.gradcheck(lambda x, A, B: routed_lora(x, A, B, slot, scale.double()), inputs)
+
+
+def test_grad_through_out_variant_matches_reference_autograd():
+    x, A, B, scale, g = make(11, 12, 10, 3, 4)
+    slots, w = torch.randint(-1, 3, (11, 2), generator=g), torch.rand(11, 2, generator=g)
+    ours = [t.clone().requires_grad_() for t in (x, A, B, w)]
+    theirs = [t.clone().requires_grad_() for t in (x, A, B, w)]
+    base = torch.randn(11, 10, generator=g, requires_grad=True)
+    out = base * 1.0  # a non-leaf base output, as in a routed layer
+    routed_lora_topk(*ours[:3], slots, ours[3], scale, out=out).square().sum().backward()
+    (base.detach() + routed_lora_topk_reference(*theirs[:3], slots, theirs[3], scale)).square().sum().backward()
+    for a, b in zip(ours, theirs):
+        assert rel_err(a.grad, b.grad) <= 1e-5
+    assert rel_err(base.grad, 2 * out.detach()) <= 1e-6
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda x, A, B, s, c: (x[0], A, B, s, c), "x must be"),
+    (lambda x, A, B, s, c: (x, A[:, :, :-1], B, s, c), "A's last dim"),
+    (lambda x, A, B, s, c: (x, A, B[:, :, :-1], s, c), "B must be"),
+    (lambda x, A, B, s, c: (x, A, B, s.float(), c), "int32 or int64"),
+    (lambda x, A, B, s, c: (x, A, B, s[:-1], c), "slots must be"),
+    (lambda x, A, B, s, c: (x, A, B, s + 10, c), r"slot indices must lie in \[-1, 2\]"),
+    (lambda x, A, B, s, c: (x, A, B, s, c[:2]), "scale must be"),
+    (lambda x, A, B, s, c: (x.int(), A, B, s, c), "floating"),
+])
+def test_bad_input_gets_a_clear_error(bad, match):
+    x, A, B, scale, g = make(5, 8, 6, 3, 4)
+    slot = torch.randint(0, 3, (5,), generator=g)
+    with pytest.raises(KernelInputError, match=match):
+        routed_lora(*bad(x, A, B, slot, scale))
+
+
+def test_bad_topk_weights_and_meta_are_refused():
+    x, A, B, scale, g = make(5, 8, 6, 3, 4)
+    slots = torch.randint(0, 3, (5, 2), generator=g)
+    with pytest.raises(KernelInputError, match="weights must match"):
+        routed_lora_topk(x, A, B, slots, torch.rand(5, 3), scale)
+    with pytest.raises(KernelInputError, match="rebuild it"):
+        routed_lora_topk(x, A, B, slots, torch.rand(5, 2), scale, meta=build_routing_meta(slots[:, :1], 3))
+    with pytest.raises(KernelInputError, match="out must be"):
+        routed_lora(x, A, B, slots[:, 0], scale, out=torch.zeros(5, 7))
+
+
+def test_dispatcher_picks_by_shape_only(monkeypatch):
+    x = torch.zeros(3, 4)
+    assert dispatch.choose_path(x, 1) == "torch"  # CPU, not interpreting
+    monkeypatch.setattr(dispatch, "triton_usable", lambda _x: True)
+    small = torch.zeros(dispatch.GATHER_MAX_ROWS, 4)
+    assert dispatch.choose_path(small, 1) == "gather"
+    assert dispatch.choose_path(small, 2) == "grouped"
+    assert dispatch.choose_path(torch.zeros(dispatch.GATHER_MAX_ROWS + 1, 4), 1) == "grouped"
+
+
+def test_metadata_builder_is_sync_free_and_sorted(monkeypatch):
+    def forbidden(*_a, **_k):
+        raise AssertionError("host synchronisation in the metadata builder")
+    slots = torch.randint(-1, 4, (50, 2), generator=torch.Generator().manual_seed(3))
+    want_counts = [int((slots == s).sum()) for s in range(4)]
+    for name in ("item", "tolist", "nonzero", "__bool__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    meta = build_routing_meta(slots, 4)
+    monkeypatch.undo()
+    flat = slots.reshape(-1)
+    assert meta.offsets.tolist()[1:5] == list(torch.tensor(want_counts).cumsum(0))
+    assert meta.offsets[-1].item() == flat.numel()
+    assert torch.equal(torch.sort(meta.rows.long()).values, torch.arange(flat.numel()))
+    keys = torch.where(flat < 0, 4, flat)[meta.rows.long()]
+    assert torch.all(keys[1:] >= keys[:-1])
+    again = build_routing_meta_torch(slots, 4)
+    assert torch.equal(meta.rows, again.rows)
+
+
+def test_kernels_package_never_imports_models_or_routing():
+    for path in (Path(__file__).resolve().parents[1] / "kernels").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] in ("models", "routing", "app") for n in names), path

@@ -1,0 +1,181 @@
+"""Triton kernels vs the PyTorch reference under the CPU interpreter (TRITON_INTERPRET=1).
+
+triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when kernels/ is first imported, and other test
+files in the same pytest process import kernels/ without it. So the checks run in ONE child process started
+with the variable set (this file executed as a script), which prints one JSON line per case; the pytest side
+asserts each case separately. Sizes are tiny on purpose: the interpreter runs every program in Python.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Largest error allowed per dtype, as max|kernel - reference| / max|reference| and as relative Frobenius norm.
+# The reference rounds once (float32 accumulate -> dtype); the grouped kernel also rounds the rank-r
+# intermediate to the dot dtype (as on the GPU), hence a few ulps of the 16-bit formats.
+TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 2.5e-2}
+
+# name: (N, in, out, S, r, k, slot pattern, dtype)
+CASES = {
+    "odd_sizes_fp32": (37, 33, 29, 4, 8, 1, "random", "float32"),
+    "odd_sizes_fp16": (23, 33, 29, 4, 8, 1, "random", "float16"),
+    "odd_sizes_bf16": (23, 33, 29, 4, 8, 1, "random", "bfloat16"),
+    "one_token": (1, 40, 24, 3, 16, 1, "random_valid", "float32"),
+    "one_token_topk": (1, 40, 24, 3, 16, 2, "random_valid", "float16"),
+    "all_minus_one": (11, 24, 20, 3, 8, 1, "none", "float32"),
+    "all_minus_one_topk": (11, 24, 20, 3, 8, 3, "none", "float32"),
+    "all_one_slot": (19, 24, 20, 3, 8, 1, "one", "bfloat16"),
+    "every_slot_used": (21, 24, 20, 7, 8, 1, "every", "float32"),
+    "ranks_below_rmax": (17, 24, 20, 4, 16, 1, "random", "float32"),
+    "rank_above_16": (9, 24, 20, 2, 24, 1, "random", "float32"),
+    "topk2_repeats": (13, 24, 20, 3, 8, 2, "repeats", "float32"),
+    "topk3_repeats_fp16": (13, 24, 20, 3, 8, 3, "repeats", "float16"),
+    "topk4_repeats_bf16": (13, 24, 20, 3, 8, 4, "repeats", "bfloat16"),
+    "topk4_random": (10, 24, 20, 4, 8, 4, "random", "float32"),
+}
+PATHS = ("gather", "grouped")
+
+
+def _slots(torch, pattern: str, n: int, s: int, k: int, gen):
+    if pattern == "random":
+        return torch.randint(-1, s, (n, k), generator=gen)
+    if pattern == "random_valid":
+        return torch.randint(0, s, (n, k), generator=gen)
+    if pattern == "none":
+        return torch.full((n, k), -1)
+    if pattern == "one":
+        return torch.full((n, k), s - 1)
+    if pattern == "every":
+        return (torch.arange(n * k) % s).view(n, k)
+    if pattern == "repeats":  # every row repeats its first slot at least once, plus some -1
+        first = torch.randint(0, s, (n, 1), generator=gen)
+        rest = torch.randint(-1, s, (n, k - 1), generator=gen)
+        rest[: n // 2, 0] = first[: n // 2, 0]
+        return torch.cat([first, rest], 1)
+    raise ValueError(pattern)
+
+
+def _run_case(name: str, path: str, seed: int) -> dict:
+    import torch
+
+    import kernels.triton_gather as gather_mod
+    import kernels.triton_grouped as grouped_mod
+    from kernels.dispatch import routed_lora_forward
+    from kernels.reference import routed_lora_topk_reference
+
+    n, d_in, d_out, s, r, k, pattern, dtype_name = CASES[name]
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=gen).to(dtype)
+    A = torch.randn(s, r, d_in, generator=gen) / d_in ** 0.5
+    B = torch.randn(s, d_out, r, generator=gen)
+    if name == "ranks_below_rmax":  # slot i has rank r - 4*i, zero-padded to r like the hot-set cache does
+        for i in range(s):
+            A[i, r - 4 * i:] = 0
+            B[i, :, r - 4 * i:] = 0
+    A, B = A.to(dtype), B.to(dtype)
+    scale = torch.rand(s, generator=gen) + 0.5
+    slots = _slots(torch, pattern, n, s, k, gen)
+    weights = torch.rand(n, k, generator=gen) if k > 1 else None
+    ref = routed_lora_topk_reference(x, A, B, slots, weights if k > 1 else torch.ones(n, 1), scale).float()
+
+    # Poison every fresh output buffer, so an element the kernel never writes shows up as NaN.
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    # No host synchronisation on the hot path: these must never be called by metadata or launchers.
+    def forbidden(*_a, **_k):
+        raise AssertionError("host synchronisation on the hot path")
+
+    saved = {m: getattr(torch.Tensor, m) for m in ("item", "tolist", "nonzero")}
+    gather_mod.torch.empty = grouped_mod.torch.empty = poisoned_empty
+    for m in saved:
+        setattr(torch.Tensor, m, forbidden)
+    try:
+        delta = routed_lora_forward(x, A, B, slots, weights, scale, None, None, path)
+    finally:
+        torch.empty = real_empty
+        for m, f in saved.items():
+            setattr(torch.Tensor, m, f)
+    base = torch.randn(n, d_out, generator=gen).to(dtype)
+    acc = routed_lora_forward(x, A, B, slots, weights, scale, base.clone(), None, path)
+
+    def errors(y: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+        den_max = max(want.abs().max().item(), 1e-6) if want.numel() else 1.0
+        den_norm = max(want.norm().item(), 1e-6)
+        return (y - want).abs().max().item() / den_max, (y - want).norm().item() / den_norm
+
+    max_err, norm_err = errors(delta.float(), ref)
+    acc_max_err, _ = errors(acc.float() - base.float(), ref)
+    return {"dtype_ok": delta.dtype == dtype and acc.dtype == dtype, "shape_ok": tuple(delta.shape) == (n, d_out),
+            "unwritten": int(torch.isnan(delta).sum()), "max_err": max_err, "norm_err": norm_err,
+            "acc_max_err": acc_max_err, "exact_zero": bool((delta[(slots < 0).all(1)] == 0).all()),
+            "tol": TOLERANCE[dtype_name]}
+
+
+def _run_meta_checks() -> dict:
+    import torch
+
+    from kernels.metadata import build_routing_meta, build_routing_meta_torch
+    gen = torch.Generator().manual_seed(7)
+    results = {}
+    for n, k, s in ((1, 1, 4), (37, 1, 4), (300, 3, 5), (1500, 1, 3), (64, 2, 1)):
+        slots = torch.randint(-1, s, (n, k), generator=gen)
+        if n == 300:
+            slots[0, 0] = s + 3  # out of range: goes with the no-adapter rows, like -1
+        got, want = build_routing_meta(slots, s), build_routing_meta_torch(slots, s)
+        results[f"{n}x{k}_S{s}"] = bool(torch.equal(got.rows, want.rows) and torch.equal(got.offsets, want.offsets))
+    return results
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (it sets TRITON_INTERPRET=1)"
+    for i, name in enumerate(CASES):
+        for path in PATHS:
+            try:
+                res = _run_case(name, path, seed=1000 + i)
+            except Exception as exc:  # report, so the parent names the failing case
+                res = {"error": f"{type(exc).__name__}: {exc}"}
+            print(json.dumps({"case": f"{name}-{path}", **res}), flush=True)
+    print(json.dumps({"case": "metadata", **_run_meta_checks()}), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interp_results() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {r["case"]: r for r in map(json.loads, proc.stdout.splitlines())}
+
+
+@pytest.mark.parametrize("case", [f"{c}-{p}" for c in CASES for p in PATHS])
+def test_triton_kernel_matches_reference(interp_results: dict, case: str) -> None:
+    res = interp_results[case]
+    assert "error" not in res, res.get("error")
+    assert res["shape_ok"] and res["dtype_ok"], res
+    assert res["unwritten"] == 0, f"{res['unwritten']} output elements never written"
+    assert res["exact_zero"], "tokens with only slot -1 must get an exact zero delta"
+    assert res["max_err"] <= res["tol"] and res["norm_err"] <= res["tol"], res
+    assert res["acc_max_err"] <= res["tol"], f"out= accumulate variant: {res}"
+
+
+def test_triton_metadata_builder_matches_torch_sort(interp_results: dict) -> None:
+    res = interp_results["metadata"]
+    bad = [k for k, ok in res.items() if k != "case" and not ok]
+    assert not bad, f"slot-sorted rows/offsets differ from torch's stable sort for {bad}"
+
+
+if __name__ == "__main__":
+    main()
