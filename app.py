@@ -4,58 +4,10 @@
     python app.py --model /path/to/dir    # another model directory (also: MOLORA_MODEL=/path/to/dir)
     GRADIO_SERVER_NAME=0.0.0.0 GRADIO_SERVER_PORT=8080 python app.py
 
-Host and port come from --host/--port, else Gradio's GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (set on Hugging Face
-Spaces), else Gradio's defaults. MOLORA_CONCURRENCY sets how many generations run at once.
+This is also the Hugging Face Space's app_file. The code lives in app/ (app/server.py: loading and launching).
 """
 
-from __future__ import annotations
-
-import argparse
-import logging
-import os
-
-import gradio as gr
-import torch
-
-from app.ui import DEFAULT_CONCURRENCY, build_demo, launch_kwargs
-from models import InterleavedPipeline
-
-log = logging.getLogger("molora.app")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="MoLoRA Gradio demo")
-    parser.add_argument("--model", default=os.environ.get("MOLORA_MODEL") or None,
-                        help="model directory (default: $MOLORA_MODEL, else the embedded assets/model)")
-    parser.add_argument("--device", default=os.environ.get("MOLORA_DEVICE") or None,
-                        help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--host", default=None, help="bind address (default: $GRADIO_SERVER_NAME or 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="port (default: $GRADIO_SERVER_PORT or 7860)")
-    parser.add_argument("--concurrency", type=int,
-                        default=int(os.environ.get("MOLORA_CONCURRENCY", DEFAULT_CONCURRENCY)),
-                        help="generations running at once")
-    return parser.parse_args(argv)
-
-
-def load_pipeline(model: str | None, device: str | None) -> InterleavedPipeline:
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    log.info("loading %s on %s", model or "the embedded model", device)
-    return InterleavedPipeline.from_pretrained(model, device=device)
-
-
-def create_demo(pipe: InterleavedPipeline, concurrency: int = DEFAULT_CONCURRENCY) -> gr.Blocks:
-    """The page with its queue on: `concurrency` generations at once, a bounded wait list."""
-    demo = build_demo(pipe)
-    demo.queue(default_concurrency_limit=max(1, concurrency), max_size=64)
-    return demo
-
-
-def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = parse_args(argv)
-    demo = create_demo(load_pipeline(args.model, args.device), args.concurrency)
-    demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs())
-
+from app.server import main
 
 if __name__ == "__main__":
     main()

@@ -247,7 +247,7 @@ class MoLoRAApp:
                         with gr.Row():
                             cfg_scale = gr.Slider(1.0, 10.0, value=3.0, step=0.5, label="Image CFG scale")
                             seed = gr.Number(0, precision=0, label="Seed")
-                        max_new_tokens = gr.Slider(16, MAX_NEW_TOKENS, value=320, step=16,
+                        max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS, value=320, step=1,
                                                    label="Max new tokens (an image is 258)")
                     run = gr.Button("Generate", variant="primary", elem_id="generate")
                     gr.Examples([list(e) for e in self.examples], inputs=[prompt, start_image], label="Example prompts")

@@ -66,6 +66,16 @@ class HotSetCache:
         self._streams: dict[torch.device, Any] = {}
         self.hits = self.misses = self.evictions = self.bytes_copied = 0
 
+    def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: a lock and CUDA streams cannot be copied
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["_streams"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
     # --- pool ------------------------------------------------------------------------------------------
     @property
     def names(self) -> list[str]:

@@ -96,6 +96,16 @@ def test_no_routing_or_all_empty_slots_equals_base_exactly(setup):
         assert torch.equal(out.logits, reference(input_ids=text_only).logits)
 
 
+def test_deepcopy_gives_an_independent_routed_model(setup):
+    routed, _ = setup
+    twin = copy.deepcopy(routed)
+    assert twin.cache.layers["model.layers.0.self_attn.q_proj"] is twin.model.model.layers[0].self_attn.q_proj
+    twin.remove_adapter("D")
+    assert "D" in routed.adapter_names and "D" not in twin.adapter_names
+    with torch.no_grad():
+        assert torch.equal(twin(IDS, routers=SequenceRouter("T")).logits, routed(IDS, routers=SequenceRouter("T")).logits)
+
+
 def test_attach_rejects_bad_targets_and_double_attach():
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
@@ -357,3 +367,15 @@ def test_learned_router_rejects_bad_settings(setup):
     with pytest.raises(RoutingError, match="hidden size"):
         routed(IDS, routers=LearnedRouter(wrong, top_k=1))
     assert routed.cache.stats()["pinned"] == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_cuda_routed_model_matches_cpu(setup, dtype, tol):
+    routed, _ = setup
+    router = VocabRangeRouter(VOCAB, "T", "I")
+    with torch.no_grad():
+        want = routed(IDS, routers=router).logits
+        gpu = copy.deepcopy(routed).to("cuda", dtype)
+        got = gpu(IDS.cuda(), routers=VocabRangeRouter(VOCAB, "T", "I")).logits
+    assert rel_err(got.float().cpu(), want) <= tol

@@ -31,6 +31,7 @@ API:
     render(scene) -> PIL.Image.Image (64x64 RGB)          object_mask(obj, style) -> bool [64,64]
     heldout_pairs(obj) / is_heldout_obj(obj) / is_train_obj(obj) / is_heldout_scene(scene)
     cell_center(cell) -> (x, y)
+Eval scenes per category (held-out combinations, fixed seeds): models/shapes/prompts.py build_prompts.
 
 All randomness comes from the `random.Random` the caller passes: same seed, same scenes, same bytes.
 """

@@ -1,0 +1,222 @@
+"""The Gradio app end to end, through gradio_client, on the tiny random model (tests/conftest.py: tiny_assets).
+
+The app is served once per module in a thread on a free localhost port; each gradio_client.Client is its own
+browser session. A random model rarely opens an image by itself, so image tests set start_image (the prompt is
+followed by <boi>), which makes the first 256 generated tokens an image whatever the weights.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
+from PIL import Image
+
+from app.render import BASE_LABEL
+from app.server import serve
+from models import InterleavedPipeline
+from models.testing import write_tiny_adapter
+
+REPO = Path(__file__).resolve().parents[1]
+IMAGE_TOKENS = 258  # 256 codes + <eoi> + one more step for <eos> or text
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_assets: Path) -> InterleavedPipeline:
+    # our own pipeline, not conftest's shared one: the app loads uploaded adapters into it
+    return InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def url(pipe: InterleavedPipeline):
+    port = free_port()
+    demo = serve(pipe, host="127.0.0.1", port=port, concurrency=2, block=False)
+    yield f"http://127.0.0.1:{port}/"
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def upload_zip(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real PEFT adapter for the tiny model, zipped as a visitor would (folder inside the zip)."""
+    root = tmp_path_factory.mktemp("upload")
+    folder = write_tiny_adapter(tiny_assets / "model", root / "mine", modality="text", seed=7)
+    archive = root / "mine.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            zf.write(folder / name, f"mine/{name}")
+    return archive
+
+
+def client(url: str) -> Client:
+    return Client(url, verbose=False)
+
+
+def request(prompt: str = "Draw a red circle.", *, text: str = "text_style", image: str = "image_style",
+            routing: str = "vocab", start_image: bool = False, seed: int = 0, max_new_tokens: int = 16,
+            cfg_scale: float = 3.0) -> dict:
+    return dict(prompt=prompt, text_choice=text, image_choice=image, routing=routing, start_image=start_image,
+                text_temperature=1.0, text_top_k=0, text_top_p=1.0, image_temperature=1.0, image_top_k=0,
+                cfg_scale=cfg_scale, seed=seed, max_new_tokens=max_new_tokens)
+
+
+def generate(c: Client, **kwargs) -> dict:
+    """Call the named endpoint; return its outputs in comparable form (pixels, not temp paths)."""
+    text, gallery, html_path, document_html, routing_map, stats = c.predict(**request(**kwargs),
+                                                                            api_name="/generate")
+    images = [np.asarray(Image.open(item["image"]).convert("RGB")) for item in gallery]
+    tokens = [(t["token"], t["class_or_confidence"]) for t in routing_map["value"]]
+    return {"text": text, "images": images, "html": html_path, "doc": document_html, "tokens": tokens,
+            "colors": routing_map["color_map"], "stats": stats}
+
+
+def same(a: dict, b: dict) -> bool:
+    return (a["text"] == b["text"] and a["tokens"] == b["tokens"] and len(a["images"]) == len(b["images"])
+            and all(np.array_equal(x, y) for x, y in zip(a["images"], b["images"])))
+
+
+def test_generate_endpoint_returns_text_an_image_and_the_html_document(url):
+    out = generate(client(url), start_image=True, max_new_tokens=IMAGE_TOKENS + 4, cfg_scale=1.0)
+    assert len(out["images"]) == 1 and out["images"][0].shape == (64, 64, 3)
+    assert out["text"].startswith("[image 1]")
+    # every generated token is on the routing map, coloured by its adapter: image codes -> image_style
+    image_labels = [label for token, label in out["tokens"] if token == "■"]
+    assert len(image_labels) == 256 and set(image_labels) == {"image_style"}
+    assert set(out["colors"]) >= {"image_style", "text_style", BASE_LABEL}
+    html = Path(out["html"]).read_text()
+    assert "<html" in html.lower() and "data:image/png;base64," in html
+    assert 'class="molora-image"' in out["doc"]
+    assert "Hot-set cache" in out["stats"] and "Per-step latency" in out["stats"]
+
+
+def test_routing_modes_colour_tokens_by_the_adapter_they_used(url):
+    c = client(url)
+    by_vocab = generate(c, routing="vocab", max_new_tokens=12)
+    assert by_vocab["tokens"] and {label for _, label in by_vocab["tokens"]} <= {"text_style", "image_style"}
+    # baseline: one adapter for the whole sequence; off: the base model everywhere
+    baseline = generate(c, routing="sequence", text="none", image="image_style", max_new_tokens=12)
+    assert {label for _, label in baseline["tokens"]} == {"image_style"}
+    off = generate(c, routing="none", max_new_tokens=12)
+    assert {label for _, label in off["tokens"]} == {BASE_LABEL}
+
+
+def test_bad_requests_give_clear_errors(url):
+    c = client(url)
+    with pytest.raises(AppError, match="unknown adapter 'nope'"):
+        generate(c, text="nope")
+    with pytest.raises(AppError, match="unknown routing mode"):
+        generate(c, routing="sideways")
+
+
+def test_eight_concurrent_clients_get_exactly_what_they_get_alone(url, upload_zip):
+    specs = [dict(seed=s, text=t, image=i, routing=r, max_new_tokens=20)
+             for s, (t, i, r) in enumerate([("text_style", "image_style", "vocab"), ("none", "image_style", "vocab"),
+                                            ("text_style", "none", "sequence"), ("none", "none", "none"),
+                                            ("mine", "image_style", "vocab"), ("mine", "none", "sequence"),
+                                            ("text_style", "image_style", "vocab"), ("none", "image_style", "vocab")])]
+    specs[0].update(start_image=True, max_new_tokens=IMAGE_TOKENS, cfg_scale=1.0)
+
+    def run(spec: dict) -> dict:
+        c = client(url)  # a fresh session each time; "mine" is uploaded into that session only
+        if spec["text"] == "mine":
+            c.predict([handle_file(str(upload_zip))], "mine", "text", api_name="/upload_adapter")
+        return generate(c, **spec)
+
+    alone = [run(spec) for spec in specs]
+    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        together = list(pool.map(run, specs))
+    for spec, a, b in zip(specs, alone, together):
+        assert same(a, b), f"concurrent output differs from the same request alone: {spec}"
+    assert len(alone[0]["images"]) == 1
+    assert {label for _, label in alone[4]["tokens"]} <= {"mine", "image_style"}
+    assert len({a["text"] for a in alone}) > 1  # different seeds/adapters really differ
+
+
+def test_uploaded_adapter_is_private_to_its_session(url, pipe, upload_zip):
+    owner, other = client(url), client(url)
+    status = owner.predict([handle_file(str(upload_zip))], "mine", "text", api_name="/upload_adapter")
+    assert "mine" in status[2]
+    assert owner.predict(api_name="/adapters")["uploaded"] == {"mine": "text"}
+    assert other.predict(api_name="/adapters")["uploaded"] == {}
+    assert "mine" not in pipe.adapters  # registered under a session-qualified internal name only
+    assert {label for _, label in generate(owner, text="mine", routing="sequence")["tokens"]} == {"mine"}
+    with pytest.raises(AppError, match="unknown adapter 'mine'"):
+        generate(other, text="mine")
+    internal = next(name for name in pipe.adapters if name.startswith("mine@"))
+    with pytest.raises(AppError, match="unknown adapter"):
+        generate(other, text=internal)  # guessing the internal name does not work either
+
+
+@pytest.mark.parametrize("entries, message", [
+    ({"../adapter_config.json": b"{}", "adapter_model.safetensors": b"x"}, "path traversal"),
+    ({"mine/adapter_config.json": b"{}", "mine/adapter_model.safetensors": b"x", "mine/run.py": b""},
+     "unexpected file"),
+    ({"mine/adapter_config.json": b'{"peft_type": "LORA"}', "mine/adapter_model.safetensors": b"\x80\x04pickle"},
+     "not a safetensors file"),
+])
+def test_bad_upload_shows_a_clear_error_and_changes_nothing(url, pipe, tmp_path, entries, message):
+    c = client(url)
+    before_pipe, before_session = dict(pipe.adapters), c.predict(api_name="/adapters")
+    archive = tmp_path / "bad.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for name, data in entries.items():
+            zf.writestr(name, data)
+    with pytest.raises(AppError, match=f"adapter upload refused: .*{message}"):
+        c.predict([handle_file(str(archive))], "bad", "text", api_name="/upload_adapter")
+    assert pipe.adapters == before_pipe
+    assert c.predict(api_name="/adapters") == before_session
+
+
+def test_upload_the_model_rejects_changes_nothing(url, pipe, tiny_assets, tmp_path):
+    """Well-formed files for the wrong model: the pipeline's loader refuses them; no adapter, no folder is left."""
+    c = client(url)
+    folder = write_tiny_adapter(tiny_assets / "model", tmp_path / "wrong", modality="image", seed=3)
+    config = (folder / "adapter_config.json").read_text().replace("molora/shapes-lm", "someone/else")
+    (folder / "adapter_config.json").write_text(config)
+    before = dict(pipe.adapters)
+    with pytest.raises(AppError, match="adapter upload refused"):
+        c.predict([handle_file(str(folder / "adapter_config.json")),
+                   handle_file(str(folder / "adapter_model.safetensors"))], "wrong", "image",
+                  api_name="/upload_adapter")
+    assert pipe.adapters == before
+    assert c.predict(api_name="/adapters")["uploaded"] == {}
+
+
+def test_python_app_py_serves_on_the_port_from_the_environment(tiny_assets):
+    port = free_port()
+    env = {**os.environ, "MOLORA_MODEL": str(tiny_assets / "model"), "GRADIO_SERVER_PORT": str(port),
+           "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_ANALYTICS_ENABLED": "False"}
+    proc = subprocess.Popen([sys.executable, "app.py"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"app.py exited early:\n{proc.stdout.read()}"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("app.py did not start serving within 90 s")
+        adapters = client(f"http://127.0.0.1:{port}/").predict(api_name="/adapters")
+        assert adapters["builtin"] == {"image_style": "image", "text_style": "text"}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
