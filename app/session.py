@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.uploads import UploadError
+from routing.errors import UnknownAdapterError
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class SessionState:
             return self.uploads[choice].internal_name, choice
         if choice in builtin:
             return choice, choice
-        raise UploadError(f"unknown adapter {choice!r}: choose one of {', '.join(self.names(builtin)) or 'none'}")
+        raise UnknownAdapterError(f"unknown adapter {choice!r}: choose one of {', '.join(self.names(builtin)) or 'none'}")
 
     def names(self, builtin: dict[str, str]) -> list[str]:
         return [*builtin, *self.uploads]

@@ -1,11 +1,14 @@
-"""Gather (BGMV-style) Triton kernel: one program per (token, output tile), for few tokens.
+"""Gather (BGMV-style) Triton kernels for few tokens: split-K shrink, then expand, one program per token.
 
-Each program reads its token's k slot ids, and for each valid slot computes the rank-r shrink t = A[s] @ x[n]
-with a plain multiply-reduce (no tensor cores: one token is one row), then accumulates the expand
-weight * scale[s] * B[s][tile] @ t. Top-k needs no sort and no atomics here: the k choices are a loop.
-The shrink is recomputed by each output tile of a token; A[s] then comes from L2, which is cheap while N is
-small, and is why the dispatcher switches to the grouped kernel for more tokens.
-No metadata, so nothing to synchronise: the grid is (N, cdiv(out, BLOCK_N)), shapes only.
+At decode sizes the work is tiny (one adapter's A and B, ~256 KB at d=4096, r=16) and the time is latency, so
+the `in` reduction is split over SPLIT_K programs per row instead of walked serially:
+  shrink  grid (M rows, SPLIT_K): P[ks, row, :] = A[s] [:, chunk_ks] @ x[token][chunk_ks]   (float32 partials)
+  expand  grid (N, cdiv(out, BLOCK_N)): delta[n, tile] = sum_j weight * scale[s] * B[s][tile] @ sum_ks P[ks, row]
+Rows are the flat (token, choice) pairs n*k + j, so top-k is a loop over the k choices in the expand, with no
+sort and no atomics. No routing metadata at all: the grids depend on shapes only (CUDA-graph safe), and a -1
+choice costs one scalar load per program.
+(The first version fused both phases and walked `in` serially: 28 us at N=1 on the H200 against 19 us for the
+grouped kernel; see benchmarks/RESULTS.md.)
 """
 
 from __future__ import annotations
@@ -16,31 +19,45 @@ from kernels.triton_common import HAS_TRITON, interpreting, next_pow2, tl, trito
 
 if HAS_TRITON:
     @triton.jit
-    def _gather_kernel(x_ptr, a_ptr, b_ptr, slot_ptr, w_ptr, scale_ptr, out_ptr,
-                       IN, OUT, R, S,
-                       sx0, sx1, sa0, sa1, sa2, sb0, sb1, sb2, so0, so1,
-                       K: tl.constexpr, HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _bgmv_shrink_kernel(x_ptr, a_ptr, slot_ptr, part_ptr, M, IN, R, S,
+                            sx0, sx1, sa0, sa1, sa2,
+                            K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        ks = tl.program_id(1)
+        s = tl.load(slot_ptr + row).to(tl.int32)
+        if (s >= 0) & (s < S):  # -1 rows: nothing to do, the expand skips them too
+            offs_r = tl.arange(0, BLOCK_R)
+            mr = offs_r < R
+            offs_k = ks * BLOCK_K + tl.arange(0, BLOCK_K)
+            mk = offs_k < IN
+            xv = tl.load(x_ptr + (row // K) * sx0 + offs_k * sx1, mask=mk, other=0.0).to(tl.float32)
+            a = tl.load(a_ptr + s * sa0 + offs_r[:, None] * sa1 + offs_k[None, :] * sa2,
+                        mask=mr[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            tl.store(part_ptr + (ks * M + row) * BLOCK_R + offs_r, tl.sum(a * xv[None, :], axis=1))
+
+    @triton.jit
+    def _bgmv_expand_kernel(b_ptr, slot_ptr, w_ptr, scale_ptr, part_ptr, out_ptr, M, OUT, R, S,
+                            sb0, sb1, sb2, so0, so1,
+                            K: tl.constexpr, HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr,
+                            SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         offs_o = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mo = offs_o < OUT
         offs_r = tl.arange(0, BLOCK_R)
         mr = offs_r < R
+        offs_s = tl.arange(0, SPLIT_PAD)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for j in tl.static_range(K):
-            s = tl.load(slot_ptr + n * K + j).to(tl.int32)
-            if (s >= 0) & (s < S):  # -1 (and out-of-range) choices cost one scalar load
-                t = tl.zeros([BLOCK_R], dtype=tl.float32)
-                for k0 in range(0, IN, BLOCK_K):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    mk = offs_k < IN
-                    xv = tl.load(x_ptr + n * sx0 + offs_k * sx1, mask=mk, other=0.0).to(tl.float32)
-                    a = tl.load(a_ptr + s * sa0 + offs_r[:, None] * sa1 + offs_k[None, :] * sa2,
-                                mask=mr[:, None] & mk[None, :], other=0.0).to(tl.float32)
-                    t += tl.sum(a * xv[None, :], axis=1)
+            row = n * K + j
+            s = tl.load(slot_ptr + row).to(tl.int32)
+            if (s >= 0) & (s < S):
+                part = tl.load(part_ptr + (offs_s[:, None] * M + row) * BLOCK_R + offs_r[None, :],
+                               mask=(offs_s < SPLIT_K)[:, None], other=0.0)
+                t = tl.sum(part, axis=0)
                 coef = tl.load(scale_ptr + s).to(tl.float32)
                 if HAS_W:
-                    coef = coef * tl.load(w_ptr + n * K + j).to(tl.float32)
+                    coef = coef * tl.load(w_ptr + row).to(tl.float32)
                 b = tl.load(b_ptr + s * sb0 + offs_o[:, None] * sb1 + offs_r[None, :] * sb2,
                             mask=mo[:, None] & mr[None, :], other=0.0).to(tl.float32)
                 acc += tl.sum(b * (t * coef)[None, :], axis=1)
@@ -51,10 +68,11 @@ if HAS_TRITON:
 
 
 def gather_config(n_out: int, d_in: int) -> dict:
-    """Tile sizes. GPU: BLOCK_N=256 output columns per program, 256-wide shrink chunks (see benchmarks)."""
-    if interpreting():  # tiny tiles so interpreter tests walk every loop and mask
+    """Tile sizes: BLOCK_K is the split-K chunk of the shrink, BLOCK_N the output columns per expand program."""
+    if interpreting():  # tiny tiles so interpreter tests walk every split and mask
         return dict(BLOCK_K=16, BLOCK_N=16, num_warps=1)
-    return dict(BLOCK_K=min(256, next_pow2(d_in)), BLOCK_N=min(256, max(16, next_pow2(n_out))), num_warps=4)
+    return dict(BLOCK_K=min(256, max(16, next_pow2(d_in))), BLOCK_N=min(256, max(16, next_pow2(n_out))),
+                num_warps=4)
 
 
 def gather_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
@@ -70,14 +88,20 @@ def gather_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.
     if n == 0 or d_out == 0:
         return out
     k = slots.shape[1]
+    m_rows = n * k
     slots = slots.contiguous()
     w = weights.contiguous() if weights is not None else scale
     cfg = config or gather_config(d_out, d_in)
+    block_r = max(2, next_pow2(r))
+    split_k = triton.cdiv(d_in, cfg["BLOCK_K"])
+    part = torch.empty(split_k, m_rows, block_r, dtype=torch.float32, device=x.device)
+    _bgmv_shrink_kernel[(m_rows, split_k)](x, A, slots, part, m_rows, d_in, r, s_count,
+                                          x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
+                                          K=k, BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
     grid = (n, triton.cdiv(d_out, cfg["BLOCK_N"]))
-    _gather_kernel[grid](x, A, B, slots, w, scale, out, d_in, d_out, r, s_count,
-                         x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
-                         B.stride(0), B.stride(1), B.stride(2), out.stride(0), out.stride(1),
-                         K=k, HAS_W=weights is not None, ACCUMULATE=accumulate,
-                         BLOCK_R=max(2, next_pow2(r)), BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
-                         num_warps=cfg["num_warps"])
+    _bgmv_expand_kernel[grid](B, slots, w, scale, part, out, m_rows, d_out, r, s_count,
+                              B.stride(0), B.stride(1), B.stride(2), out.stride(0), out.stride(1),
+                              K=k, HAS_W=weights is not None, ACCUMULATE=accumulate, SPLIT_K=split_k,
+                              SPLIT_PAD=max(2, next_pow2(split_k)), BLOCK_R=block_r, BLOCK_N=cfg["BLOCK_N"],
+                              num_warps=cfg["num_warps"])
     return out

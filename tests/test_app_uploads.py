@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from app import uploads
 from app.session import SessionState
 from app.uploads import CONFIG_NAME, WEIGHTS_NAME, UploadError, check_adapter_name, validate_upload
-from routing.errors import MoLoRAError
+from routing.errors import MoLoRAError, UnknownAdapterError
 
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
 
@@ -172,7 +172,7 @@ def test_session_names_are_private_and_unique():
     with pytest.raises(UploadError, match="built-in"):
         mine.check_new_name("plain", builtin)
     assert mine.internal_name("x") != theirs.internal_name("x")
-    with pytest.raises(UploadError, match="unknown adapter"):
+    with pytest.raises(UnknownAdapterError, match="unknown adapter"):
         theirs.resolve(mine.internal_name("x"), builtin)
     assert theirs.resolve("none", builtin) == (None, None)
     assert theirs.resolve("plain", builtin) == ("plain", "plain")
