@@ -47,6 +47,7 @@ class _ImageSlot:
     done: int = 0
     total: int = 0
     image: Image.Image | None = None
+    data_uri: str | None = None  # encoded once: the document view is re-rendered on every refresh
 
 
 @dataclass
@@ -82,6 +83,7 @@ class RunView:
         if isinstance(event, ImageDone):
             slot = self._slot(event.index)
             slot.image = event.image
+            slot.data_uri = image_data_uri(event.image)
             slot.done = slot.total = max(slot.total, len(event.adapters))
             labels = [self.label_of(name) for name in event.adapters]
             self.tokens.extend((IMAGE_TOKEN_GLYPH, label) for label in labels)
@@ -146,7 +148,7 @@ class RunView:
                 size = part.image.width * IMAGE_SCALE
                 out.append(
                     f'<figure class="molora-figure"><img class="molora-image" alt="image {part.index + 1}" '
-                    f'width="{size}" height="{size}" src="{image_data_uri(part.image)}" '
+                    f'width="{size}" height="{size}" src="{part.data_uri or image_data_uri(part.image)}" '
                     f'style="image-rendering: pixelated"><figcaption>image {part.index + 1}</figcaption></figure>')
             else:
                 total = max(part.total, 1)

@@ -4,7 +4,8 @@ The model and its built-in adapters are shared by everybody; an uploaded adapter
 uploaded it. It is registered in the shared pipeline under an internal name carrying the session's id, but a
 request can only reach it through its own session's `SessionState`, which maps the visitor's display name to that
 internal name. Other sessions never see it in their pickers, and naming it through the API is refused. When the
-session ends (tab closed, Gradio deletes the state) the adapter is unloaded and its folder removed.
+session ends (Gradio deletes a closed tab's state after its grace period, an hour in Gradio 6, so a reload can
+reconnect) the adapter is unloaded from the pipeline and its folder removed.
 """
 
 from __future__ import annotations
@@ -96,9 +97,13 @@ class SessionState:
 
     def cleanup(self, pipe) -> None:
         """Unload this session's adapters from the shared pipeline and delete its files."""
+        remove = getattr(pipe, "remove_adapter", None)
         for up in list(self.uploads.values()):
+            if remove is None:
+                log.warning("this pipeline cannot unload adapters; %s stays loaded", up.internal_name)
+                continue
             try:
-                pipe.remove_adapter(up.internal_name)
+                remove(up.internal_name)
             except Exception:  # the pipeline may already have dropped it; cleanup must never fail
                 log.debug("adapter %s was already gone", up.internal_name, exc_info=True)
         self.uploads.clear()

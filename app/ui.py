@@ -4,11 +4,18 @@ One `InterleavedPipeline` is shared by every visitor; everything a visitor owns 
 in their `SessionState` (gr.State), so concurrent sessions never see each other's adapters or outputs. The queue
 bounds how many generations run at once (see `DEFAULT_CONCURRENCY`).
 
-Named API endpoints (gradio_client): "/generate" (text, images, HTML file, ...), "/upload_adapter", "/adapters".
+Named API endpoints (each gradio_client.Client is one session):
+    /generate(prompt, text_choice, image_choice, routing, start_image, text_temperature, text_top_k, text_top_p,
+              image_temperature, image_top_k, cfg_scale, seed, max_new_tokens)
+        -> (text with "[image k]" markers, gallery [{"image": png path}], document .html path, document view HTML,
+            routing map {"value": [{"token", "class_or_confidence": adapter}], "color_map"}, stats HTML)
+    /upload_adapter(files, name, modality) -> (text picker, image picker, status, this session's adapters)
+    /adapters() -> {"builtin": {name: modality}, "uploaded": {name: modality}}
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -17,21 +24,22 @@ from pathlib import Path
 
 import gradio as gr
 
+from app.admission import SlotBudget, admitted
 from app.render import BASE_LABEL, RunView, color_map
 from app.session import NONE_CHOICE, SessionState, UploadedAdapter
+from app.streaming import in_background
 from app.uploads import MAX_ZIP_BYTES, check_adapter_name, remove_folder, validate_upload
 from models import GenerationConfig, SamplingConfig
-from models.events import Finished, ImageDone, ImageStarted
 from routing.errors import MoLoRAError
 
 log = logging.getLogger(__name__)
 
-# Two generations at once: on a 2-core CPU more threads only slow each other down, and two requests pin at most
-# four adapters, which the hot set's four slots always hold (a fifth distinct adapter would have to wait).
+# Two generations at once: on a 2-core CPU more threads only slow each other down. Two vocabulary-routed requests
+# pin at most four adapters, which the hot set (>= 4 slots) holds; anything bigger waits in app/admission.py.
 DEFAULT_CONCURRENCY = 2
 MAX_PROMPT_CHARS = 2000
 MAX_NEW_TOKENS = 1024
-REFRESH_SECONDS = 0.15  # the page is refreshed at most this often while tokens stream (images always at once)
+REFRESH_SECONDS = 0.2  # the page is refreshed at most this often while tokens stream
 
 # (prompt, start with an image) pairs in the shapes world's own phrasing (models/shapes/text.py)
 EXAMPLES: list[tuple[str, bool]] = [
@@ -58,6 +66,8 @@ CSS = """
 .molora-status { font-weight: 600; margin-bottom: 0.4rem; }
 .molora-cache, .molora-latency { margin: 0.3rem 0; }
 .molora-spark { display: block; margin-top: 0.2rem; }
+#routing-map .token-container .token { padding: 0 2px; margin: 0; }
+#routing-map .textfield { line-height: 1.5; }
 """
 
 try:  # on a Hugging Face ZeroGPU Space the GPU is attached only inside functions decorated with spaces.GPU
@@ -94,7 +104,11 @@ class MoLoRAApp:
         self.pipe_key = id(pipe)
         _PIPELINES[self.pipe_key] = pipe
         self.builtin: dict[str, str] = dict(pipe.adapters)  # name -> modality, captured before any upload
+        self.budget = SlotBudget(pipe.cache_stats()["num_slots"])
         self.examples = examples if examples is not None else EXAMPLES
+        self.defaults: GenerationConfig = getattr(pipe, "default_config", None) or GenerationConfig()
+        self.codebook_size = int(pipe.vocab.image_size)
+        self.image_tokens = int(pipe.vocab.tokens_per_image) + 2  # <boi> + codes + <eoi>
 
     # --- helpers --------------------------------------------------------------------------------
     def routing_choices(self) -> list[tuple[str, str]]:
@@ -136,18 +150,18 @@ class MoLoRAApp:
                 cfg_scale=float(cfg_scale), seed=int(seed), start_image=bool(start_image))
             view = RunView(label_of=self._labeller(state))
             colors = color_map([*self.builtin, *state.display_names().values()])
-            events = stream_events(self.pipe_key, prompt, text_adapter, image_adapter, routing, config,
-                                   state.extra_adapters())
-            started, last = time.perf_counter(), 0.0
-            for event in events:
-                if not view.apply(event):
-                    continue
-                now = time.perf_counter()
-                if isinstance(event, (ImageStarted, ImageDone)) or now - last >= REFRESH_SECONDS:
-                    last = now
-                    yield self._outputs(view, colors, f"generating… {now - started:.1f} s", None)
-                if isinstance(event, Finished):
-                    break
+            started = time.perf_counter()
+            router = self.pipe.make_router(routing, text_adapter, image_adapter)  # also checks the names
+            tickets = len(set(router.adapters())) if router is not None else 0
+            run = functools.partial(admitted, self.budget, tickets, functools.partial(
+                stream_events, self.pipe_key, prompt, text_adapter, image_adapter, routing, config,
+                state.extra_adapters()))
+            sent: dict = {}
+            for batch in in_background(run, REFRESH_SECONDS):
+                changed = [view.apply(event) for event in batch]
+                if any(changed):
+                    status = f"generating… {time.perf_counter() - started:.1f} s"
+                    yield self._outputs(view, colors, status, None, sent)
             if view.document is None:
                 raise gr.Error("generation ended without a document; see the server log")
             path = self._save_document(view.document, state)
@@ -156,9 +170,21 @@ class MoLoRAApp:
         except MoLoRAError as err:
             raise gr.Error(str(err)) from err
 
-    def _outputs(self, view: RunView, colors: dict[str, str], status: str, path: str | None) -> tuple:
-        routing_map = gr.HighlightedText(value=view.routing_map(), color_map=colors)
-        return (view.text, view.images, path, view.document_html(), routing_map,
+    def _outputs(self, view: RunView, colors: dict[str, str], status: str, path: str | None,
+                 sent: dict | None = None) -> tuple:
+        """Values for (text, images, file, document, routing map, stats). With `sent` (what the page already
+        shows), unchanged outputs are gr.skip(): while an image is drawn only its progress bar and the stats move.
+        Re-sending the 256-token routing map on every refresh is what made a 258-token image take 10 s instead of
+        0.8 s (numbers in `in_background`)."""
+        keys = {"text": view.text, "images": len(view.images), "document": view.document_html(),
+                "routing": (len(view.tokens), view.document is not None)}
+        fresh = {name: sent is None or sent.get(name) != key for name, key in keys.items()}
+        if sent is not None:
+            sent.update(keys)
+        skip = gr.skip()
+        routing_map = gr.HighlightedText(value=view.routing_map(), color_map=colors) if fresh["routing"] else skip
+        return (view.text if fresh["text"] else skip, view.images if fresh["images"] else skip,
+                path if sent is None else skip, keys["document"] if fresh["document"] else skip, routing_map,
                 view.stats_html(self.pipe.cache_stats(), colors, status))
 
     @staticmethod
@@ -187,9 +213,14 @@ class MoLoRAApp:
                                                             "description": "uploaded by a visitor"}))
             try:
                 internal = self.pipe.load_adapter(folder, name=state.internal_name(display))
-            except Exception:
+            except Exception as err:
                 remove_folder(folder)
-                raise
+                if isinstance(err, MoLoRAError):
+                    raise
+                # the loader validates first, so this is unexpected; still a refusal the visitor can read
+                log.exception("loading an uploaded adapter failed")
+                raise gr.Error(f"adapter upload refused: the files could not be loaded ({type(err).__name__}: "
+                               f"{err})") from err
             state.uploads[display] = UploadedAdapter(display, internal, modality, folder)
         except MoLoRAError as err:
             raise gr.Error(f"adapter upload refused: {err}") from err
@@ -233,29 +264,35 @@ class MoLoRAApp:
                                                     value=self.default_adapter("image"), label="Image adapter",
                                                     allow_custom_value=True, elem_id="image-adapter")
                     routing = gr.Radio(self.routing_choices(), value="vocab", label="Routing")
-                    start_image = gr.Checkbox(False, label="Start with an image (text -> image: the prompt is "
-                                              "followed by <boi>)", elem_id="start-image")
+                    start_image = gr.Checkbox(False, label="Start with an image",
+                                              info="text -> image: the prompt is followed by <boi>",
+                                              elem_id="start-image")
+                    d = self.defaults
                     with gr.Accordion("Sampling", open=False):
                         with gr.Row():
-                            text_temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Text temperature")
-                            text_top_k = gr.Slider(0, 200, value=0, step=1, label="Text top-k (0 = off)")
-                            text_top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="Text top-p (1 = off)")
+                            text_temperature = gr.Slider(0.0, 2.0, value=d.text.temperature, step=0.05,
+                                                         label="Text temperature")
+                            text_top_k = gr.Slider(0, 200, value=d.text.top_k, step=1, label="Text top-k (0 = off)")
+                            text_top_p = gr.Slider(0.05, 1.0, value=d.text.top_p, step=0.05,
+                                                   label="Text top-p (1 = off)")
                         with gr.Row():
-                            image_temperature = gr.Slider(0.0, 2.0, value=1.0, step=0.05,
+                            image_temperature = gr.Slider(0.0, 2.0, value=d.image.temperature, step=0.05,
                                                           label="Image temperature")
-                            image_top_k = gr.Slider(0, 512, value=100, step=1, label="Image top-k (0 = off)")
+                            image_top_k = gr.Slider(0, self.codebook_size, value=min(d.image.top_k, self.codebook_size),
+                                                    step=1, label="Image top-k (0 = off)")
                         with gr.Row():
-                            cfg_scale = gr.Slider(1.0, 10.0, value=3.0, step=0.5, label="Image CFG scale")
-                            seed = gr.Number(0, precision=0, label="Seed")
-                        max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS, value=320, step=1,
-                                                   label="Max new tokens (an image is 258)")
+                            cfg_scale = gr.Slider(1.0, 10.0, value=d.cfg_scale, step=0.5, label="Image CFG scale")
+                            seed = gr.Number(0, precision=0, minimum=0, maximum=2**31 - 1, label="Seed")
+                        max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS, value=min(d.max_new_tokens, MAX_NEW_TOKENS),
+                                                   step=1, label=f"Max new tokens (an image is {self.image_tokens})")
                     run = gr.Button("Generate", variant="primary", elem_id="generate")
-                    gr.Examples([list(e) for e in self.examples], inputs=[prompt, start_image], label="Example prompts")
+                    gr.Examples([list(e) for e in self.examples], inputs=[prompt, start_image],
+                                label="Example prompts")
                     with gr.Accordion("Upload your own adapter (private to this session)", open=False):
                         gr.Markdown(
                             "A zipped PEFT LoRA folder, or its `adapter_config.json` and "
                             f"`adapter_model.safetensors`; at most {MAX_ZIP_BYTES // 2**20} MB. It is checked, "
-                            "loaded for this browser session only, and removed when you close the tab.")
+                            "loaded for this browser session only, and removed when the session ends.")
                         upload_files = gr.File(label="Adapter files", file_count="multiple",
                                                file_types=[".zip", ".json", ".safetensors"], type="filepath")
                         with gr.Row():
@@ -266,26 +303,27 @@ class MoLoRAApp:
                 with gr.Column(scale=3):
                     document = gr.HTML(label="Document", elem_id="document",
                                        value='<div class="molora-doc molora-empty">Press Generate.</div>')
-                    routing_map = gr.HighlightedText(label="Routing map: each generated token, coloured by its adapter",
-                                                     show_legend=True, show_inline_category=False,
+                    routing_map = gr.HighlightedText(label="Routing map: each generated token, coloured by the "
+                                                     "adapter it used", show_legend=True, show_inline_category=False,
                                                      combine_adjacent=False, elem_id="routing-map")
                     stats = gr.HTML(elem_id="stats")
-                    with gr.Accordion("Outputs (text, images, HTML download)", open=False):
+                    html_file = gr.File(label="Download the document (HTML, images inside)", elem_id="html-file")
+                    with gr.Accordion("Plain text and images", open=False):
                         text_out = gr.Textbox(label="Text", lines=4, elem_id="text-out")
                         images = gr.Gallery(label="Images", format="png", columns=4, height="auto",
                                             elem_id="images")
-                        html_file = gr.File(label="Document (HTML)", elem_id="html-file")
                     adapters_json = gr.JSON(visible=False)
 
             run.click(self.generate,
                       inputs=[prompt, text_adapter, image_adapter, routing, start_image, text_temperature,
-                              text_top_k, text_top_p, image_temperature, image_top_k, cfg_scale, seed, max_new_tokens, state],
+                              text_top_k, text_top_p, image_temperature, image_top_k, cfg_scale, seed,
+                              max_new_tokens, state],
                       outputs=[text_out, images, html_file, document, routing_map, stats],
                       api_name="generate", show_progress="minimal")
             upload_button.click(self.upload_adapter,
                                 inputs=[upload_files, upload_name, upload_modality, state],
                                 outputs=[state, text_adapter, image_adapter, upload_status, adapters_json],
-                                api_name="upload_adapter")
+                                api_name="upload_adapter", show_progress_on=[upload_status])
             demo.load(self.list_adapters, inputs=[state], outputs=[adapters_json], api_name="adapters")
         return demo
 

@@ -166,15 +166,19 @@ class Document:
 
         data = self.to_json_dict(ref)
         lines = []
+        # text is escaped so generated "<script>" stays text in Markdown viewers; document.json keeps it exact
         if data["prompt"]:
             lines.append("**Prompt:** " + " ".join(
-                p["text"] if p["type"] == "text" else f"![prompt image]({p['src']})" for p in data["prompt"]))
+                html.escape(p["text"], quote=False) if p["type"] == "text" else f"![prompt image]({p['src']})"
+                for p in data["prompt"]))
             lines.append("")
-        for k, part in enumerate(p for p in data["parts"]):
+        images = 0
+        for part in data["parts"]:
             if part["type"] == "text":
-                lines.append(part["text"])
+                lines.append(html.escape(part["text"], quote=False))
             else:
-                lines.append(f"\n![image {k}]({part['src']})\n")
+                images += 1
+                lines.append(f"\n![image {images}]({part['src']})\n")
         for notice in self.notices:
             lines.append(f"\n> {notice}")
         (directory / JSON_SIDECAR).write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")

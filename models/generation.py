@@ -358,10 +358,10 @@ class InterleavedDecoder:
             logits, cache, routing = self.decode_one_token(feed, attn[:, :col + 1], pos, cache, routers)
 
     def _batch_routers(self, routers: list[Any], use_cfg: bool) -> Any:
-        """routers=None when no row routes; else one per row (unconditional twins share their row's)."""
+        """What RoutedModel.forward gets: None when no row routes, the router itself when every row shares one
+        (cheapest: no per-row grouping), else one per row; unconditional twins use their row's router."""
         if all(r is None for r in routers):
             return None
-        if any(r is None for r in routers):
-            from routing import SequenceRouter
-            routers = [SequenceRouter(None) if r is None else r for r in routers]
+        if all(r is routers[0] for r in routers):
+            return routers[0]
         return routers + routers if use_cfg else routers

@@ -139,7 +139,8 @@ def load_model_dir(path: str | Path | None = None, *, adapters_dir: str | Path |
 
     model_dir, adapters_dir = resolve_dirs(path, adapters_dir)
     if not model_dir.is_dir():
-        hint = " (the embedded model is built by the training scripts)" if path is None else ""
+        hint = (" (build the embedded model with scripts/build_embedded.sh and copy OUT/model and OUT/adapters "
+                "into assets/, or pass a model directory)") if path is None else ""
         raise ModelDirError(f"model directory {model_dir} does not exist{hint}")
     missing = missing_model_files(model_dir)
     if missing:

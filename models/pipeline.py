@@ -3,7 +3,7 @@
     >>> from models import InterleavedPipeline
     >>> pipe = InterleavedPipeline.from_pretrained()             # assets/model + every adapter in assets/adapters
     >>> doc = pipe.generate("a red circle in the top left", seed=0, start_image=True,
-    ...                     text_adapter=None, image_adapter="outline", routing="vocab")
+    ...                     text_adapter="pirate", image_adapter="outline", routing="vocab")
     >>> doc.save_html("out/circle.html")
     >>> for event in pipe.stream("two blue squares", seed=1):   # TextDelta, ImageStarted, ImageDone, ...
     ...     print(type(event).__name__)
@@ -33,9 +33,17 @@ from PIL import Image
 from models.document import Document, DocumentBuilder
 from models.events import Finished, StepTiming
 from models.generation import NO_TOKEN, GenerationConfig, InterleavedDecoder, Request, open_image_span
-from models.loading import AdapterInfo, LoadedModel, adapter_rank, load_model_dir, read_adapter_info
+from models.loading import (
+    AdapterInfo,
+    LoadedModel,
+    ModelDirError,
+    adapter_rank,
+    load_model_dir,
+    read_adapter_info,
+)
 from models.sampling import GenerationError
 from routing import (
+    AdapterError,
     LearnedGates,
     LearnedRouter,
     SequenceRouter,
@@ -75,8 +83,10 @@ class InterleavedPipeline:
         logits_size = int(loaded.lm.config.get_text_config().vocab_size)
         self.decoder = InterleavedDecoder(self.routed, self.vocab, device=self.device,
                                           max_positions=self.max_positions, logits_size=logits_size)
-        self.default_config = GenerationConfig.from_dict(loaded.generation_defaults) \
-            if loaded.generation_defaults else GenerationConfig()
+        try:
+            self.default_config = GenerationConfig.from_dict(loaded.generation_defaults)
+        except (GenerationError, TypeError) as exc:
+            raise ModelDirError(f"{self.path / 'generation.json'} does not describe a GenerationConfig: {exc}") from exc
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, adapters_dir: str | Path | None = None,
@@ -102,6 +112,18 @@ class InterleavedPipeline:
         """Load a PEFT LoRA folder (+ optional molora.json); returns its name. Bad files raise, nothing changes."""
         info = read_adapter_info(path, name)
         return self._add(info, name, force=force)
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload an adapter. Unknown names raise UnknownAdapterError; an adapter in use by a running request
+        (or named by the learned gates) raises AdapterError and stays loaded."""
+        with self._lock:
+            if name not in self._adapters:
+                raise UnknownAdapterError(f"no adapter named {name!r} is loaded "
+                                          f"(loaded: {', '.join(self._adapters) or 'none'})")
+            if self.gates is not None and name in self.gates.adapters:
+                raise AdapterError(f"adapter {name!r} is routed by the loaded learned gates; it cannot be removed")
+            self.routed.remove_adapter(name)
+            del self._adapters[name]
 
     def _add(self, info: AdapterInfo, name: str | None, *, force: bool = False) -> str:
         with self._lock:
@@ -155,7 +177,12 @@ class InterleavedPipeline:
                       ) -> tuple[list[int], list[str | Image.Image], list[str]]:
         """(unified ids starting with <bos>, prompt parts, notices). Truncates from the left to leave room for
         `max_new_tokens` (at most half the model's positions), never cutting an image span."""
-        parts = [prompt] if isinstance(prompt, (str, Image.Image)) else list(prompt) if prompt is not None else None
+        if isinstance(prompt, (str, Image.Image)):
+            parts = [prompt]
+        elif isinstance(prompt, (list, tuple)):
+            parts = list(prompt)
+        else:
+            parts = None
         if parts is None or not all(isinstance(p, (str, Image.Image)) for p in parts):
             raise GenerationError("a prompt is a str, a PIL image, or a list of them; got "
                                   f"{type(prompt).__name__}")
@@ -190,6 +217,7 @@ class InterleavedPipeline:
                config: GenerationConfig | None = None, **overrides: Any) -> Iterator[Any]:
         """Generate and yield events as they happen (models/events.py); the last event of each prompt is
         Finished(document). A list of prompts decodes as one batch; events carry their prompt's `row`.
+        Bad arguments raise here, before the iterator is returned; closing the iterator stops decoding.
 
         >>> for event in pipe.stream("a green triangle", seed=0, max_new_tokens=300):
         ...     pass
@@ -220,14 +248,19 @@ class InterleavedPipeline:
             builders.append(DocumentBuilder(self.tokenizer, self.image_tokenizer, row=row, prompt=parts,
                                             meta=meta, notices=notices + shared_notices,
                                             image_open=open_image_span(ids, self.vocab) is not None))
+        requests = [Request(ids, router) for (ids, _, _), router in zip(encoded, routers)]
+        return self._events(requests, builders, run_config)
+
+    def _events(self, requests: list[Request], builders: list[DocumentBuilder], config: GenerationConfig
+                ) -> Iterator[Any]:
+        """The decode loop as events (a generator: closing it early stops decoding, e.g. a UI stop button)."""
         for builder in builders:
             yield from builder.start()
-
-        requests = [Request(ids, router) for (ids, _, _), router in zip(encoded, routers)]
-        total_ms, steps = 0.0, 0
-        alive = [True] * len(prompts)
-        for step in self.decoder.generate(requests, run_config):
+        total_ms, first_ms, steps = 0.0, 0.0, 0
+        alive = [True] * len(requests)
+        for step in self.decoder.generate(requests, config):
             total_ms += step.ms
+            first_ms = first_ms or step.ms
             steps += 1
             yield StepTiming(step.index, step.ms, batch=sum(alive))
             for row, (token, adapter) in enumerate(zip(step.tokens, step.adapters)):
@@ -236,10 +269,10 @@ class InterleavedPipeline:
                 yield from builders[row].add(token, adapter)
                 if token == self.vocab.eos_id:
                     alive[row] = False
-                    yield from self._finish(builders[row], "eos", steps, total_ms)
+                    yield from self._finish(builders[row], "eos", steps, total_ms, first_ms)
         for row, builder in enumerate(builders):
             if alive[row]:
-                yield from self._finish(builder, "length", steps, total_ms)
+                yield from self._finish(builder, "length", steps, total_ms, first_ms)
 
     def generate(self, prompt: Prompt | list[Prompt], *, text_adapter: str | None | Sequence[str | None] = None,
                  image_adapter: str | None | Sequence[str | None] = None, routing: str = "vocab",
@@ -263,9 +296,12 @@ class InterleavedPipeline:
         ordered = [documents[row] for row in sorted(documents)]
         return ordered if split_prompts(prompt)[1] else ordered[0]
 
-    def _finish(self, builder: DocumentBuilder, reason: str, steps: int, total_ms: float) -> list:
+    def _finish(self, builder: DocumentBuilder, reason: str, steps: int, total_ms: float, first_ms: float) -> list:
+        """Stamp the batch's timing so far (step 0 includes the prompt's prefill) and close the document."""
+        decode_ms = (total_ms - first_ms) / max(steps - 1, 1)
         builder.doc.meta["timing"] = {"steps": steps, "total_ms": round(total_ms, 3),
-                                      "ms_per_step": round(total_ms / max(steps, 1), 3)}
+                                      "ms_per_step": round(total_ms / max(steps, 1), 3),
+                                      "prefill_ms": round(first_ms, 3), "decode_ms_per_step": round(decode_ms, 3)}
         return builder.finish(reason)
 
 

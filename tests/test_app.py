@@ -24,6 +24,7 @@ from gradio_client.exceptions import AppError
 from PIL import Image
 
 from app.render import BASE_LABEL
+from app.session import SessionState, UploadedAdapter
 from app.server import serve
 from models import InterleavedPipeline
 from models.testing import write_tiny_adapter
@@ -220,3 +221,18 @@ def test_python_app_py_serves_on_the_port_from_the_environment(tiny_assets):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_ending_a_session_unloads_its_adapters_and_deletes_its_files(pipe, upload_zip):
+    """What gr.State's delete_callback runs when Gradio drops a session's state."""
+    state = SessionState()
+    state.bind("session-to-end")
+    with zipfile.ZipFile(upload_zip) as zf:
+        zf.extractall(state.folder())
+    folder = state.folder() / "mine"
+    internal = pipe.load_adapter(folder, name=state.internal_name("mine"))
+    state.uploads["mine"] = UploadedAdapter("mine", internal, "text", folder)
+    assert internal in pipe.adapters
+    workdir = state.folder()
+    state.cleanup(pipe)
+    assert internal not in pipe.adapters and not workdir.exists() and state.uploads == {}

@@ -52,6 +52,15 @@ def tempting_bias(vocab, size: int, boi: float = 8.0) -> torch.Tensor:
     return bias
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: the tiny model is faster that way, and the shared 2-core machine stays responsive."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def lm(tiny_pipeline):
     return tiny_pipeline.routed

@@ -1,0 +1,92 @@
+"""Command line: write a generated document of text and images.
+
+    python -m models "a red circle in the top left" --out out/doc.html --start-image --seed 0
+    python -m models "describe:" --image photo.png --out out/caption.html --markdown out/caption
+    python -m models "two stars" --image-adapter outline --routing vocab --cfg-scale 3 --out out/stars.html
+
+Prints the paths it wrote. Errors of the project (unknown adapter, missing model files, ...) exit with status 2
+and their message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from models.pipeline import ROUTING_MODES, InterleavedPipeline
+from routing.errors import MoLoRAError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m models", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", help="text prompt ('' is allowed)")
+    p.add_argument("--image", action="append", default=[], type=Path,
+                   help="image file(s) placed before the text prompt (image -> text); repeatable")
+    p.add_argument("--out", type=Path, default=Path("document.html"), help="HTML file to write")
+    p.add_argument("--markdown", type=Path, default=None, help="also write Markdown + PNGs into this directory")
+    p.add_argument("--model", type=Path, default=None, help="model directory (default: the repo's assets/model)")
+    p.add_argument("--adapters-dir", type=Path, default=None, help="adapters folder (default: beside the model)")
+    p.add_argument("--adapter", action="append", default=[], type=Path, help="extra adapter folder to load")
+    p.add_argument("--text-adapter", default=None)
+    p.add_argument("--image-adapter", default=None)
+    p.add_argument("--routing", default="vocab", choices=ROUTING_MODES)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--cfg-scale", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=None, help="text temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="text top-p")
+    p.add_argument("--image-temperature", type=float, default=None)
+    p.add_argument("--image-top-k", type=int, default=None)
+    p.add_argument("--max-images", type=int, default=None)
+    p.add_argument("--start-image", action="store_true", help="begin the continuation with an image")
+    p.add_argument("--no-color", action="store_true", help="do not colour tokens by adapter in the HTML")
+    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for torch (default 1: fastest for the small embedded model, and robust when "
+                        "other processes share the cores)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = {key: value for key, value in {
+        "seed": args.seed, "max_new_tokens": args.max_new_tokens, "cfg_scale": args.cfg_scale,
+        "text_temperature": args.temperature, "text_top_p": args.top_p,
+        "image_temperature": args.image_temperature, "image_top_k": args.image_top_k,
+        "max_images": args.max_images}.items() if value is not None}
+    if args.start_image:
+        overrides["start_image"] = True
+    try:
+        images = []
+        for path in args.image:
+            try:
+                with Image.open(path) as im:
+                    images.append(im.convert("RGB"))
+            except OSError as exc:
+                raise MoLoRAError(f"cannot read image {path}: {exc}") from exc
+        pipe = InterleavedPipeline.from_pretrained(args.model, adapters_dir=args.adapters_dir, device=args.device)
+        for path in args.adapter:
+            pipe.load_adapter(path)
+        prompt = [*images, args.prompt] if images else args.prompt
+        doc = pipe.generate(prompt, text_adapter=args.text_adapter, image_adapter=args.image_adapter,
+                            routing=args.routing, **overrides)
+    except MoLoRAError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(doc.save_html(args.out, color_tokens=not args.no_color))
+    if args.markdown is not None:
+        print(doc.save_markdown(args.markdown))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
