@@ -50,6 +50,7 @@ from routing import (
     UnknownAdapterError,
     VocabRangeRouter,
     attach_routed_lora,
+    merge_adapters,
 )
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,29 @@ class InterleavedPipeline:
             info.name = loaded
             self._adapters[loaded] = info
             return loaded
+
+    def merge_adapters(self, names: Sequence[str], name: str | None = None) -> str:
+        """Add an adapter that is the exact sum of `names` (modality "merged") and return its name.
+
+        This is the "merged adapter" baseline: routed per sequence it applies every style to every token,
+        where vocabulary routing gives each adapter only the tokens of its modality. Its rank is the sum of the
+        ranks merged, which must fit the cache's r_max. Merging the same names again returns the same adapter.
+        """
+        names = list(names)
+        with self._lock:
+            unknown = [n for n in names if n not in self._adapters]
+            if unknown:
+                raise UnknownAdapterError(f"cannot merge unknown adapters {unknown}; loaded adapters: "
+                                          f"{', '.join(self._adapters) or 'none'}")
+            name = name or "+".join(names)
+            if name in self._adapters:
+                if self._adapters[name].modality == "merged":
+                    return name
+                raise AdapterError(f"an adapter named {name!r} is already loaded; pick another name for the merge")
+            merged = merge_adapters([self.routed.adapter(n) for n in names], name)
+            self.routed.add_adapter(merged)
+            self._adapters[name] = AdapterInfo(name, self.path, "merged", f"sum of {', '.join(names)}")
+            return name
 
     def load_learned_router(self, path: str | Path, *, top_k: int | None = None) -> None:
         """Load learned gates (routing.LearnedGates.save); their adapters must be loaded already."""

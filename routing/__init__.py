@@ -5,7 +5,7 @@
     out = routed(input_ids, routers=VocabRangeRouter(vocab, text_adapter="formal", image_adapter="outline"))
 """
 
-from routing.adapters import LoraAdapter, load_peft_adapter, save_peft_adapter
+from routing.adapters import LoraAdapter, load_peft_adapter, merge_adapters, save_peft_adapter
 from routing.cache import HotSetCache
 from routing.errors import AdapterError, CacheFullError, MoLoRAError, RoutingError, UnknownAdapterError
 from routing.lora import RoutedLoRALinear
@@ -22,7 +22,7 @@ from routing.routers import (
 
 __all__ = [
     "MoLoRAError", "AdapterError", "UnknownAdapterError", "CacheFullError", "RoutingError",
-    "LoraAdapter", "load_peft_adapter", "save_peft_adapter",
+    "LoraAdapter", "load_peft_adapter", "merge_adapters", "save_peft_adapter",
     "attach_routed_lora", "RoutedModel", "RoutedOutput", "HotSetCache", "RoutedLoRALinear",
     "VocabRangeRouter", "SequenceRouter", "LearnedRouter", "LearnedGates", "Router", "TokenRouting",
     "load_balance_loss", "router_z_loss",

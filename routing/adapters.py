@@ -103,6 +103,29 @@ class LoraAdapter:
             raise AdapterError(f"adapter '{self.name}': scales given for modules without weights: {sorted(extra)}")
 
 
+def merge_adapters(adapters: list[LoraAdapter], name: str) -> LoraAdapter:
+    """One adapter whose delta is exactly the sum of the given adapters' deltas (the "merged" baseline).
+
+    Ranks are concatenated (A stacked on rows, B on columns) and each adapter's scale is folded into its B,
+    so every module of the result has scale 1 and rank = the sum of the ranks that target it.
+    """
+    if len(adapters) < 2:
+        raise AdapterError(f"merging needs at least two adapters, got {len(adapters)}")
+    modules = sorted({m for adapter in adapters for m in adapter.weights})
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module in modules:
+        parts = [(adapter.weights[module], adapter.scales[module]) for adapter in adapters if module in adapter.weights]
+        a = torch.cat([a for (a, _), _ in parts], dim=0)
+        b = torch.cat([b * scale for (_, b), scale in parts], dim=1)
+        weights[module] = (a, b)
+    bases = {a.base_model_name_or_path for a in adapters} - {None}
+    config = {"peft_type": "LORA", "base_model_name_or_path": bases.pop() if len(bases) == 1 else None,
+              "merged_from": [a.name for a in adapters]}
+    merged = LoraAdapter(name, weights, {m: 1.0 for m in modules}, config)
+    merged.validate()
+    return merged
+
+
 # --- base-model names -----------------------------------------------------------------------------------
 
 def same_base_model(a: str | None, b: str | None) -> bool:

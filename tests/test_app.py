@@ -236,3 +236,14 @@ def test_ending_a_session_unloads_its_adapters_and_deletes_its_files(pipe, uploa
     workdir = state.folder()
     state.cleanup(pipe)
     assert internal not in pipe.adapters and not workdir.exists() and state.uploads == {}
+
+
+def test_generation_streams_partial_pages_before_the_final_one(url):
+    job = client(url).submit(**request(start_image=True, max_new_tokens=IMAGE_TOKENS, cfg_scale=1.0),
+                             api_name="/generate")
+    final = job.result(timeout=120)
+    outputs = job.outputs()
+    assert len(outputs) >= 2 and outputs[-1][5] == final[5]
+    partial_stats = [o[5] for o in outputs[:-1]]
+    assert all("generating…" in stats for stats in partial_stats)
+    assert "done in" in final[5] and final[2] is not None  # the HTML file only comes with the final page
