@@ -175,7 +175,7 @@ def check_graph_capture() -> bool:
     if DEV == "cpu":
         return True
     ok = True
-    for n, k in ((8, 1), (64, 1), (1000, 1), (64, 2)):
+    for n, k in ((8, 1), (64, 1), (1000, 1), (64, 2), (1000, 2)):
         x, A, B, slots, w, scale = make_inputs(n, k, seed=7)
         def call():
             return routed_lora_topk(x, A, B, slots, w, scale) if k > 1 else routed_lora(x, A, B, slots[:, 0], scale)

@@ -16,9 +16,15 @@ from kernels.triton_common import HAS_TRITON, interpreting
 
 log = logging.getLogger(__name__)
 
-# Rows (N*k) up to which the gather kernel beats the grouped one. Set from benchmarks/kernels.py on the H200
-# (4 slots, d=4096, r=16, bf16, CUDA-graph replay, median us) -- see benchmarks/RESULTS.md "Kernels (K1-K5)".
-GATHER_MAX_ROWS = 32
+# Rows (N*k) up to which the gather kernel beats the grouped one; chosen from benchmarks/kernels.py on the H200
+# 2026-11-30 (4 slots, d=4096, r=16, bf16, CUDA-graph replay, L2 flushed, median us):
+#   N      gather   grouped+meta built in the call   grouped, meta prebuilt
+#   256    17.57    23.17                            20.42
+#   512    27.01    28.26                            22.30
+#   1024   45.54    31.81                            25.31
+# so gather up to 512 rows for a self-contained call, up to 256 when the caller passes a prebuilt `meta`.
+GATHER_MAX_ROWS = 512
+GATHER_MAX_ROWS_WITH_META = 256
 
 PATHS = ("auto", "torch", "gather", "grouped")
 
@@ -28,10 +34,11 @@ def triton_usable(x: torch.Tensor) -> bool:
     return HAS_TRITON and (x.is_cuda or interpreting()) and x.dtype != torch.float64
 
 
-def choose_path(x: torch.Tensor, k: int) -> str:
+def choose_path(x: torch.Tensor, k: int, has_meta: bool = False) -> str:
     if not triton_usable(x):
         return "torch"
-    return "gather" if x.shape[0] * k <= GATHER_MAX_ROWS else "grouped"
+    limit = GATHER_MAX_ROWS_WITH_META if has_meta else GATHER_MAX_ROWS
+    return "gather" if x.shape[0] * k <= limit else "grouped"
 
 
 def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
@@ -39,7 +46,7 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
                         meta: RoutingMeta | None = None, path: str = "auto") -> torch.Tensor:
     """No-autograd forward for slots [N, k]: the delta in x's dtype, or `out` after out += delta."""
     if path == "auto":
-        path = choose_path(x, slots.shape[1])
+        path = choose_path(x, slots.shape[1], meta is not None)
     if path == "torch":
         delta = routed_lora_torch(x, A, B, slots, weights, scale)
         if out is not None:

@@ -25,7 +25,7 @@ from PIL import Image
 
 from app.render import BASE_LABEL
 from app.session import SessionState, UploadedAdapter
-from app.server import serve
+from app.server import serve, warm_up
 from models import InterleavedPipeline
 from models.testing import write_tiny_adapter
 
@@ -42,7 +42,9 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def pipe(tiny_assets: Path) -> InterleavedPipeline:
     # our own pipeline, not conftest's shared one: the app loads uploaded adapters into it
-    return InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")
+    pipe = InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")
+    warm_up(pipe)  # what `python app.py` does before serving; later tests then see warm timings
+    return pipe
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +205,7 @@ def test_python_app_py_serves_on_the_port_from_the_environment(tiny_assets):
     port = free_port()
     env = {**os.environ, "MOLORA_MODEL": str(tiny_assets / "model"), "GRADIO_SERVER_PORT": str(port),
            "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_ANALYTICS_ENABLED": "False"}
-    proc = subprocess.Popen([sys.executable, "app.py"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "app.py", "--no-warmup"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 90

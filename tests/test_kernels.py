@@ -164,8 +164,11 @@ def test_dispatcher_picks_by_shape_only(monkeypatch):
     monkeypatch.setattr(dispatch, "triton_usable", lambda _x: True)
     small = torch.zeros(dispatch.GATHER_MAX_ROWS, 4)
     assert dispatch.choose_path(small, 1) == "gather"
-    assert dispatch.choose_path(small, 2) == "grouped"
+    assert dispatch.choose_path(torch.zeros(dispatch.GATHER_MAX_ROWS // 2 + 1, 4), 2) == "grouped"
     assert dispatch.choose_path(torch.zeros(dispatch.GATHER_MAX_ROWS + 1, 4), 1) == "grouped"
+    with_meta = torch.zeros(dispatch.GATHER_MAX_ROWS_WITH_META + 1, 4)
+    assert dispatch.choose_path(with_meta, 1, has_meta=True) == "grouped"
+    assert dispatch.choose_path(with_meta[:-1], 1, has_meta=True) == "gather"
 
 
 def test_metadata_builder_is_sync_free_and_sorted(monkeypatch):
