@@ -11,7 +11,7 @@ import logging
 import torch
 
 from kernels.metadata import RoutingMeta
-from kernels.torch_ops import routed_lora_torch
+from kernels.torch_ops import routed_lora_torch, routed_lora_torch_dense
 from kernels.triton_common import HAS_TRITON, interpreting
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 # so gather up to 512 rows for a self-contained call, up to 256 when the caller passes a prebuilt `meta`.
 GATHER_MAX_ROWS = 512
 GATHER_MAX_ROWS_WITH_META = 256
+
+# Rows up to which the CPU uses the gather+bmm form instead of the slot-grouped loop (decode steps: 2-8 rows).
+CPU_GATHER_MAX_ROWS = 16
 
 PATHS = ("auto", "torch", "gather", "grouped")
 
@@ -48,7 +51,8 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
     if path == "auto":
         path = choose_path(x, slots.shape[1], meta is not None)
     if path == "torch":
-        delta = routed_lora_torch(x, A, B, slots, weights, scale)
+        small = x.shape[0] * slots.shape[1] <= CPU_GATHER_MAX_ROWS
+        delta = (routed_lora_torch_dense if small else routed_lora_torch)(x, A, B, slots, weights, scale)
         if out is not None:
             return out.add_(delta)
         return delta.to(x.dtype)

@@ -69,6 +69,29 @@ def routed_lora_torch(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: 
     return out
 
 
+def routed_lora_torch_dense(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                            weights: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
+    """The same delta for a few rows (decode steps on CPU), as dense matmuls against every slot at once.
+
+    delta = sum_s (C[:, s] * (x @ A[s]^T)) @ B[s]^T, where C[n, s] sums weight * scale over the k choices of
+    row n that picked slot s. It does S-fold the arithmetic of the grouped loop, which is nothing at decode
+    sizes, but needs no sort, no host read and a handful of ops; CPU time there is per-op overhead.
+    float32 result.
+    """
+    acc = accumulate_dtype(x.dtype)
+    n, k = slots.shape
+    num_slots, r, _ = A.shape
+    slots = slots.long()
+    valid = slots >= 0
+    safe = torch.where(valid, slots, num_slots)  # -1 -> a spare column that is dropped
+    coef = torch.cat([scale.to(acc), scale.new_zeros(1, dtype=acc)])[safe]
+    if weights is not None:
+        coef = coef * weights.to(acc)
+    mix = torch.zeros(n, num_slots + 1, dtype=acc, device=x.device).scatter_add_(1, safe, coef)[:, :num_slots]
+    shrunk = (x.to(acc) @ A.reshape(num_slots * r, -1).to(acc).t()).view(n, num_slots, r) * mix[:, :, None]
+    return torch.bmm(shrunk.transpose(0, 1), B.to(acc).transpose(1, 2)).sum(0)
+
+
 def routed_lora_torch_backward(grad: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                                slots: torch.Tensor, weights: torch.Tensor | None, scale: torch.Tensor,
                                needs: tuple[bool, bool, bool, bool]
