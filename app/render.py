@@ -60,6 +60,7 @@ class RunView:
     """
 
     label_of: Callable[[str | None], str]
+    prompt: str = ""  # shown, muted, before the generated parts so the document reads as a whole
     parts: list[str | _ImageSlot] = field(default_factory=list)
     tokens: list[tuple[str, str]] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
@@ -97,6 +98,8 @@ class RunView:
         if isinstance(event, Finished):
             self.document = event.document
             self.finish_reason = event.reason
+            # an image the token budget cut off is left out of the document (a Notice says so): drop its bar
+            self.parts = [p for p in self.parts if not (isinstance(p, _ImageSlot) and p.image is None)]
             self.tokens = [(IMAGE_TOKEN_GLYPH if record.modality == "image" else record.piece,
                             self.label_of(record.adapter)) for record in event.document.routing]
             return True
@@ -138,9 +141,11 @@ class RunView:
 
     def document_html(self) -> str:
         """The interleaved document: escaped text, finished images, and a progress bar for the one being drawn."""
-        if not self.parts:
-            return '<div class="molora-doc molora-empty">Generating…</div>'
         out = ['<div class="molora-doc">']
+        if self.prompt:
+            out.append(f'<span class="molora-prompt">{html.escape(self.prompt)}</span>')
+        if not self.parts:
+            out.append('<span class="molora-empty"> …</span>')
         for part in self.parts:
             if isinstance(part, str):
                 out.append(f'<span class="molora-text">{html.escape(part)}</span>')

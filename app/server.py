@@ -76,6 +76,7 @@ def create_demo(pipe: InterleavedPipeline, concurrency: int = DEFAULT_CONCURRENC
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own health checks, one line per request
     args = parse_args(argv)
     pipe = load_pipeline(args.model, args.device)
     if not args.no_warmup:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 import time
@@ -42,7 +43,10 @@ def in_background(make_events: Callable[[], Iterator[object]], interval: float) 
         finally:
             events.put(_END)
 
-    threading.Thread(target=work, name="molora-generate", daemon=True).start()
+    # the worker runs in a copy of this request's context: Gradio's per-request state (and ZeroGPU's quota
+    # accounting, which reads it inside @spaces.GPU) lives in contextvars, which new threads do not inherit
+    context = contextvars.copy_context()
+    threading.Thread(target=context.run, args=(work,), name="molora-generate", daemon=True).start()
     try:
         while True:
             batch = [events.get()]

@@ -59,7 +59,8 @@ LEARNED_CHOICE = ("learned router (top-k gate over domain adapters)", "learned")
 
 CSS = """
 .molora-doc { font-size: 1.05rem; line-height: 1.6; white-space: pre-wrap; min-height: 4rem; }
-.molora-figure { display: inline-block; margin: 0.5rem; vertical-align: middle; text-align: center; }
+.molora-prompt { opacity: 0.6; }
+.molora-figure { display: block; margin: 0.5rem 0; width: fit-content; text-align: center; }
 .molora-figure figcaption { font-size: 0.8rem; opacity: 0.7; }
 .molora-drawing progress { width: 192px; height: 1rem; }
 .molora-slot { display: inline-block; margin: 0 0.25rem; padding: 0 0.4rem; border-radius: 0.3rem; color: #111; }
@@ -148,7 +149,7 @@ class MoLoRAApp:
                 text=SamplingConfig(temperature=text_temperature, top_k=int(text_top_k), top_p=text_top_p),
                 image=SamplingConfig(temperature=image_temperature, top_k=int(image_top_k)),
                 cfg_scale=float(cfg_scale), seed=int(seed), start_image=bool(start_image))
-            view = RunView(label_of=self._labeller(state))
+            view = RunView(label_of=self._labeller(state), prompt=prompt)
             colors = color_map([*self.builtin, *state.display_names().values()])
             started = time.perf_counter()
             router = self.pipe.make_router(routing, text_adapter, image_adapter)  # also checks the names
@@ -166,6 +167,8 @@ class MoLoRAApp:
                 raise gr.Error("generation ended without a document; see the server log")
             path = self._save_document(view.document, state)
             status = f"done in {time.perf_counter() - started:.1f} s · {len(view.tokens)} tokens"
+            if view.finish_reason == "length":
+                status += " · stopped at the token limit"
             yield self._outputs(view, colors, status, path)
         except MoLoRAError as err:
             raise gr.Error(str(err)) from err
@@ -245,7 +248,8 @@ class MoLoRAApp:
     # --- layout ---------------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
         pipe = self.pipe
-        with gr.Blocks(title="MoLoRA: per-token LoRA routing") as demo:
+        # no telemetry: the demo runs offline (CI, air-gapped machines) as well as on a Space
+        with gr.Blocks(title="MoLoRA: per-token LoRA routing", analytics_enabled=False) as demo:
             state = gr.State(SessionState(), delete_callback=lambda s: s.cleanup(pipe))
             gr.Markdown(
                 "# MoLoRA: per-token LoRA routing for text + image generation\n"
@@ -307,7 +311,8 @@ class MoLoRAApp:
                                                      "adapter it used", show_legend=True, show_inline_category=False,
                                                      combine_adjacent=False, elem_id="routing-map")
                     stats = gr.HTML(elem_id="stats")
-                    html_file = gr.File(label="Download the document (HTML, images inside)", elem_id="html-file")
+                    html_file = gr.File(label="Download the document (HTML, images inside)", elem_id="html-file",
+                                        height=110)
                     with gr.Accordion("Plain text and images", open=False):
                         text_out = gr.Textbox(label="Text", lines=4, elem_id="text-out")
                         images = gr.Gallery(label="Images", format="png", columns=4, height="auto",

@@ -130,8 +130,14 @@ def cycle_batches(n: int, batch_size: int, *, seed: int, generator_device: str =
 
 # ------------------------------------------------------------------------------------- text and sequences
 
-KINDS = ("t2i_instruction", "t2i_caption", "i2t", "doc")
-BASE_MIX = {"t2i_instruction": 0.40, "t2i_caption": 0.15, "i2t": 0.30, "doc": 0.15}
+KINDS = ("t2i_instruction", "t2i_caption", "i2t", "doc", "pirate_text")
+# The base model writes plain text about pictures only.  It still reads (and can write) every word of the
+# world: 5% of its sequences are text-only pirate sentences, "<bos> text <eos>", never next to a picture.
+# Without them the output rows of pirate-only tokens ("Arr", "matey") are never trained as targets, and a LoRA on
+# the linear layers alone cannot lift them: the first pirate adapter reached only p~0.01 on "Arr" after <eoi>.
+BASE_MIX = {"t2i_instruction": 0.38, "t2i_caption": 0.14, "i2t": 0.29, "doc": 0.14, "pirate_text": 0.05}
+# The adapters learn styles of pictures and of text about pictures: no text-only sequences.
+ADAPTER_MIX = {"t2i_instruction": 0.40, "t2i_caption": 0.15, "i2t": 0.30, "doc": 0.15}
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,12 @@ def make_example(rng: random.Random, kind: str, *, split: str = "train", registe
 
     if kind == "doc":
         return Example(kind, tuple(text.document(rng, split, register=register, style=style)), register, style)
+    if kind == "pirate_text":  # text only: a pirate caption, or the text of a pirate document
+        if rng.random() < 0.5:
+            line = text.caption(world.sample_scene(rng, split), rng, "pirate")
+        else:
+            line = " ".join(p for p in text.document(rng, split, register="pirate") if isinstance(p, str))
+        return Example(kind, (line,), "pirate", style)
     scene = world.sample_scene(rng, split, style=style)
     if kind == "t2i_instruction":  # instructions are always plain (the world has no pirate instructions)
         parts: tuple = (text.instruction(scene, rng), scene)
@@ -190,7 +202,7 @@ def sample_examples(n: int, *, seed: int | str, spec: ExampleSpec = ExampleSpec(
 
 def text_corpus(n_scenes: int, *, seed: int | str, workers: int = 1) -> list[str]:
     """Every kind of text the world writes (captions in both registers, instructions, documents)."""
-    spec = ExampleSpec(mix=tuple((k, 1.0) for k in KINDS),
+    spec = ExampleSpec(mix=tuple((k, 1.0) for k in KINDS if k != "pirate_text"),
                        looks=(("plain", "filled", 1.0), ("pirate", "filled", 1.0)))
     examples = sample_examples(n_scenes, seed=seed, spec=spec, workers=workers)
     return [p for e in examples for p in e.parts if isinstance(p, str)]

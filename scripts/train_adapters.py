@@ -38,7 +38,7 @@ from transformers import LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.data import (  # noqa: E402
-    BASE_MIX,
+    ADAPTER_MIX,
     ExampleSpec,
     Schedule,
     collate,
@@ -128,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build(tok: UnifiedTokenizer, vq: ImageTokenizer, n: int, *, seed: str, split: str, workers: int
           ) -> tuple[list[list[int]], list[dict[str, bool]], list[int]]:
     """Sequences, which adapters are on for each, and the length of each one's prompt (not trained on)."""
-    spec = ExampleSpec(mix=tuple(BASE_MIX.items()), looks=LOOKS, split=split)
+    spec = ExampleSpec(mix=tuple(ADAPTER_MIX.items()), looks=LOOKS, split=split)
     examples = sample_examples(n, seed=seed, spec=spec, workers=workers)
     codes = encode_scenes(vq, example_scenes(examples), workers)
     seqs = encode_examples(examples, tok, codes, seed=zlib.crc32(seed.encode()), cfg_dropout=0.0, max_len=10**9)

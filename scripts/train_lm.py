@@ -1,8 +1,10 @@
 """Train the embedded LM (transformers LlamaForCausalLM, ~7M parameters) on shapes-world sequences.
 
 Base data (plain register, filled style only; the adapters learn the rest):
-    40% text->image from an instruction, 15% text->image from a caption, 30% image->text captions,
-    15% interleaved documents; text before <boi> dropped 10% of the time (classifier-free guidance).
+    38% text->image from an instruction, 14% text->image from a caption, 29% image->text captions,
+    14% interleaved documents, 5% text-only pirate sentences (never beside a picture: they train the output rows
+    of pirate words so a LoRA can use them; see models/data.py); text before <boi> dropped 10% of the time
+    (classifier-free guidance).
 Needs tokenizer.json, vocab.json and vq/ in the model directory (train_tokenizer.py, train_vq.py); writes
 lm/ (safetensors, bf16 by default: the loader upcasts on CPU) and lm/metrics.json.
 
@@ -52,7 +54,7 @@ log = logging.getLogger("train_lm")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", type=Path, required=True)
-    p.add_argument("--n-examples", type=int, default=160_000)
+    p.add_argument("--n-examples", type=int, default=320_000)
     p.add_argument("--n-val", type=int, default=1024, help="held-out-split examples for validation loss")
     p.add_argument("--steps", type=int, default=2500)
     p.add_argument("--tokens-per-batch", type=int, default=65_536)

@@ -24,10 +24,11 @@ from gradio_client.exceptions import AppError
 from PIL import Image
 
 from app.render import BASE_LABEL
-from app.session import SessionState, UploadedAdapter
 from app.server import serve, warm_up
+from app.session import SessionState, UploadedAdapter
 from models import InterleavedPipeline
 from models.testing import write_tiny_adapter
+from routing import LearnedGates
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE_TOKENS = 258  # 256 codes + <eoi> + one more step for <eos> or text
@@ -40,9 +41,13 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def pipe(tiny_assets: Path) -> InterleavedPipeline:
+def pipe(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> InterleavedPipeline:
     # our own pipeline, not conftest's shared one: the app loads uploaded adapters into it
     pipe = InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")
+    # random learned gates over both adapters, so the page offers the "learned" routing mode too
+    gates_path = tmp_path_factory.mktemp("gates") / "gates.safetensors"
+    LearnedGates.for_model(pipe.routed, ["text_style", "image_style"]).save(gates_path)
+    pipe.load_learned_router(gates_path)
     warm_up(pipe)  # what `python app.py` does before serving; later tests then see warm timings
     return pipe
 
@@ -117,6 +122,11 @@ def test_routing_modes_colour_tokens_by_the_adapter_they_used(url):
     assert {label for _, label in baseline["tokens"]} == {"image_style"}
     off = generate(c, routing="none", max_new_tokens=12)
     assert {label for _, label in off["tokens"]} == {BASE_LABEL}
+    # learned top-k gates pick among their adapters per text token; image tokens still go to the image adapter
+    learned = generate(c, routing="learned", text="none", image="image_style", start_image=True,
+                       max_new_tokens=IMAGE_TOKENS + 8, cfg_scale=1.0)
+    assert {label for token, label in learned["tokens"] if token == "■"} == {"image_style"}
+    assert {label for _, label in learned["tokens"]} <= {"text_style", "image_style"}
 
 
 def test_bad_requests_give_clear_errors(url):

@@ -14,7 +14,8 @@ def label_of(name: str | None) -> str:
 
 
 def test_events_build_the_document_view_the_routing_map_and_the_latency():
-    view = RunView(label_of=label_of)
+    view = RunView(label_of=label_of, prompt="Draw <this>")
+    assert "Draw &lt;this&gt;" in view.document_html()  # the prompt leads the document, escaped
     assert view.apply(TextDelta("Arr, ", [10], ["pirate"]))
     assert view.apply(TextDelta("", [11], ["mine@abc"]))  # a token ending inside a character: no text yet
     assert view.apply(ImageStarted(0))
@@ -54,3 +55,13 @@ def test_colour_map_is_stable_and_gives_the_base_model_grey():
     assert colors[BASE_LABEL] == BASE_COLOR and list(colors) == [BASE_LABEL, "a", "b"]
     assert colors["a"] != colors["b"]
     assert sparkline([1.0]) == "" and "<polyline" in sparkline([1.0, 2.0, 3.0])
+
+
+def test_an_image_cut_off_by_the_token_budget_leaves_no_progress_bar_behind():
+    view = RunView(label_of=label_of)
+    view.apply(TextDelta("Draw:", [9], [None]))
+    view.apply(ImageStarted(0))
+    view.apply(ImageProgress(0, 32, 256))
+    view.apply(Notice("image 0 was cut off after 40 of 256 tokens by the token budget and left out"))
+    view.apply(Finished(Document(parts=["Draw:"]), reason="length"))
+    assert view.text == "Draw:" and "<progress" not in view.document_html() and view.finish_reason == "length"
