@@ -223,10 +223,11 @@ class MoLoRAApp:
                 # the loader validates first, so this is unexpected; still a refusal the visitor can read
                 log.exception("loading an uploaded adapter failed")
                 raise gr.Error(f"adapter upload refused: the files could not be loaded ({type(err).__name__}: "
-                               f"{err})") from err
+                               f"{err})", duration=None) from err
             state.uploads[display] = UploadedAdapter(display, internal, modality, folder)
         except MoLoRAError as err:
-            raise gr.Error(f"adapter upload refused: {err}") from err
+            # the toast stays until closed: a refusal is something to read, not to miss
+            raise gr.Error(f"adapter upload refused: {err}", duration=None) from err
         text_update, image_update = self._picker_updates(state)
         if modality == "text":
             text_update = gr.Dropdown(choices=state.choices("text", self.builtin), value=display)

@@ -60,7 +60,7 @@ def page(browser, url):
     context = browser.new_context(viewport={"width": 1280, "height": 1000})
     page = context.new_page()
     page.goto(url)
-    page.locator("#generate").wait_for(timeout=30_000)
+    page.locator("#generate").wait_for(timeout=60_000)
     yield page
     context.close()
 
@@ -71,8 +71,8 @@ def test_generate_streams_an_image_and_a_routing_map_into_the_page(page, tmp_pat
     page.locator("#generate").click()
 
     image = page.locator("#document img.molora-image").first
-    image.wait_for(timeout=90_000)
-    page.wait_for_function("document.querySelector('#stats')?.innerText.includes('done in')", timeout=90_000)
+    image.wait_for(timeout=180_000)
+    page.wait_for_function("document.querySelector('#stats')?.innerText.includes('done in')", timeout=180_000)
     assert image.evaluate("img => img.complete && img.naturalWidth") == 64
     tokens = page.locator("#routing-map .token")
     assert tokens.count() >= 257  # 256 image codes + <eoi> (+ whatever text followed)
@@ -95,10 +95,10 @@ def test_a_bad_adapter_upload_shows_an_error_in_the_page(page, tmp_path):
         zf.writestr("adapter_model.safetensors", "x")
     page.get_by_text("Upload your own adapter").click()
     page.locator("input[type=file]").set_input_files(str(archive))
-    page.get_by_text("evil.zip").first.wait_for(timeout=30_000)  # the upload reached the server
+    page.get_by_text("evil.zip").first.wait_for(timeout=60_000)  # the upload reached the server
     page.get_by_role("button", name="Load adapter").click()
     toast = page.get_by_test_id("toast-text").filter(has_text="path traversal")
-    toast.wait_for(timeout=30_000)
+    toast.wait_for(timeout=60_000)
     assert "adapter upload refused" in toast.inner_text()
     page.wait_for_timeout(500)  # let the toast finish sliding in before the screenshot
     page.screenshot(path=str(tmp_path / "upload-error.png"))
