@@ -76,7 +76,7 @@ def test_analyser_ignores_specks_and_reads_colour_jitter():
     scene = Scene((Obj("star", "blue", "small", "center"), Obj("circle", "orange", "large", "top left")),
                   background="cream")
     arr = np.asarray(render(scene)).astype(int)
-    arr[2:4, 40:42] = (215, 40, 40)  # a 4-px red speck in the top right cell
+    arr[2:4, 44:46] = (215, 40, 40)  # a 4-px red speck in the top right cell
     arr[60, 5] = (40, 160, 60)
     arr = arr + np.random.default_rng(0).integers(-20, 21, arr.shape)  # per-pixel colour jitter
     reading = analyse_image(Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8)))

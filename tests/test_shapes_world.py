@@ -14,13 +14,14 @@ from models.shapes.world import (
     BACKGROUND_RGB,
     CELLS,
     COLOURS,
-    HELDOUT_COLOUR_SHAPE,
-    HELDOUT_SHAPE_CELL,
+    HELDOUT_TRIPLES,
     PALETTE,
     SHAPES,
     STYLES,
     Obj,
     Scene,
+    cell_center,
+    is_heldout_obj,
     is_heldout_scene,
     is_train_scene,
     object_mask,
@@ -58,12 +59,24 @@ def test_train_split_never_contains_a_heldout_combination():
     scenes = _scenes(0, 5000, "train")
     for scene in scenes:
         for o in scene.objects:
-            assert (o.colour, o.shape) not in HELDOUT_COLOUR_SHAPE, scene
-            assert (o.shape, o.cell) not in HELDOUT_SHAPE_CELL, scene
+            assert (o.colour, o.shape, o.cell) not in HELDOUT_TRIPLES, scene
     # and the split still covers every attribute value and object count
     objs = [o for s in scenes for o in s.objects]
     assert {o.shape for o in objs} == set(SHAPES) and {o.colour for o in objs} == set(COLOURS)
     assert {o.cell for o in objs} == set(CELLS) and {len(s.objects) for s in scenes} == {1, 2, 3, 4}
+
+
+def test_heldout_triples_are_the_documented_set_and_every_pair_is_still_trained():
+    expected = {(COLOURS[i % 8], SHAPES[i % 5], CELLS[(4 * i) % 9]) for i in range(20)}
+    assert HELDOUT_TRIPLES == expected and len(HELDOUT_TRIPLES) == 20
+    # every pair of attributes occurs in train through other triples, in the sampled train data too
+    objs = [o for s in _scenes(10, 4000, "train") for o in s.objects]
+    for attrs in (("colour", "shape"), ("shape", "cell"), ("colour", "cell")):
+        seen = {tuple(getattr(o, a) for a in attrs) for o in objs}
+        values = [{"colour": COLOURS, "shape": SHAPES, "cell": CELLS}[a] for a in attrs]
+        assert seen == {(x, y) for x in values[0] for y in values[1]}, attrs
+    assert is_heldout_obj(Obj("circle", "red", "small", "top left"))
+    assert not is_heldout_obj(Obj("circle", "red", "small", "top"))
 
 
 def test_train_documents_never_contain_a_heldout_combination():
@@ -77,9 +90,8 @@ def test_train_documents_never_contain_a_heldout_combination():
 def test_heldout_scenes_all_carry_a_heldout_combination():
     scenes = _scenes(2, 1000, "heldout")
     assert all(is_heldout_scene(s) for s in scenes)
-    pairs = {(o.colour, o.shape) for s in scenes for o in s.objects} & HELDOUT_COLOUR_SHAPE
-    cells = {(o.shape, o.cell) for s in scenes for o in s.objects} & HELDOUT_SHAPE_CELL
-    assert pairs == HELDOUT_COLOUR_SHAPE and cells == HELDOUT_SHAPE_CELL
+    triples = {(o.colour, o.shape, o.cell) for s in scenes for o in s.objects} & HELDOUT_TRIPLES
+    assert triples == HELDOUT_TRIPLES
 
 
 def test_render_is_64x64_flat_colours_without_antialiasing():
@@ -101,8 +113,22 @@ def test_outline_is_a_hollow_subset_of_filled_and_objects_stay_in_their_cells():
                 assert 0.05 < 1 - outline.sum() / filled.sum() < 0.6  # a visible hole, a visible ring
                 row, col = divmod(CELLS.index(cell), 3)
                 ys, xs = np.nonzero(filled)
-                assert 21 * col < xs.min() and xs.max() < 21 * col + 21  # >= 1 px from the cell border
-                assert 21 * row < ys.min() and ys.max() < 21 * row + 21
+                x0, y0 = 2 + 20 * col, 2 + 20 * row  # cells [2, 22), [22, 42), [42, 62)
+                assert x0 < xs.min() and xs.max() < x0 + 19  # >= 1 px from the cell border
+                assert y0 < ys.min() and ys.max() < y0 + 19
+                assert cell_center(cell) == (x0 + 10, y0 + 10) and (x0 + 10) % 4 == 0
+
+
+def test_an_object_covers_the_same_4px_code_pattern_in_every_cell():
+    # the VQ tokenizer codes 4x4 patches: an object's patch grid must not depend on its cell
+    for shape in SHAPES:
+        for size in ("small", "large"):
+            for style in STYLES:
+                crops = []
+                for cell in CELLS:
+                    cx, cy = (int(v) for v in cell_center(cell))
+                    crops.append(object_mask(Obj(shape, "red", size, cell), style)[cy - 10:cy + 10, cx - 10:cx + 10])
+                assert all((c == crops[0]).all() for c in crops)
 
 
 def test_palette_colours_are_well_separated():

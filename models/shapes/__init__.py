@@ -11,8 +11,7 @@ from .world import (
     BACKGROUNDS,
     CELLS,
     COLOURS,
-    HELDOUT_COLOUR_SHAPE,
-    HELDOUT_SHAPE_CELL,
+    HELDOUT_TRIPLES,
     PALETTE,
     SHAPES,
     SIZES,
@@ -25,7 +24,7 @@ from .world import (
 )
 
 __all__ = [
-    "BACKGROUNDS", "CELLS", "COLOURS", "HELDOUT_COLOUR_SHAPE", "HELDOUT_SHAPE_CELL", "PALETTE", "REGISTERS",
-    "SHAPES", "SIZES", "STYLES", "Obj", "Scene", "ShapesError", "caption", "document", "instruction",
+    "BACKGROUNDS", "CELLS", "COLOURS", "HELDOUT_TRIPLES", "PALETTE", "REGISTERS", "SHAPES",
+    "SIZES", "STYLES", "Obj", "Scene", "ShapesError", "caption", "document", "instruction",
     "is_heldout_scene", "render", "sample_scene",
 ]

@@ -35,6 +35,7 @@ from .world import (
     CELL_SIZE,
     CELLS,
     COLOURS,
+    GRID_ORIGIN,
     IMAGE_SIZE,
     PALETTE,
     SHAPES,
@@ -155,11 +156,17 @@ def _fill_score(arr: np.ndarray, bg_rgb: np.ndarray, colour_rgb: np.ndarray, sha
     return float(np.mean(d_bg / np.maximum(d_bg + d_obj, 1e-6)))
 
 
+def _cell_span(k: int) -> slice:
+    """Cell k's pixels on one axis, [GRID_ORIGIN + CELL_SIZE * k, ... + CELL_SIZE); the outer cells also take
+    the 2 px margin to the image edge (empty on exact renders, but a blurred edge may spill into it)."""
+    lo = 0 if k == 0 else GRID_ORIGIN + CELL_SIZE * k
+    hi = IMAGE_SIZE if k == 2 else GRID_ORIGIN + CELL_SIZE * (k + 1)
+    return slice(lo, hi)
+
+
 def _cell_slices(index: int) -> tuple[slice, slice]:
     row, col = divmod(index, 3)
-    y1 = IMAGE_SIZE if row == 2 else CELL_SIZE * (row + 1)
-    x1 = IMAGE_SIZE if col == 2 else CELL_SIZE * (col + 1)
-    return slice(CELL_SIZE * row, y1), slice(CELL_SIZE * col, x1)
+    return _cell_span(row), _cell_span(col)
 
 
 def analyse_image(img: Image.Image | np.ndarray) -> ImageReading:

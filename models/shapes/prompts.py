@@ -1,14 +1,21 @@
 """ShapesEval prompt sets: for each category, distinct prompts on held-out combinations, from fixed seeds.
 
 Categories mirror GenEval's, made exact by the shapes world (every attribute a prompt names is checked, and
-the number of objects must match exactly):
-    single_object       one object carrying a held-out pair          "Draw a red star."
-    colour              one object, held-out (colour, shape), no cell  "Show me a blue triangle."
-    counting            2-4 copies of a held-out (colour, shape)      "Paint three green circles."
-    position            one object, held-out (shape, cell)            "Draw a pink star at the top left."
-    two_objects         a held-out (colour, shape) + a train object   "Draw a yellow square and an orange star."
-    colour_attribution  two held-out (colour, shape) pairs whose swap is in train: a binding test
-                        "Draw a red star and a blue triangle." (blue stars and red triangles are trained)
+the number of objects must match exactly). Every prompt carries at least one held-out (colour, shape, cell)
+triple (world.HELDOUT_TRIPLES) and names what makes it held out, so cells are always named (and checked)
+for held-out objects:
+    single_object       one held-out object                           "Draw a red circle at the top left."
+    colour              one held-out object, size left free: colour (with shape and cell) is what is checked
+                        "Show me a yellow circle in the center."
+    counting            2-4 copies of a held-out object's colour+shape+size, one of them in its held-out cell,
+                        cells named            "Paint three green stars on the left, at the top and ..."
+    position            one held-out object, cell checked, no background named
+                        "Draw a small purple star at the bottom."
+    two_objects         a held-out object + a train object of another colour and shape, cells named
+    colour_attribution  two held-out objects (different colours and shapes) whose colour-swapped versions
+                        (same cells) are train objects: a binding test
+                        "Draw a red circle at the top left and a blue triangle on the left." (a blue circle at
+                        the top left and a red triangle on the left are trained)
     image_to_text       a held-out scene's render is the prompt; the caption must name every object
     interleaved         the opening line of a held-out document; the model continues text and pictures
 Text-to-image categories: T2I_CATEGORIES; all: CATEGORIES.
@@ -30,12 +37,12 @@ from .parse import ParsedObj
 from .text import document, instruction
 from .world import (
     CELLS,
-    HELDOUT_COLOUR_SHAPE,
-    HELDOUT_SHAPE_CELL,
+    HELDOUT_TRIPLES,
     SIZES,
     Obj,
     Scene,
     is_heldout_scene,
+    is_train_obj,
     render,
     sample_object,
     sample_scene,
@@ -46,8 +53,14 @@ T2I_CATEGORIES: tuple[str, ...] = (
 )
 CATEGORIES: tuple[str, ...] = T2I_CATEGORIES + ("image_to_text", "interleaved")
 
-_COLOUR_SHAPE = sorted(HELDOUT_COLOUR_SHAPE)
-_SHAPE_CELL = sorted(HELDOUT_SHAPE_CELL)
+_TRIPLES = sorted(HELDOUT_TRIPLES)
+# Pairs of held-out objects for colour attribution: different colours, shapes and cells, and swapping their
+# colours gives two train objects (so the model has drawn both swapped objects and must bind correctly).
+_ATTRIBUTION_PAIRS = [
+    (a, b) for a in _TRIPLES for b in _TRIPLES
+    if a < b and a[0] != b[0] and a[1] != b[1] and a[2] != b[2]
+    and (b[0], a[1], a[2]) not in HELDOUT_TRIPLES and (a[0], b[1], b[2]) not in HELDOUT_TRIPLES
+]
 
 
 @dataclass(frozen=True)
@@ -73,49 +86,49 @@ class EvalPrompt:
                           cell=o.cell if self.check_cells else None) for o in self.scene.objects]
 
 
-def _free_cells(rng: random.Random, n: int) -> list[str]:
-    return rng.sample(CELLS, n)
+def _heldout(rng: random.Random, size: str | None = None) -> Obj:
+    colour, shape, cell = rng.choice(_TRIPLES)
+    return Obj(shape, colour, size if size is not None else rng.choice(SIZES), cell)
 
 
-def _t2i(category: str, rng: random.Random, objects: list[Obj], cells: bool) -> EvalPrompt:
+def _t2i(category: str, rng: random.Random, objects: list[Obj], *, sizes: bool | None = None,
+         background: bool | None = None) -> EvalPrompt:
+    """A text-to-image prompt naming every object's cell (held-out objects are held out by their cell)."""
     scene = Scene(tuple(objects), background=rng.choice(("white", "cream", "grey", "sky")))
-    sizes = rng.random() < 0.5
-    background = rng.random() < 0.3
-    text = instruction(scene, rng, cells=cells, sizes=sizes, background=background)
-    return EvalPrompt(category, text, scene, check_cells=cells, check_sizes=sizes, check_background=background)
+    sizes = rng.random() < 0.5 if sizes is None else sizes
+    background = rng.random() < 0.3 if background is None else background
+    text = instruction(scene, rng, cells=True, sizes=sizes, background=background)
+    return EvalPrompt(category, text, scene, check_cells=True, check_sizes=sizes, check_background=background)
 
 
 def _one(category: str, rng: random.Random) -> EvalPrompt:
     if category == "single_object":
-        obj = sample_object(rng, "heldout", CELLS, must_be_heldout=True)
-        needs_cell = (obj.shape, obj.cell) in HELDOUT_SHAPE_CELL and (obj.colour, obj.shape) not in \
-            HELDOUT_COLOUR_SHAPE
-        return _t2i(category, rng, [obj], cells=needs_cell or rng.random() < 0.5)
+        return _t2i(category, rng, [_heldout(rng)])
     if category == "colour":
-        colour, shape = rng.choice(_COLOUR_SHAPE)
-        return _t2i(category, rng, [Obj(shape, colour, rng.choice(SIZES), rng.choice(CELLS))], cells=False)
+        return _t2i(category, rng, [_heldout(rng)], sizes=False)
     if category == "counting":
-        colour, shape = rng.choice(_COLOUR_SHAPE)
-        size = rng.choice(SIZES)
-        cells = _free_cells(rng, rng.choice((2, 3, 4)))
-        return _t2i(category, rng, [Obj(shape, colour, size, c) for c in cells], cells=False)
+        first = _heldout(rng)
+        others = rng.sample([c for c in CELLS if c != first.cell], rng.choice((1, 2, 3)))
+        copies = [Obj(first.shape, first.colour, first.size, c) for c in others]
+        return _t2i(category, rng, [first, *copies])
     if category == "position":
-        shape, cell = rng.choice(_SHAPE_CELL)
-        return _t2i(category, rng, [sample_object(rng, "heldout", [cell], shape=shape)], cells=True)
+        return _t2i(category, rng, [_heldout(rng)], background=False)
     if category == "two_objects":
-        colour, shape = rng.choice(_COLOUR_SHAPE)
-        c1, c2 = _free_cells(rng, 2)
-        first = Obj(shape, colour, rng.choice(SIZES), c1)
+        first = _heldout(rng)
         while True:
-            second = sample_object(rng, "train", [c2])
-            if second.shape != shape and second.colour != colour:
+            second = sample_object(rng, "train", [c for c in CELLS if c != first.cell])
+            if second.shape != first.shape and second.colour != first.colour:
                 break
-        return _t2i(category, rng, [first, second], cells=False)
+        return _t2i(category, rng, [first, second])
     if category == "colour_attribution":
-        (col1, sh1), (col2, sh2) = rng.sample(_COLOUR_SHAPE, 2)
-        c1, c2 = _free_cells(rng, 2)
-        return _t2i(category, rng, [Obj(sh1, col1, rng.choice(SIZES), c1), Obj(sh2, col2, rng.choice(SIZES), c2)],
-                    cells=False)
+        (col1, sh1, c1), (col2, sh2, c2) = rng.choice(_ATTRIBUTION_PAIRS)
+        objects = [Obj(sh1, col1, rng.choice(SIZES), c1), Obj(sh2, col2, rng.choice(SIZES), c2)]
+        if rng.random() < 0.5:
+            objects.reverse()
+        swapped = [Obj(sh1, col2, "small", c1), Obj(sh2, col1, "small", c2)]
+        if not all(is_train_obj(o) for o in swapped):
+            raise ShapesError(f"internal: colour-swapped objects are not in train: {swapped}")
+        return _t2i(category, rng, objects)
     if category == "image_to_text":
         return EvalPrompt(category, None, sample_scene(rng, "heldout"))
     if category == "interleaved":

@@ -7,21 +7,31 @@ small, regular and exactly readable back:
     COLOURS      8 flat, well separated RGB colours (PALETTE); a nearest-palette read is exact
     BACKGROUNDS  4 light colours (BACKGROUND_RGB)
     SIZES        small (14 px), large (18 px)
-    CELLS        a 3x3 grid of 21 px cells: "top left", "top", "top right", "left", "center", "right",
-                 "bottom left", "bottom", "bottom right"; at most one object per cell, 1-4 objects
+    CELLS        a 3x3 grid of 20 px cells: "top left", "top", "top right", "left", "center", "right",
+                 "bottom left", "bottom", "bottom right"; at most one object per cell, 1-4 objects.
+                 Cell bounds [2, 22), [22, 42), [42, 62) on both axes (GRID_ORIGIN + CELL_SIZE * k), centres at
+                 12, 32, 52 px: multiples of the VQ tokenizer's 4 px patch, so an object covers the same code
+                 pattern in every cell (with 21 px cells the offset to the 4 px grid changed per column/row
+                 and a held-out combination needed code patterns never produced in training)
     STYLES       "filled" (default) and "outline" (the shape with a hollow centre: the interior, a scaled copy
                  of the shape, is left in the background colour; the ring is ~2-4 px wide)
 
 Images are rasterised at pixel centres with no anti-aliasing, so every pixel is either the background colour
 or exactly one palette colour (the VQ tokenizer then has crisp flat regions to reconstruct).
 
-Held-out split (by attribute combination, so evaluation sees combinations never trained on):
-    HELDOUT_COLOUR_SHAPE = (red, star) (blue, triangle) (green, circle) (yellow, square) (purple, diamond)
-    HELDOUT_SHAPE_CELL   = (star, top left) (circle, bottom right) (triangle, center) (square, bottom left)
-                           (diamond, top right)
-No object of a "train" scene has a held-out (colour, shape) or (shape, cell) pair; every "heldout" scene has
-at least one object that does. The swapped pairings (e.g. blue star, red triangle) are in train, which makes
-the colour-attribution prompts built from two held-out pairs a real binding test.
+Held-out split by (colour, shape, cell) TRIPLE, so evaluation sees combinations never trained on:
+    HELDOUT_TRIPLES = {(COLOURS[i % 8], SHAPES[i % 5], CELLS[(4 * i) % 9]) for i in range(20)}
+        (red circle top left) (orange square center) (yellow triangle bottom right) (green star left)
+        (blue diamond bottom) (purple circle top right) (pink square bottom left) (brown triangle top)
+        (red star right) (orange diamond top left) (yellow circle center) (green square bottom right)
+        (blue triangle left) (purple star bottom) (pink diamond top right) (brown circle bottom left)
+        (red square top) (orange triangle right) (yellow star top left) (green diamond center)
+A held-out object is one whose triple is in the set (either size). No object of a "train" scene is held out;
+every "heldout" scene has at least one that is. Every (colour, shape), (shape, cell) and (colour, cell) pair
+still occurs in train through other triples (e.g. red circles elsewhere, circles at the top left in other
+colours, red things at the top left of other shapes), so a held-out object is a new composition of parts
+all seen in training; the colour-swapped versions of two held-out objects (same cells) are train objects,
+which makes the colour-attribution prompts a real binding test.
 
 API:
     Obj(shape, colour, size, cell)                       frozen dataclass
@@ -29,7 +39,7 @@ API:
     sample_scene(rng, split="train", n_objects=None, style="filled", background=None) -> Scene
     sample_object(rng, split, free_cells, ...) -> Obj     (one object allowed in split, in a free cell)
     render(scene) -> PIL.Image.Image (64x64 RGB)          object_mask(obj, style) -> bool [64,64]
-    heldout_pairs(obj) / is_heldout_obj(obj) / is_train_obj(obj) / is_heldout_scene(scene)
+    triple(obj) / is_heldout_obj(obj) / is_train_obj(obj) / is_heldout_scene(scene) / is_train_scene(scene)
     cell_center(cell) -> (x, y)
 Eval scenes per category (held-out combinations, fixed seeds): models/shapes/prompts.py build_prompts.
 
@@ -49,7 +59,8 @@ from PIL import Image
 from .errors import ShapesError
 
 IMAGE_SIZE = 64
-CELL_SIZE = 21
+CELL_SIZE = 20
+GRID_ORIGIN = 2  # cell k spans [GRID_ORIGIN + CELL_SIZE * k, GRID_ORIGIN + CELL_SIZE * (k + 1)) on each axis
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "diamond")
 COLOURS: tuple[str, ...] = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown")
@@ -81,13 +92,11 @@ CELLS: tuple[str, ...] = (
 SPLITS: tuple[str, ...] = ("train", "heldout")
 MAX_OBJECTS = 4
 
-HELDOUT_COLOUR_SHAPE: frozenset[tuple[str, str]] = frozenset({
-    ("red", "star"), ("blue", "triangle"), ("green", "circle"), ("yellow", "square"), ("purple", "diamond"),
-})
-HELDOUT_SHAPE_CELL: frozenset[tuple[str, str]] = frozenset({
-    ("star", "top left"), ("circle", "bottom right"), ("triangle", "center"), ("square", "bottom left"),
-    ("diamond", "top right"),
-})
+# 20 of the 360 (colour, shape, cell) triples, spread so that no pair of attributes is held out entirely:
+# i % 8 and i % 5 give 20 distinct (colour, shape) pairs (lcm 40), (4 * i) % 9 walks every cell.
+HELDOUT_TRIPLES: frozenset[tuple[str, str, str]] = frozenset(
+    (COLOURS[i % 8], SHAPES[i % 5], CELLS[(4 * i) % 9]) for i in range(20)
+)
 
 # Probability that a new object repeats the colour, shape and size of one already in the scene, so that
 # counting ("three red stars") is common in the data.
@@ -145,22 +154,17 @@ class Scene:
 # ---------------------------------------------------------------------------------------------- split
 
 
-def heldout_pairs(obj: Obj) -> list[tuple[str, str]]:
-    """The held-out combinations this object carries (empty for a train object)."""
-    pairs = []
-    if (obj.colour, obj.shape) in HELDOUT_COLOUR_SHAPE:
-        pairs.append((obj.colour, obj.shape))
-    if (obj.shape, obj.cell) in HELDOUT_SHAPE_CELL:
-        pairs.append((obj.shape, obj.cell))
-    return pairs
+def triple(obj: Obj) -> tuple[str, str, str]:
+    """The (colour, shape, cell) combination the split is defined on."""
+    return (obj.colour, obj.shape, obj.cell)
 
 
 def is_heldout_obj(obj: Obj) -> bool:
-    return bool(heldout_pairs(obj))
+    return triple(obj) in HELDOUT_TRIPLES
 
 
 def is_train_obj(obj: Obj) -> bool:
-    return not heldout_pairs(obj)
+    return triple(obj) not in HELDOUT_TRIPLES
 
 
 def is_heldout_scene(scene: Scene) -> bool:
@@ -189,8 +193,8 @@ def _check_split(split: str) -> None:
 def sample_object(rng: random.Random, split: str, free_cells: list[str] | tuple[str, ...], *,
                   must_be_heldout: bool = False, shape: str | None = None, colour: str | None = None,
                   size: str | None = None) -> Obj:
-    """One object in one of `free_cells`, allowed in `split` (train objects carry no held-out pair;
-    `must_be_heldout` asks for one that carries at least one). Fixed attributes narrow the draw."""
+    """One object in one of `free_cells`, allowed in `split` (a train object's triple is not held out;
+    `must_be_heldout` asks for one whose triple is). Fixed attributes narrow the draw."""
     _check_split(split)
     if split == "train" and must_be_heldout:
         raise ShapesError("a train object cannot be held out")
@@ -236,11 +240,13 @@ def sample_scene(rng: random.Random, split: str = "train", n_objects: int | None
 
 
 def cell_center(cell: str) -> tuple[float, float]:
-    """Centre (x, y) of a grid cell in pixel coordinates (pixel i spans [i, i+1))."""
+    """Centre (x, y) of a grid cell in pixel coordinates (pixel i spans [i, i+1)): 12, 32 or 52, multiples
+    of 4, so an object's pixels fall on the 4 px VQ patch grid the same way in every cell."""
     if cell not in CELLS:
         raise ShapesError(f"unknown cell {cell!r}; expected one of {list(CELLS)}")
     row, col = divmod(CELLS.index(cell), 3)
-    return (CELL_SIZE * col + 11.0, CELL_SIZE * row + 11.0)
+    half = CELL_SIZE / 2.0
+    return (GRID_ORIGIN + CELL_SIZE * col + half, GRID_ORIGIN + CELL_SIZE * row + half)
 
 
 def _star_polygon(outer: float = 1.05, ratio: float = 0.5) -> list[tuple[float, float]]:
