@@ -49,6 +49,7 @@ class GenerationConfig:
     seed: None draws a fresh seed (recorded in the Document, so any output can be reproduced).
     max_images: cap on images generated per sequence (None = no cap, 0 = text only).
     start_image: append `<boi>` to the prompt, so the continuation starts with an image (text -> image).
+    min_new_tokens: `<eos>` is masked until this many tokens were generated (as in transformers' generate).
     """
 
     max_new_tokens: int = 512
@@ -58,6 +59,7 @@ class GenerationConfig:
     seed: int | None = None
     max_images: int | None = None
     start_image: bool = False
+    min_new_tokens: int = 0
 
     # keyword shortcuts accepted by with_overrides: "temperature" sets both modalities, "text_top_k" one
     _SAMPLING_KEYS = ("temperature", "top_k", "top_p")
@@ -82,6 +84,10 @@ class GenerationConfig:
             raise GenerationError(f"seed must be an int or None, got {self.seed!r}")
         if self.max_images is not None and (not isinstance(self.max_images, int) or self.max_images < 0):
             raise GenerationError(f"max_images must be None or an int >= 0, got {self.max_images!r}")
+        if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) \
+                or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise GenerationError(f"min_new_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], "
+                                  f"got {self.min_new_tokens!r}")
 
     @property
     def uses_cfg(self) -> bool:
@@ -309,6 +315,8 @@ class InterleavedDecoder:
                 allowed[:, vocab.boi_id] = False
             elif config.max_images is not None:
                 allowed[:, vocab.boi_id] &= images_done < config.max_images
+            if step < config.min_new_tokens:
+                allowed[:, vocab.eos_id] = False
             scores = logits[:B].float()
             if use_cfg:
                 guided = (phase == CODE_PHASE) | (phase == ROW_END_PHASE)
