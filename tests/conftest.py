@@ -3,6 +3,7 @@
     tiny_assets        folder with model/ (vocab.json, tokenizer.json, lm/, vq/) and adapters/{text_style,image_style}
     tiny_model_dir     tiny_assets / "model"
     tiny_pipeline      an InterleavedPipeline over them (CPU, fp32); share it read-only (do not load adapters into it)
+    one_torch_thread   runs a test with one torch thread (the tiny model is faster so; the 2-core machine stays responsive)
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +37,11 @@ def tiny_pipeline(tiny_assets: Path):
     from models import InterleavedPipeline
 
     return InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -52,13 +52,7 @@ def tempting_bias(vocab, size: int, boi: float = 8.0) -> torch.Tensor:
     return bias
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: the tiny model is faster that way, and the shared 2-core machine stays responsive."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

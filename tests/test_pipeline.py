@@ -7,7 +7,6 @@ import threading
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from models import Document, GenerationConfig, GenerationError, InterleavedPipeline, ModelDirError
@@ -19,13 +18,7 @@ from routing import AdapterError, MoLoRAError, UnknownAdapterError
 FAST = dict(max_new_tokens=280, seed=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: the tiny model is faster that way, and the shared 2-core machine stays responsive."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
