@@ -73,12 +73,6 @@ class UnifiedVocab:
     def is_image_code(self, token_id: int) -> bool:
         return self.image_start <= token_id < self.image_start + self.image_size
 
-    def code_to_id(self, codes: torch.Tensor) -> torch.Tensor:
-        return codes + self.image_start
-
-    def id_to_code(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids - self.image_start
-
     def modality_table(self, device: torch.device | str | None = None) -> torch.Tensor:
         """int8[vocab_size]: the modality (TEXT/IMAGE) that a position holding this *input* id routes to."""
         table = torch.full((self.vocab_size,), TEXT, dtype=torch.int8)

@@ -132,13 +132,21 @@ def same_base_model(a: str | None, b: str | None) -> bool:
     """Whether two base_model_name_or_path strings name the same model.
 
     Unknown on either side (None / "") counts as a match: nothing to compare.  Otherwise equal after
-    normalising separators, or the same final path component, so "org/Model-1B" matches a local copy
-    "/data/Model-1B" and "assets/model/lm" matches its absolute path.
+    normalising separators; or, when at least one side is a filesystem path rather than a hub id
+    ("org/name"), the same final path component, so "org/Model-1B" matches a local copy "/data/Model-1B" and
+    "assets/model/lm" its absolute path, while hub ids "orgA/Model-1B" and "orgB/Model-1B" stay different.
     """
     if not a or not b:
         return True
     na, nb = (str(s).replace("\\", "/").rstrip("/") for s in (a, b))
-    return na == nb or na.rsplit("/", 1)[-1] == nb.rsplit("/", 1)[-1]
+    if na == nb:
+        return True
+    return not (_is_hub_id(na) and _is_hub_id(nb)) and na.rsplit("/", 1)[-1] == nb.rsplit("/", 1)[-1]
+
+
+def _is_hub_id(name: str) -> bool:
+    """'org/name' or 'name' (a model hub id), as opposed to a path such as '/data/x', './x' or 'a/b/c'."""
+    return not name.startswith(("/", ".", "~")) and name.count("/") <= 1 and not Path(name).is_dir()
 
 
 def check_base_model(adapter_base: str | None, model_base: str | None, *, name: str, force: bool) -> None:

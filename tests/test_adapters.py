@@ -240,3 +240,12 @@ def test_load_names_default_to_the_folder_and_remove_restores_the_base(routed, g
     assert routed.adapter_names == ["good", "style"]
     routed.remove_adapter("style")
     assert routed.adapter_names == ["good"]
+
+
+def test_base_model_names_match_only_when_the_same_model():
+    from routing.adapters import same_base_model
+
+    assert same_base_model("org/Model-1B", "org/Model-1B")
+    assert same_base_model(None, "org/Model-1B") and same_base_model("org/Model-1B", "")
+    assert not same_base_model("orgA/Model-1B", "orgB/Model-1B")  # two hub names: different models
+    assert same_base_model("assets/model/lm", str(__import__("pathlib").Path("assets/model/lm").resolve()))

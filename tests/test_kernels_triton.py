@@ -43,6 +43,20 @@ CASES = {
 }
 PATHS = ("gather", "grouped")
 
+# Training on the GPU runs the Triton forward and the torch-path backward (kernels/autograd.py); float64 always
+# takes the torch path, so these fp32 cases are what covers that mix. Reference: kernels/reference.py under torch
+# autograd on float32 copies. Both sides accumulate in fp32 in a different order -> a few ulps; 1e-4 relative.
+GRAD_TOL = 1e-4
+# name: (N, in, out, S, r, k)
+GRAD_CASES = {"grad_k1": (19, 33, 29, 4, 8, 1), "grad_topk3": (13, 27, 21, 3, 8, 3)}
+
+# path="auto" under the interpreter: (N, k, pass a prebuilt meta, path the dispatcher must pick). Hidden sizes are
+# tiny so the rows above kernels/dispatch.py's GATHER_MAX_ROWS stay cheap for the interpreter.
+AUTO_CASES = {"auto_one_token": (1, 1, False, "gather"), "auto_one_token_topk": (1, 3, False, "gather"),
+              "auto_above_gather_max": (600, 1, False, "grouped"),
+              "auto_above_gather_max_topk": (200, 3, False, "grouped"),
+              "auto_meta_above_meta_max": (300, 1, True, "grouped")}
+
 
 def _slots(torch, pattern: str, n: int, s: int, k: int, gen):
     if pattern == "random":
@@ -124,6 +138,110 @@ def _run_case(name: str, path: str, seed: int) -> dict:
             "tol": TOLERANCE[dtype_name]}
 
 
+def _rel_err(got, want) -> float:
+    return (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+
+
+def _spy_paths():
+    """Record which Triton launcher the dispatcher really calls (it imports them from these modules per call)."""
+    import kernels.triton_gather as gather_mod
+    import kernels.triton_grouped as grouped_mod
+    calls: list[str] = []
+    real = {"gather": gather_mod.gather_lora, "grouped": grouped_mod.grouped_lora}
+
+    def wrap(name):
+        def launcher(*args, **kwargs):
+            calls.append(name)
+            return real[name](*args, **kwargs)
+        return launcher
+
+    gather_mod.gather_lora, grouped_mod.grouped_lora = wrap("gather"), wrap("grouped")
+
+    def restore():
+        gather_mod.gather_lora, grouped_mod.grouped_lora = real["gather"], real["grouped"]
+    return calls, restore
+
+
+def _run_grad_case(name: str, path: str, seed: int) -> dict:
+    """Forward and gradients of x, A, B (and the top-k weights) through the public ops vs reference autograd."""
+    import torch
+
+    from kernels import routed_lora, routed_lora_topk
+    from kernels.reference import routed_lora_reference, routed_lora_topk_reference
+
+    n, d_in, d_out, s, r, k = GRAD_CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=gen)
+    A = torch.randn(s, r, d_in, generator=gen) / d_in ** 0.5
+    B = torch.randn(s, d_out, r, generator=gen)
+    scale = torch.rand(s, generator=gen) + 0.5
+    if k == 1:
+        slots = torch.randint(-1, s, (n, 1), generator=gen)
+        slots[0, 0], slots[1, 0] = -1, s - 1
+    else:
+        slots = _slots(torch, "repeats", n, s, k, gen)
+        slots[0] = torch.tensor([1, 1, -1])      # a repeated slot and a -1 in the same row, for sure
+        slots[1] = torch.tensor([-1, -1, -1])
+    weights = torch.rand(n, k, generator=gen)
+    g = torch.randn(n, d_out, generator=gen)
+
+    leaves = {"x": x, "A": A, "B": B} | ({"weights": weights} if k > 1 else {})
+    ours = {key: t.clone().requires_grad_() for key, t in leaves.items()}
+    refs = {key: t.clone().requires_grad_() for key, t in leaves.items()}
+    calls, restore = _spy_paths()
+    try:
+        if k == 1:
+            y = routed_lora(ours["x"], ours["A"], ours["B"], slots[:, 0], scale, path=path)
+        else:
+            y = routed_lora_topk(ours["x"], ours["A"], ours["B"], slots, ours["weights"], scale, path=path)
+    finally:
+        restore()
+    (y * g).sum().backward()
+    if k == 1:
+        want = routed_lora_reference(refs["x"], refs["A"], refs["B"], slots[:, 0], scale)
+    else:
+        want = routed_lora_topk_reference(refs["x"], refs["A"], refs["B"], slots, refs["weights"], scale)
+    (want * g).sum().backward()
+    errs = {"fwd": _rel_err(y.detach(), want.detach())}
+    for key in leaves:
+        got, ref_grad = ours[key].grad, refs[key].grad
+        if got is None or got.dtype != torch.float32 or got.shape != ref_grad.shape:
+            return {"error": f"grad of {key}: {None if got is None else (got.dtype, tuple(got.shape))}"}
+        errs[key] = _rel_err(got, ref_grad)
+    return {"calls": calls, "errs": errs, "grad_fn": type(y.grad_fn).__name__, "tol": GRAD_TOL}
+
+
+def _run_auto_case(name: str, seed: int) -> dict:
+    """path="auto" with the interpreter on: which launcher the dispatcher picks by rows, and the result."""
+    import torch
+
+    from kernels import build_routing_meta, routed_lora, routed_lora_topk
+    from kernels.dispatch import choose_path
+    from kernels.reference import routed_lora_topk_reference
+
+    n, k, with_meta, _ = AUTO_CASES[name]
+    d_in, d_out, s, r = 12, 10, 3, 4
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=gen)
+    A = torch.randn(s, r, d_in, generator=gen) / d_in ** 0.5
+    B = torch.randn(s, d_out, r, generator=gen)
+    scale = torch.rand(s, generator=gen) + 0.5
+    slots = torch.randint(-1, s, (n, k), generator=gen)
+    weights = torch.rand(n, k, generator=gen)
+    meta = build_routing_meta(slots, s) if with_meta else None
+    calls, restore = _spy_paths()
+    try:
+        if k == 1:
+            y = routed_lora(x, A, B, slots[:, 0], scale, meta=meta)
+        else:
+            y = routed_lora_topk(x, A, B, slots, weights, scale, meta=meta)
+    finally:
+        restore()
+    want = routed_lora_topk_reference(x, A, B, slots, weights if k > 1 else torch.ones(n, 1), scale)
+    return {"chosen": choose_path(x, k, with_meta), "calls": calls, "err": _rel_err(y, want),
+            "dtype_ok": y.dtype == torch.float32, "tol": TOLERANCE["float32"]}
+
+
 def _run_meta_checks() -> dict:
     import torch
 
@@ -149,6 +267,19 @@ def main() -> None:
                 res = {"error": f"{type(exc).__name__}: {exc}"}
             print(json.dumps({"case": f"{name}-{path}", **res}), flush=True)
     print(json.dumps({"case": "metadata", **_run_meta_checks()}), flush=True)
+    for i, name in enumerate(GRAD_CASES):
+        for path in PATHS:
+            try:
+                res = _run_grad_case(name, path, seed=2000 + i)
+            except Exception as exc:
+                res = {"error": f"{type(exc).__name__}: {exc}"}
+            print(json.dumps({"case": f"{name}-{path}", **res}), flush=True)
+    for i, name in enumerate(AUTO_CASES):
+        try:
+            res = _run_auto_case(name, seed=3000 + i)
+        except Exception as exc:
+            res = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps({"case": name, **res}), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +306,34 @@ def test_triton_metadata_builder_matches_torch_sort(interp_results: dict) -> Non
     res = interp_results["metadata"]
     bad = [k for k, ok in res.items() if k != "case" and not ok]
     assert not bad, f"slot-sorted rows/offsets differ from torch's stable sort for {bad}"
+
+
+@pytest.mark.parametrize("case", [f"{c}-{p}" for c in GRAD_CASES for p in PATHS])
+def test_triton_forward_with_torch_backward_matches_reference_autograd(interp_results: dict, case: str) -> None:
+    res = interp_results[case]
+    assert "error" not in res, res.get("error")
+    path = case.rsplit("-", 1)[1]
+    assert res["calls"] == [path], f"forward should run the Triton {path} kernel once, ran {res['calls']}"
+    assert res["grad_fn"].startswith("RoutedLoRAFunction"), res["grad_fn"]
+    bad = {key: err for key, err in res["errs"].items() if not err <= res["tol"]}
+    assert not bad, f"relative max error above {res['tol']}: {bad}"
+
+
+@pytest.mark.parametrize("case", list(AUTO_CASES))
+def test_auto_path_under_interpreter(interp_results: dict, case: str) -> None:
+    res = interp_results[case]
+    assert "error" not in res, res.get("error")
+    want = AUTO_CASES[case][3]
+    assert res["chosen"] == want and res["calls"] == [want], f"expected {want}: {res}"
+    assert res["dtype_ok"] and res["err"] <= res["tol"], res
+
+
+def test_auto_cases_straddle_the_dispatcher_thresholds() -> None:
+    """Keeps AUTO_CASES meaningful if the thresholds in kernels/dispatch.py move."""
+    from kernels.dispatch import GATHER_MAX_ROWS, GATHER_MAX_ROWS_WITH_META
+    for n, k, with_meta, want in AUTO_CASES.values():
+        limit = GATHER_MAX_ROWS_WITH_META if with_meta else GATHER_MAX_ROWS
+        assert (n * k <= limit) == (want == "gather"), (n, k, with_meta, want, limit)
 
 
 if __name__ == "__main__":
