@@ -1,0 +1,50 @@
+"""The shipped embedded model (assets/) loads with no path, writes text and images, and the README's example runs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from models import InterleavedPipeline
+from models.shapes.eval import analyse_image
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return InterleavedPipeline.from_pretrained()
+
+
+def expected_adapter(prev_id: int, vocab, text: str | None, image: str | None) -> str | None:
+    """DESIGN.md §2: the position holding `prev_id` predicts the next token; <boi> and image codes -> image."""
+    return image if prev_id == vocab.boi_id or vocab.is_image_code(prev_id) else text
+
+
+def test_embedded_model_writes_an_image_and_pirate_text_in_one_pass(embedded):
+    assert embedded.adapters == {"outline": "image", "pirate": "text"}
+    doc = embedded.generate("First, a green triangle in the center:", text_adapter="pirate",
+                            image_adapter="outline", routing="vocab", seed=0)
+    assert len(doc.images) >= 1 and all(im.size == (64, 64) for im in doc.images)
+    assert doc.text.strip(), "the model wrote no text after its image"
+    reading = analyse_image(doc.images[0])
+    assert reading.objects, "the generated image shows no shape"
+    assert reading.style == "outline"  # the image adapter's style
+    # every generated token was produced by the adapter the routing rule names
+    prompt_ids = [embedded.vocab.bos_id, *embedded.tokenizer.encode_text("First, a green triangle in the center:")]
+    previous = [prompt_ids[-1]] + [r.id for r in doc.routing[:-1]]
+    for prev, record in zip(previous, doc.routing):
+        assert record.adapter == expected_adapter(prev, embedded.vocab, "pirate", "outline"), record
+
+
+def test_readme_python_example_runs(tmp_path, monkeypatch):
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Python API\s+```python\n(.*?)```", readme, re.S)
+    assert block, "README.md has no Python API example"
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block.group(1), "README.md", "exec"), {"print": lambda *a, **k: None})
+    assert (tmp_path / "circle.html").exists() and (tmp_path / "circle").is_dir()
