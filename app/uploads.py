@@ -20,7 +20,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from routing.errors import MoLoRAError
+from routing.adapters import parse_adapter_config
+from routing.errors import AdapterError, MoLoRAError
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -173,14 +174,9 @@ def _read_capped_entry(archive: zipfile.ZipFile, info: zipfile.ZipInfo, cap: int
 
 def _validated(config_bytes: bytes, weights_bytes: bytes, suggested_name: str | None) -> ValidatedUpload:
     try:
-        config = json.loads(config_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UploadError(f"{CONFIG_NAME} is not valid JSON ({err})") from err
-    if not isinstance(config, dict):
-        raise UploadError(f"{CONFIG_NAME} must hold a JSON object")
-    peft_type = str(config.get("peft_type", "")).upper()
-    if peft_type != "LORA":
-        raise UploadError(f"{CONFIG_NAME} has peft_type {config.get('peft_type')!r}; only LORA adapters are supported")
+        config = parse_adapter_config(config_bytes, CONFIG_NAME)
+    except AdapterError as err:
+        raise UploadError(str(err)) from err
     _check_safetensors_header(weights_bytes)
     if suggested_name is not None and not NAME_PATTERN.match(suggested_name):
         suggested_name = None

@@ -194,20 +194,32 @@ def _refuse_pickles(path: Path) -> None:
                                "peft's save_pretrained(..., safe_serialization=True) in an environment you trust.")
 
 
+def parse_adapter_config(raw: bytes, where: str) -> dict[str, Any]:
+    """The JSON object of an adapter_config.json, checked to be a LoRA config (AdapterError otherwise).
+
+    Shared by the folder loader and by callers that validate uploaded bytes before writing anything.
+    """
+    try:
+        config = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(f"{where} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise AdapterError(f"{where} must hold a JSON object")
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise AdapterError(f"{where}: peft_type is {peft_type}; only LoRA adapters can be routed")
+    return config
+
+
 def _read_config(folder: Path) -> dict[str, Any]:
     cfg_path = folder / CONFIG_NAME
     if not cfg_path.is_file():
         raise AdapterError(f"{folder} has no {CONFIG_NAME}; a PEFT LoRA folder needs {CONFIG_NAME} and "
                            f"{WEIGHTS_NAME}")
     try:
-        config = json.loads(cfg_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterError(f"{cfg_path} is not valid JSON: {e}") from e
-    if not isinstance(config, dict):
-        raise AdapterError(f"{cfg_path} must hold a JSON object")
-    peft_type = str(config.get("peft_type", "LORA")).upper()
-    if peft_type != "LORA":
-        raise AdapterError(f"{cfg_path}: peft_type is {peft_type}; only LoRA adapters can be routed")
+        config = parse_adapter_config(cfg_path.read_bytes(), str(cfg_path))
+    except OSError as e:
+        raise AdapterError(f"{cfg_path} cannot be read: {e}") from e
     for key, off in _UNSUPPORTED_OFF.items():
         value = config.get(key, off)
         if value not in (off, None, False, [], {}):

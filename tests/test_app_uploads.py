@@ -148,7 +148,7 @@ def test_pickled_weights_and_bad_configs_are_refused(adapter_files, tmp_path):
     with pytest.raises(UploadError, match="not valid JSON"):
         validate_upload([folder / CONFIG_NAME, folder / WEIGHTS_NAME])
     (folder / CONFIG_NAME).write_text(json.dumps({"peft_type": "IA3"}))
-    with pytest.raises(UploadError, match="only LORA"):
+    with pytest.raises(UploadError, match="only LoRA"):
         validate_upload([folder / CONFIG_NAME, folder / WEIGHTS_NAME])
 
 
