@@ -401,6 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--r-max", type=int, default=32,
                     help="adapter cache rank; the merged row needs the sum of both adapters' ranks")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     args = ap.parse_args(argv)
     if args.threads:
         import torch
@@ -409,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from models import InterleavedPipeline  # the generation API (helper G); imported only to run
 
-    pipe = InterleavedPipeline.from_pretrained(args.model, r_max=args.r_max)
+    pipe = InterleavedPipeline.from_pretrained(args.model, r_max=args.r_max, device=args.device)
     results, table = run_shapes_eval(pipe, n_per_category=args.n, conditions=args.conditions,
                                      categories=args.categories, batch_size=args.batch_size, seed=args.seed,
                                      text_adapter=args.text_adapter, image_adapter=args.image_adapter)
