@@ -190,18 +190,24 @@ def _check_split(split: str) -> None:
 # -------------------------------------------------------------------------------------------- sampling
 
 
-def sample_object(rng: random.Random, split: str, free_cells: list[str] | tuple[str, ...], *,
-                  must_be_heldout: bool = False, shape: str | None = None, colour: str | None = None,
-                  size: str | None = None) -> Obj:
-    """One object in one of `free_cells`, allowed in `split` (a train object's triple is not held out;
-    `must_be_heldout` asks for one whose triple is). Fixed attributes narrow the draw."""
+def _candidates(split: str, free_cells: list[str] | tuple[str, ...], must_be_heldout: bool, shape: str | None,
+                colour: str | None, size: str | None) -> list[Obj]:
+    """Every object allowed in `split` that sits in a free cell and has the fixed attributes (draws nothing)."""
     _check_split(split)
     if split == "train" and must_be_heldout:
         raise ShapesError("a train object cannot be held out")
     pool = _TRAIN_OBJECTS if split == "train" else _HELDOUT_OBJECTS if must_be_heldout else _ALL_OBJECTS
     free = set(free_cells)
-    candidates = [o for o in pool if o.cell in free and (shape is None or o.shape == shape)
-                  and (colour is None or o.colour == colour) and (size is None or o.size == size)]
+    return [o for o in pool if o.cell in free and (shape is None or o.shape == shape)
+            and (colour is None or o.colour == colour) and (size is None or o.size == size)]
+
+
+def sample_object(rng: random.Random, split: str, free_cells: list[str] | tuple[str, ...], *,
+                  must_be_heldout: bool = False, shape: str | None = None, colour: str | None = None,
+                  size: str | None = None) -> Obj:
+    """One object in one of `free_cells`, allowed in `split` (a train object's triple is not held out;
+    `must_be_heldout` asks for one whose triple is). Fixed attributes narrow the draw."""
+    candidates = _candidates(split, free_cells, must_be_heldout, shape, colour, size)
     if not candidates:
         raise ShapesError(f"no {split} object fits shape={shape} colour={colour} size={size} "
                           f"cells={list(free_cells)} (held_out={must_be_heldout})")
@@ -224,15 +230,13 @@ def sample_scene(rng: random.Random, split: str = "train", n_objects: int | None
     for i in range(n_objects):
         free = [c for c in CELLS if c not in {o.cell for o in objects}]
         obj_split = "heldout" if i == heldout_slot else "train"
+        kind: dict[str, str] = {}
         if objects and rng.random() < _REPEAT_P:
             proto = rng.choice(objects)
-            try:
-                objects.append(sample_object(rng, obj_split, free, must_be_heldout=i == heldout_slot,
-                                             shape=proto.shape, colour=proto.colour, size=proto.size))
-                continue
-            except ShapesError:
-                pass  # that kind cannot go in any free cell of this split: draw a fresh one
-        objects.append(sample_object(rng, obj_split, free, must_be_heldout=i == heldout_slot))
+            kind = dict(shape=proto.shape, colour=proto.colour, size=proto.size)
+            if not _candidates(obj_split, free, i == heldout_slot, **kind):
+                kind = {}  # that kind cannot go in any free cell of this split: draw a fresh one
+        objects.append(sample_object(rng, obj_split, free, must_be_heldout=i == heldout_slot, **kind))
     return Scene(tuple(objects), background=bg, style=style)
 
 
