@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.metadata import RoutingMeta, build_routing_meta_torch
+
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -28,20 +30,15 @@ class RowGroups:
     rows: list[torch.Tensor]
 
 
-def group_rows(slots: torch.Tensor, num_slots: int) -> RowGroups:
-    """Sort the flat rows of slots [N, k] by slot; -1 (and, defensively, out-of-range) rows are dropped."""
-    flat = slots.reshape(-1).long()
-    valid = (flat >= 0) & (flat < num_slots)
-    key = torch.where(valid, flat, torch.full_like(flat, num_slots))
-    order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_slots + 1)[:num_slots].tolist()  # host read: see module doc
-    slot_ids, rows, start = [], [], 0
-    for s, c in enumerate(counts):
-        if c:
-            slot_ids.append(s)
-            rows.append(order[start:start + c])
-        start += c
-    return RowGroups(slot_ids, rows)
+def group_rows(slots: torch.Tensor, num_slots: int, meta: RoutingMeta | None = None) -> RowGroups:
+    """Rows of slots [N, k] grouped by slot, from `meta` (built once per forward) or sorted here; -1 rows dropped.
+
+    One host read of the segment offsets: see module doc."""
+    meta = meta or build_routing_meta_torch(slots, num_slots)
+    offsets = meta.offsets.tolist()
+    rows = meta.rows.long()
+    slot_ids = [s for s in range(num_slots) if offsets[s + 1] > offsets[s]]
+    return RowGroups(slot_ids, [rows[offsets[s]:offsets[s + 1]] for s in slot_ids])
 
 
 def _row_coef(slots: torch.Tensor, weights: torch.Tensor | None, scale: torch.Tensor, rows: torch.Tensor,
@@ -55,11 +52,11 @@ def _row_coef(slots: torch.Tensor, weights: torch.Tensor | None, scale: torch.Te
 
 def routed_lora_torch(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
                       weights: torch.Tensor | None, scale: torch.Tensor,
-                      groups: RowGroups | None = None) -> torch.Tensor:
+                      meta: RoutingMeta | None = None) -> torch.Tensor:
     """delta[n] = sum_j weights[n, j] * scale[s] * B[s] @ A[s] @ x[n], s = slots[n, j]; float32 result."""
     acc = accumulate_dtype(x.dtype)
     k = slots.shape[1]
-    groups = groups or group_rows(slots, A.shape[0])
+    groups = group_rows(slots, A.shape[0], meta)
     out = torch.zeros(x.shape[0], B.shape[1], dtype=acc, device=x.device)
     for s, rows in zip(groups.slot_ids, groups.rows):
         tok = rows // k

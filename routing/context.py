@@ -71,7 +71,7 @@ class CallRouting:
         return self.static_topk()
 
     def meta(self, block: int | None) -> Any:
-        """Slot-sorted kernel metadata for the layers of `block`, built once per forward (CUDA only)."""
+        """Slot-sorted kernel metadata for the layers of `block`, built once per forward."""
         key = block if self.learned and block in self.block_slots else None
         if key not in self._meta:
             slots, _ = self.for_block(block)

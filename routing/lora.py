@@ -54,7 +54,7 @@ class RoutedLoRALinear(nn.Linear):
         if x2.shape[0] != slots.shape[0]:
             raise RoutingError(f"routed layer '{self.name}' got {x2.shape[0]} tokens but the routing covers "
                                f"{slots.shape[0]}; call the model through RoutedModel.forward with the same input_ids")
-        meta = routing.meta(self.block) if x.is_cuda else None  # only the GPU grouped kernel reads it
+        meta = routing.meta(self.block)  # slot-sorted rows, built once per forward for every layer
         out = y.view(-1, self.out_features)  # the kernels add the delta into the base output in place
         if weights is None:
             routed_lora(x2, self.lora_A, self.lora_B, slots, self.lora_scale, out=out, meta=meta)
