@@ -219,10 +219,9 @@ def encode_examples(examples: Sequence[Example], tokenizer, codes: torch.Tensor,
     sequences longer than max_len are dropped (the world's longest document is ~850 ids)."""
     rng = random.Random(f"{seed}:cfg")
     vocab = tokenizer.vocab
-    flat = (codes.reshape(codes.shape[0], -1).long() + vocab.image_start).tolist()
+    image_ids = iter(tokenizer.image_ids_batch(codes))
     texts = [p for e in examples for p in e.parts if isinstance(p, str)]
     text_ids = iter(tokenizer.encode_batch(texts))
-    scene_ids = iter(flat)
     out, dropped = [], 0
     for e in examples:
         seq = [vocab.bos_id]
@@ -234,7 +233,7 @@ def encode_examples(examples: Sequence[Example], tokenizer, codes: torch.Tensor,
                     seq.extend(ids)
             else:
                 seq.append(vocab.boi_id)
-                seq.extend(next(scene_ids))
+                seq.extend(next(image_ids))
                 seq.append(vocab.eoi_id)
         seq.append(vocab.eos_id)
         if len(seq) <= max_len:

@@ -246,7 +246,7 @@ class DocumentBuilder:
         self._image_adapters: list[str | None] = []
         self._images = 0
         rows, cols = self.vocab.image_grid
-        self._row_len = cols + (1 if self.vocab.row_end_id is not None else 0)
+        self._row_len = cols + (1 if self.vocab.row_end_ids else 0)
         self._opened_events = [ImageStarted(0, row)] if image_open else []
         if image_open:
             self._open_image()
@@ -332,8 +332,7 @@ class DocumentBuilder:
         self._image, self._image_adapters = [], []
 
     def _close_image(self, adapter: str | None) -> list:
-        ids = [t for t in self._image if t != self.vocab.row_end_id]
-        codes = self.tok.codes_from_ids(ids)
+        codes = self.tok.codes_from_ids(self._image)
         image = self.vq.decode(codes[None])[0]
         part = len(self.doc.parts)
         self.doc.parts.append(image)

@@ -1,7 +1,8 @@
 """Interleaved text-and-image decoding over one unified vocabulary (read top to bottom, like gpt-fast).
 
 A sequence is text until the model emits `<boi>`; then exactly `vocab.tokens_per_image` image tokens follow
-(codebook ids, plus a row marker after each row where the vocabulary has `row_end_id`), then `<eoi>` is forced
+(codebook ids, plus a forced row marker after each row where the vocabulary has `row_end_ids`), then `<eoi>` is
+forced
 and the sequence is text again; a sequence may hold several images and ends at `<eos>`.  The state machine
 lives in small per-row tensors and only *masks logits*: an invalid id can never be sampled, nothing is
 repaired afterwards.
@@ -158,8 +159,7 @@ def build_phase_masks(vocab: UnifiedVocab, device: torch.device | str, width: in
     masks[TEXT_PHASE, vocab.eos_id] = True
     masks[TEXT_PHASE, vocab.boi_id] = True
     masks[CODE_PHASE, vocab.image_start:vocab.image_start + vocab.image_size] = True
-    if vocab.row_end_id is not None:
-        masks[ROW_END_PHASE, vocab.row_end_id] = True
+    masks[ROW_END_PHASE, list(vocab.row_end_ids)] = True  # narrowed to the row's own marker in the loop
     masks[EOI_PHASE, vocab.eoi_id] = True
     masks[DONE_PHASE, vocab.pad_id] = True
     return masks.to(device)
@@ -205,13 +205,14 @@ class InterleavedDecoder:
         self.max_positions = max_positions
         self.phase_masks = build_phase_masks(vocab, self.device, logits_size)
         # ids that belong to an image span as *inputs*: they are fed to the unconditional stream too
-        feeds_uncond = vocab.modality_table(self.device) == IMAGE
-        if vocab.row_end_id is not None:
-            feeds_uncond[vocab.row_end_id] = True
-        self.feeds_uncond = feeds_uncond
+        self.feeds_uncond = vocab.modality_table(self.device) == IMAGE
         rows, cols = vocab.image_grid
         self.tokens_per_image = vocab.tokens_per_image
-        self.row_period = cols + 1 if vocab.row_end_id is not None else 0
+        self.row_period = cols + 1 if vocab.row_end_ids else 0
+        # row marker r is the only id allowed where row r ends
+        self.row_end_masks = torch.zeros(rows, self.phase_masks.shape[1], dtype=torch.bool, device=self.device)
+        if vocab.row_end_ids:
+            self.row_end_masks[torch.arange(rows), [vocab.row_end_id(r) for r in range(rows)]] = True
 
     # --- the steps ---------------------------------------------------------------------------
     def prefill(self, ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
@@ -311,6 +312,9 @@ class InterleavedDecoder:
         for step in range(max_new):
             phase = self.phase(in_image, image_pos, finished)
             allowed = self.phase_masks[phase]
+            if self.row_period:
+                row = (image_pos // self.row_period).clamp(max=self.row_end_masks.shape[0] - 1)
+                allowed = torch.where((phase == ROW_END_PHASE)[:, None], self.row_end_masks[row], allowed)
             if max_new - step < self.tokens_per_image + 2:  # no room left for <boi> + image + <eoi>
                 allowed[:, vocab.boi_id] = False
             elif config.max_images is not None:

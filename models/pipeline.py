@@ -339,7 +339,7 @@ def truncate_prompt(ids: list[int], limit: int, vocab: Any) -> list[int]:
             tail = tail[i + 1:]
             break
     else:  # no marker at all: plain text, or the inside of one image span (then nothing usable is left)
-        if any(vocab.is_image_code(t) or t == vocab.row_end_id for t in tail):
+        if any(vocab.is_image_code(t) or vocab.is_row_end(t) for t in tail):
             tail = []
     return [vocab.bos_id, *tail]
 

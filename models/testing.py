@@ -80,7 +80,7 @@ def write_tiny_model_dir(
     """
     path = Path(path)
     torch.manual_seed(seed)
-    tok: UnifiedTokenizer = build_tiny_tokenizer(texts, image_size=codebook_size)
+    tok: UnifiedTokenizer = build_tiny_tokenizer(texts, image_size=codebook_size, row_markers=True)
     tok.save(path)
     lm = LlamaForCausalLM(llama_config(tok.vocab, hidden_size=hidden_size, num_layers=num_layers,
                                        num_heads=num_heads, intermediate_size=intermediate_size,

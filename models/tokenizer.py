@@ -72,11 +72,13 @@ class UnifiedTokenizer:
         image_size: int = 512,
         image_grid: tuple[int, int] = (16, 16),
         min_frequency: int = 2,
+        row_markers: bool = False,
     ) -> UnifiedTokenizer:
         """Train a byte-level BPE on `texts` and lay out the unified vocabulary around it.
 
         `text_vocab_size` counts the specials and the 256 byte tokens too (so it must be > 261); the
-        trainer stops earlier when the corpus has no more merges of `min_frequency`.
+        trainer stops earlier when the corpus has no more merges of `min_frequency`. `row_markers` appends one
+        marker id per image row after the codebook (UnifiedVocab.with_row_markers).
         """
         if text_vocab_size < len(SPECIAL_TOKENS) + 256:
             raise TokenizerError(f"text_vocab_size={text_vocab_size} is too small: byte-level BPE needs at least "
@@ -97,6 +99,8 @@ class UnifiedTokenizer:
             image_grid=tuple(image_grid),
             special_tokens=dict(ids),
         )
+        if row_markers:
+            vocab = vocab.with_row_markers()
         log.info("trained BPE: %d text ids (+5 specials), %d image ids, vocab %d",
                  vocab.text_size, image_size, vocab.vocab_size)
         return cls(backend, vocab)
@@ -173,36 +177,62 @@ class UnifiedTokenizer:
             return SPECIAL_TOKENS[token_id] if token_id < len(SPECIAL_TOKENS) else f"<special:{token_id}>"
         if self.vocab.is_image_code(token_id):
             return f"<img:{token_id - self.vocab.image_start}>"
+        if self.vocab.is_row_end(token_id):
+            return "<eol>" if len(self.vocab.row_end_ids) == 1 else f"<row:{self.vocab.row_end_ids.index(token_id)}>"
         if token_id >= self.vocab.text_start + self.vocab.text_size:
             return f"<unused:{token_id}>"
         return self.backend.decode([token_id], skip_special_tokens=False)
 
     # --- image spans --------------------------------------------------------------------------
     def image_ids(self, codes: torch.Tensor) -> list[int]:
-        """Unified ids of one image's codes ([rows, cols] or flat), row-major, without <boi>/<eoi>."""
+        """Unified ids of one image's codes ([rows, cols] or flat), row-major, each row followed by its row
+        marker where the vocabulary has them; without <boi>/<eoi>."""
+        rows, cols = self.vocab.image_grid
         codes = torch.as_tensor(codes).reshape(-1)
-        if codes.numel() != self.vocab.image_grid[0] * self.vocab.image_grid[1]:
-            raise TokenizerError(f"an image has {self.vocab.image_grid[0]}x{self.vocab.image_grid[1]} codes, "
-                                 f"got {codes.numel()}")
-        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.vocab.image_size):
-            raise TokenizerError(f"image codes must lie in [0, {self.vocab.image_size}), got "
+        if codes.numel() != rows * cols:
+            raise TokenizerError(f"an image has {rows}x{cols} codes, got {codes.numel()}")
+        return self.image_ids_batch(codes.reshape(1, rows, cols))[0]
+
+    def image_ids_batch(self, codes: torch.Tensor) -> list[list[int]]:
+        """image_ids of a batch of images' codes [N, rows, cols] (one tensor pass: training data uses it)."""
+        v = self.vocab
+        codes = torch.as_tensor(codes).long().cpu()
+        if codes.dim() != 3 or tuple(codes.shape[1:]) != tuple(v.image_grid):
+            raise TokenizerError(f"codes must have shape [N, {v.image_grid[0]}, {v.image_grid[1]}], "
+                                 f"got {list(codes.shape)}")
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= v.image_size):
+            raise TokenizerError(f"image codes must lie in [0, {v.image_size}), got "
                                  f"[{int(codes.min())}, {int(codes.max())}]")
-        return (codes.long() + self.vocab.image_start).tolist()
+        ids = codes + v.image_start
+        if v.row_end_ids:
+            markers = torch.tensor([v.row_end_id(r) for r in range(v.image_grid[0])], dtype=torch.long)
+            ids = torch.cat([ids, markers.expand(codes.shape[0], -1)[:, :, None]], dim=2)
+        return ids.reshape(codes.shape[0], -1).tolist()
 
     def image_span(self, codes: torch.Tensor) -> list[int]:
         """`<boi>` + image ids + `<eoi>`."""
         return [self.vocab.boi_id, *self.image_ids(codes), self.vocab.eoi_id]
 
     def codes_from_ids(self, ids: Iterable[int] | torch.Tensor) -> torch.Tensor:
-        """LongTensor [rows, cols] of codebook indices from one image's unified ids (no markers)."""
+        """LongTensor [rows, cols] of codebook indices from one image's unified ids, as image_ids lays them out
+        (row markers included where the vocabulary has them; no <boi>/<eoi>)."""
+        v = self.vocab
+        rows, cols = v.image_grid
         ids = torch.tensor(self._as_id_list(ids), dtype=torch.long)
-        rows, cols = self.vocab.image_grid
-        if ids.numel() != rows * cols:
-            raise TokenizerError(f"an image has {rows}x{cols} codes, got {ids.numel()} ids")
-        if not all(self.vocab.is_image_code(int(i)) for i in (ids.min(), ids.max())):
-            raise TokenizerError("ids of an image must all be image codes "
-                                 f"[{self.vocab.image_start}, {self.vocab.image_start + self.vocab.image_size})")
-        return (ids - self.vocab.image_start).reshape(rows, cols)
+        if ids.numel() != v.tokens_per_image:
+            raise TokenizerError(f"an image span holds {v.tokens_per_image} ids ({rows}x{cols} codes"
+                                 f"{' and a marker after each row' if v.row_end_ids else ''}), got {ids.numel()}")
+        grid = ids.reshape(rows, -1)
+        if v.row_end_ids:
+            expected = torch.tensor([v.row_end_id(r) for r in range(rows)])
+            if not torch.equal(grid[:, -1], expected):
+                raise TokenizerError("an image span must end each row with its row marker "
+                                     f"{expected.tolist()}, got {grid[:, -1].tolist()}")
+            grid = grid[:, :-1]
+        if not all(v.is_image_code(int(i)) for i in (grid.min(), grid.max())):
+            raise TokenizerError(f"ids of an image must all be image codes [{v.image_start}, "
+                                 f"{v.image_start + v.image_size})")
+        return grid - v.image_start
 
     def _as_id_list(self, ids: Iterable[int] | torch.Tensor) -> list[int]:
         if isinstance(ids, torch.Tensor):
@@ -228,6 +258,7 @@ def build_tiny_tokenizer(
     text_vocab_size: int = 300,
     image_size: int = 32,
     image_grid: tuple[int, int] = (16, 16),
+    row_markers: bool = False,
 ) -> UnifiedTokenizer:
     """A small tokenizer for tests: BPE over `texts` (a few shapes-world sentences by default)."""
     if texts is None:
@@ -237,4 +268,4 @@ def build_tiny_tokenizer(
             "arr, a red circle be floatin' yonder", "draw a purple square in the middle",
         ] * 4
     return UnifiedTokenizer.train(texts, text_vocab_size=text_vocab_size, image_size=image_size,
-                                  image_grid=image_grid, min_frequency=1)
+                                  image_grid=image_grid, min_frequency=1, row_markers=row_markers)

@@ -5,18 +5,21 @@ Layout of the embedded model (real checkpoints map their own ranges onto the sam
     [0, num_special)                      specials: <pad> <bos> <eos> <boi> <eoi> ...
     [text_start, text_start + text_size)  BPE text tokens
     [image_start, image_start + image_size)  image codebook ids (code c has id image_start + c)
+    row_end_ids                           row markers after the image codes (the embedded model has one per
+                                          row, <row:0>..<row:15>, so each code knows its row; Emu3 has one
+                                          shared end-of-line marker)
 
 Routing rule (DESIGN.md §2): a position is routed by the modality of the token it *predicts*.
 `<boi>` predicts the first image code and every image code predicts the next one (the last predicts
 `<eoi>`, which generation forces anyway), so a lookup table over the *input* id suffices:
-`<boi>` and image codes -> image, everything else -> text.  Being a pure per-token lookup, prefill and
+`<boi>`, image codes and row markers -> image, everything else -> text.  Being a pure per-token lookup, prefill and
 token-by-token decode route identically.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -43,11 +46,14 @@ class UnifiedVocab:
     boi_id: int
     eoi_id: int
     image_grid: tuple[int, int]  # (rows, cols) of codebook ids in one image span
-    row_end_id: int | None = None  # a marker after each row, for checkpoints that have one (Emu3)
+    # markers after each row of codes: () none; (id,) one shared marker (Emu3's end of line); or one id per row,
+    # so that row k ends with row_end_ids[k] and every later code can see which row it is in
+    row_end_ids: tuple[int, ...] = ()
     special_tokens: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "image_grid", tuple(self.image_grid))
+        object.__setattr__(self, "row_end_ids", tuple(int(i) for i in self.row_end_ids))
         if self.text_start < 0 or self.text_start + self.text_size > self.vocab_size:
             raise VocabError(f"text range [{self.text_start}, {self.text_start + self.text_size}) "
                              f"does not fit vocab_size {self.vocab_size}")
@@ -63,12 +69,31 @@ class UnifiedVocab:
                 raise VocabError(f"{name}={token_id} is outside the vocabulary of size {self.vocab_size}")
             if self.is_image_code(token_id):
                 raise VocabError(f"{name}={token_id} lies inside the image codebook range")
+        rows = self.image_grid[0]
+        if len(self.row_end_ids) not in (0, 1, rows):
+            raise VocabError(f"row_end_ids holds {len(self.row_end_ids)} ids; expected none, one shared marker or "
+                             f"one per row ({rows})")
+        specials = {self.pad_id, self.bos_id, self.eos_id, self.boi_id, self.eoi_id}
+        for token_id in self.row_end_ids:
+            if not 0 <= token_id < self.vocab_size or self.is_image_code(token_id) or token_id in specials \
+                    or self.text_start <= token_id < text_end:
+                raise VocabError(f"row marker {token_id} must be an id of its own in [0, {self.vocab_size}), "
+                                 "outside the text and image ranges and the specials")
+        if len(set(self.row_end_ids)) != len(self.row_end_ids):
+            raise VocabError(f"row_end_ids repeat an id: {list(self.row_end_ids)}")
 
     # --- id ranges ---------------------------------------------------------------------------
     @property
     def tokens_per_image(self) -> int:
         rows, cols = self.image_grid
-        return rows * (cols + (1 if self.row_end_id is not None else 0))
+        return rows * (cols + (1 if self.row_end_ids else 0))
+
+    def row_end_id(self, row: int) -> int:
+        """The marker that closes row `row` of an image (the vocabulary must have row markers)."""
+        return self.row_end_ids[row % len(self.row_end_ids)]
+
+    def is_row_end(self, token_id: int) -> bool:
+        return token_id in self.row_end_ids
 
     def is_image_code(self, token_id: int) -> bool:
         return self.image_start <= token_id < self.image_start + self.image_size
@@ -78,7 +103,17 @@ class UnifiedVocab:
         table = torch.full((self.vocab_size,), TEXT, dtype=torch.int8)
         table[self.image_start:self.image_start + self.image_size] = IMAGE
         table[self.boi_id] = IMAGE
+        table[list(self.row_end_ids)] = IMAGE
         return table.to(device) if device is not None else table
+
+    def with_row_markers(self) -> UnifiedVocab:
+        """This layout plus one marker per image row, appended after the last id (`<row:0>`, `<row:1>`, ...)."""
+        if self.row_end_ids:
+            raise VocabError("this vocabulary already has row markers")
+        rows = self.image_grid[0]
+        ids = tuple(range(self.vocab_size, self.vocab_size + rows))
+        names = {**self.special_tokens, **{f"<row:{k}>": i for k, i in enumerate(ids)}}
+        return replace(self, vocab_size=self.vocab_size + rows, row_end_ids=ids, special_tokens=names)
 
     # --- persistence -------------------------------------------------------------------------
     def to_json(self) -> str:

@@ -144,15 +144,16 @@ def batch_tensors(idx: list[int], seqs, flags, prompts, vocab: UnifiedVocab, dev
     for row, i in enumerate(idx):
         weight[row, :prompts[i]] = 0.0  # targets ids[:, t+1]; weight of target position t+1
     enabled = {a: torch.tensor([flags[i][a] for i in idx], device=device) for a in ADAPTERS}
-    return ids.to(device), mask.to(device), weight.to(device), enabled
+    return ids.to(device), weight.to(device), enabled
 
 
-def forward_loss(model, masker: RoutedLoraMask, table: torch.Tensor, ids, mask, weight, enabled, amp: bool
+def forward_loss(model, masker: RoutedLoraMask, table: torch.Tensor, ids, weight, enabled, amp: bool
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-target loss [B,T-1] and its weights (padding and prompts weigh 0)."""
+    """Per-target loss [B,T-1] and its weights (padding and prompts weigh 0). Batches are right-padded, so the
+    causal mask alone keeps real tokens from seeing padding (as in train_lm.token_losses)."""
     masker.set(ids, table, enabled, {a: (IMAGE if m == "image" else TEXT) for a, (m, _) in ADAPTERS.items()})
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits = model(input_ids=ids).logits
     loss = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
     return loss, weight[:, 1:]
 
@@ -165,8 +166,8 @@ def evaluate(model, masker, table, val, vocab, device, amp, tokens_per_batch) ->
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     for batch in length_batches([len(s) for s in seqs], tokens_per_batch, seed=0, epoch=0):
-        ids, mask, weight, enabled = batch_tensors(batch, seqs, flags, prompts, vocab, device)
-        loss, w = forward_loss(model, masker, table, ids, mask, weight, enabled, amp)
+        ids, weight, enabled = batch_tensors(batch, seqs, flags, prompts, vocab, device)
+        loss, w = forward_loss(model, masker, table, ids, weight, enabled, amp)
         is_image = table[ids[:, :-1]] == IMAGE
         for row, i in enumerate(batch):
             look = "+".join(a for a in ADAPTERS if flags[i][a])
@@ -222,10 +223,10 @@ def main(argv: list[str] | None = None) -> dict:
         if not batches:
             batches = length_batches(lengths, args.tokens_per_batch, seed=args.seed, epoch=epoch)
             epoch += 1
-        ids, mask, weight, enabled = batch_tensors(batches.pop(), seqs, flags, prompts, tok.vocab, device)
+        ids, weight, enabled = batch_tensors(batches.pop(), seqs, flags, prompts, tok.vocab, device)
         for group in opt.param_groups:
             group["lr"] = args.lr * sched.factor(step)
-        per_token, w = forward_loss(model, masker, table, ids, mask, weight, enabled, amp)
+        per_token, w = forward_loss(model, masker, table, ids, weight, enabled, amp)
         loss = (per_token * w).sum() / w.sum().clamp_min(1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -252,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
                               save_embedding_layers=False)
         (args.out / name / "molora.json").write_text(json.dumps(
             {"modality": modality, "description": description}, indent=2))
+    # peft also leaves an empty model-card template in OUT; the adapters are described in assets/model/README.md
+    (args.out / "README.md").unlink(missing_ok=True)
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
 

@@ -5,11 +5,15 @@ Base data (plain register, filled style only; the adapters learn the rest):
     14% interleaved documents, 5% text-only pirate sentences (never beside a picture: they train the output rows
     of pirate words so a LoRA can use them; see models/data.py); text before <boi> dropped 10% of the time
     (classifier-free guidance).
+Image spans are the VQ codes row by row, each row closed by its row marker (vocab.json row_end_ids).
 Needs tokenizer.json, vocab.json and vq/ in the model directory (train_tokenizer.py, train_vq.py); writes
-lm/ (safetensors, bf16 by default: the loader upcasts on CPU) and lm/metrics.json.
+lm/ (safetensors, bf16 by default: the loader upcasts on CPU) and lm/metrics.json (with the validation
+losses every --val-every steps).
 
     python scripts/train_lm.py --model-dir runs/model --workers 16          # the real run (GPU)
     python scripts/train_lm.py --model-dir /tmp/m --tiny --steps 3           # a CPU smoke run
+    python scripts/train_lm.py --model-dir runs/model --init-from runs/stage1/lm --seed 1 --lr 1e-3
+                                # a second stage: continue from stage 1's weights on fresh examples (seed 1)
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from models.tokenizer import UnifiedTokenizer  # noqa: E402
 from models.vocab import IMAGE  # noqa: E402
 
 log = logging.getLogger("train_lm")
+VAL_SEED = "lm-val0"  # the same held-out sequences whatever --seed is, so stages and runs compare
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,7 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-minutes", type=float, default=0.0,
                    help="stop early (and still save) after this much training time; 0 = no limit")
     p.add_argument("--ckpt-every", type=int, default=500)
+    p.add_argument("--val-every", type=int, default=1000, help="validation losses every N steps (0 = at the end)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (dynamic shapes); falls back to eager if the first step fails")
     p.add_argument("--resume", action="store_true", help="continue from LM_DIR/checkpoint.safetensors")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this saved LM (a second training stage) instead of random weights; its "
+                        "vocabulary and shape win over --hidden/--layers/...")
     p.add_argument("--tiny", action="store_true", help="tiny model and data (CPU smoke test)")
     args = p.parse_args(argv)
     if args.tiny:
@@ -98,9 +109,12 @@ def build_sequences(tok: UnifiedTokenizer, vq: ImageTokenizer, n: int, *, seed: 
 
 
 def token_losses(model: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor, amp: bool) -> torch.Tensor:
-    """Per-position next-token loss [B, T-1] (0 at padding)."""
+    """Per-position next-token loss [B, T-1] (0 at padding).
+
+    Batches are right-padded, so the causal mask alone keeps every real token from seeing padding: no attention
+    mask is passed, and attention runs as plain causal (flash) attention."""
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits = model(input_ids=ids).logits
     loss = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
     return loss * mask[:, 1:]
 
@@ -144,8 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
                          f"match the VQ (codebook {vq.codebook_size}, grid {vq.grid}): retrain the tokenizer")
     train = build_sequences(tok, vq, args.n_examples, seed=f"lm{args.seed}", split="train", workers=args.workers,
                             cfg_dropout=0.1)
-    val = build_sequences(tok, vq, args.n_val, seed=f"lm-val{args.seed}", split="heldout", workers=args.workers,
-                          cfg_dropout=0.0)
+    val = build_sequences(tok, vq, args.n_val, seed=VAL_SEED, split="heldout", workers=args.workers, cfg_dropout=0.0)
     too_long = sum(len(s) > args.max_positions for s in train)
     train = [s for s in train if len(s) <= args.max_positions]
     val = [s for s in val if len(s) <= args.max_positions]
@@ -156,7 +169,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     config = llama_config(tok.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                           intermediate_size=args.intermediate, max_positions=args.max_positions)
-    model = LlamaForCausalLM(config).to(device)
+    if args.init_from is not None:
+        model = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        if model.config.vocab_size != tok.vocab.vocab_size:
+            raise SystemExit(f"--init-from {args.init_from} has vocab_size {model.config.vocab_size}, but vocab.json "
+                             f"has {tok.vocab.vocab_size}: it was trained with another tokenizer")
+        model = model.to(device)
+        log.info("initialised from %s", args.init_from)
+    else:
+        model = LlamaForCausalLM(config).to(device)
+    step_model = torch.compile(model, dynamic=True) if args.compile else model  # shares model's parameters
     n_params = sum(p.numel() for p in model.parameters())
     log.info("LlamaForCausalLM: %.2fM parameters, vocab %d", n_params / 1e6, config.vocab_size)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
@@ -180,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
             batches = batches[start - seen:]
             break
         seen += len(batches)
-    t_train, step, losses = time.time(), start, []
+    t_train, step, losses, val_curve, loss = time.time(), start, [], [], None
     sched = Schedule(args.steps, min(200, args.steps // 10), args.max_minutes)
     bar = tqdm(total=args.steps, initial=start, desc="lm", mininterval=10)
     while not sched.done(step):
@@ -191,9 +213,18 @@ def main(argv: list[str] | None = None) -> dict:
         ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
         for group in opt.param_groups:
             group["lr"] = args.lr * sched.factor(step)
-        loss = token_losses(model, ids, mask, amp).sum() / mask[:, 1:].sum()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        try:
+            loss = token_losses(step_model, ids, mask, amp).sum() / mask[:, 1:].sum()
+            loss.backward()
+        except Exception as exc:  # a compiler failure must not cost the run: continue in eager mode
+            if step_model is model or step > start:
+                raise
+            log.warning("torch.compile failed (%s: %s); training in eager mode", type(exc).__name__, exc)
+            step_model = model
+            opt.zero_grad(set_to_none=True)
+            loss = token_losses(model, ids, mask, amp).sum() / mask[:, 1:].sum()
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
@@ -201,18 +232,24 @@ def main(argv: list[str] | None = None) -> dict:
         if step % 50 == 0 or step == args.steps:
             losses.append((step, loss.item()))
             bar.set_postfix(loss=f"{losses[-1][1]:.4f}", epoch=epoch)
+        if args.val_every and step % args.val_every == 0 and not sched.done(step):
+            val_curve.append({"step": step, **evaluate(model, val, tok, device, amp, args.tokens_per_batch)})
+            log.info("step %d: %s", step, val_curve[-1])
         if args.ckpt_every and step % args.ckpt_every == 0 and step < args.steps:
             save_checkpoint(ckpt, model, opt, {"step": step})
     bar.close()
     train_seconds = time.time() - t_train
-    final_loss = loss.item()
+    final_loss = None if loss is None else loss.item()  # None: no step was taken
     metrics = evaluate(model, val, tok, device, amp, args.tokens_per_batch)
     metrics.update(train_loss=final_loss, steps=step, planned_steps=args.steps, epochs=epoch + 1,
                    sequences=len(train), train_tokens_per_epoch=n_tokens, params=n_params, seed=args.seed,
                    tokens_per_batch=args.tokens_per_batch, lr=args.lr, train_seconds=round(train_seconds, 1),
                    total_seconds=round(time.time() - t0, 1), loss_curve=losses,
+                   val_curve=[*val_curve, {"step": step, "val_text_loss": metrics["val_text_loss"],
+                                           "val_image_loss": metrics["val_image_loss"]}],
+                   compiled=step_model is not model, init_from=str(args.init_from) if args.init_from else None,
                    device=torch.cuda.get_device_name() if amp else "cpu")
-    log.info("step %d: train loss %.4f, val text %.4f, val image %.4f", step, final_loss,
+    log.info("step %d: train loss %s, val text %.4f, val image %.4f", step, final_loss,
              metrics["val_text_loss"], metrics["val_image_loss"])
     model.to("cpu", dtype=getattr(torch, args.save_dtype)).save_pretrained(lm_dir, safe_serialization=True)
     (lm_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -31,7 +31,7 @@ from models.testing import write_tiny_adapter
 from routing import LearnedGates
 
 REPO = Path(__file__).resolve().parents[1]
-IMAGE_TOKENS = 258  # 256 codes + <eoi> + one more step for <eos> or text
+IMAGE_TOKENS = 274  # 16 rows of 16 codes and a row marker + <eoi> + one more step for <eos> or text
 
 
 def free_port() -> int:
@@ -105,7 +105,7 @@ def test_generate_endpoint_returns_text_an_image_and_the_html_document(url):
     assert out["text"].startswith("[image 1]")
     # every generated token is on the routing map, coloured by its adapter: image codes -> image_style
     image_labels = [label for token, label in out["tokens"] if token == "■"]
-    assert len(image_labels) == 256 and set(image_labels) == {"image_style"}
+    assert len(image_labels) == 272 and set(image_labels) == {"image_style"}  # codes and row markers
     assert set(out["colors"]) >= {"image_style", "text_style", BASE_LABEL}
     html = Path(out["html"]).read_text()
     assert "<html" in html.lower() and "data:image/png;base64," in html

@@ -75,7 +75,7 @@ def test_generate_streams_an_image_and_a_routing_map_into_the_page(page, tmp_pat
     page.wait_for_function("document.querySelector('#stats')?.innerText.includes('done in')", timeout=180_000)
     assert image.evaluate("img => img.complete && img.naturalWidth") == 64
     tokens = page.locator("#routing-map .token")
-    assert tokens.count() >= 257  # 256 image codes + <eoi> (+ whatever text followed)
+    assert tokens.count() >= 273  # 256 image codes, 16 row markers, <eoi> (+ whatever text followed)
     legend = page.locator("#routing-map [data-testid='highlighted-text:category-legend']").inner_text()
     assert "image_style" in legend and "text_style" in legend
     assert "Hot-set cache" in page.locator("#stats").inner_text()

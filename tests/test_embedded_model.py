@@ -21,8 +21,10 @@ def embedded():
 
 
 def expected_adapter(prev_id: int, vocab, text: str | None, image: str | None) -> str | None:
-    """DESIGN.md §2: the position holding `prev_id` predicts the next token; <boi> and image codes -> image."""
-    return image if prev_id == vocab.boi_id or vocab.is_image_code(prev_id) else text
+    """DESIGN.md §2: the position holding `prev_id` predicts the next token; <boi>, image codes and the row
+    markers inside an image -> image."""
+    in_image = prev_id == vocab.boi_id or vocab.is_image_code(prev_id) or vocab.is_row_end(prev_id)
+    return image if in_image else text
 
 
 def test_embedded_model_writes_an_image_and_pirate_text_in_one_pass(embedded):

@@ -34,11 +34,11 @@ class Biased:
         return out
 
 
-def small_vocab(vocab, row_end: bool = False):
-    if row_end:
-        return dataclasses.replace(vocab, image_size=vocab.image_size - 1, row_end_id=vocab.vocab_size - 1,
-                                   image_grid=(4, 4))
-    return dataclasses.replace(vocab, image_grid=(4, 4))
+def small_vocab(vocab, row_end: str | None = None):
+    """The tiny model's vocabulary on a 4x4 grid, with no row markers, one shared end-of-line marker (as Emu3)
+    or a marker per row (as the embedded model); unused marker ids stay in the vocabulary, never allowed."""
+    markers = {None: (), "shared": vocab.row_end_ids[:1], "per_row": vocab.row_end_ids[:4]}[row_end]
+    return dataclasses.replace(vocab, image_grid=(4, 4), row_end_ids=markers)
 
 
 def tempting_bias(vocab, size: int, boi: float = 8.0) -> torch.Tensor:
@@ -46,8 +46,7 @@ def tempting_bias(vocab, size: int, boi: float = 8.0) -> torch.Tensor:
     bias = torch.zeros(size)
     for token in (vocab.eoi_id, vocab.pad_id, vocab.bos_id):
         bias[token] = 50.0
-    if vocab.row_end_id is not None:
-        bias[vocab.row_end_id] = 50.0
+    bias[list(vocab.row_end_ids)] = 50.0
     bias[vocab.boi_id] = boi
     return bias
 
@@ -82,7 +81,7 @@ def run(decoder, prompts, config, routers=None):
 def check_structure(tokens, vocab, budget_ended: bool = True):
     """Reference state machine (plain Python): returns the image spans; fails on any invalid token."""
     rows, cols = vocab.image_grid
-    period = cols + 1 if vocab.row_end_id is not None else None
+    period = cols + 1 if vocab.row_end_ids else None
     spans, span = [], None
     for i, t in enumerate(tokens):
         if span is None:
@@ -98,7 +97,7 @@ def check_structure(tokens, vocab, budget_ended: bool = True):
             span = None
         else:
             if period and len(span) % period == cols:
-                assert t == vocab.row_end_id, f"missing row marker at {i}"
+                assert t == vocab.row_end_id(len(span) // period), f"missing row marker at {i}"
             else:
                 assert vocab.is_image_code(t), f"token {t} inside an image span is not a codebook id"
             span.append(t)
@@ -149,17 +148,19 @@ def test_bad_settings_raise_clear_errors():
     assert GenerationConfig.from_dict(config.to_dict()) == config
 
 
-def test_phase_masks_allow_only_the_state_machine_ids(tiny_pipeline):
-    vocab = small_vocab(tiny_pipeline.vocab, row_end=True)
+@pytest.mark.parametrize("row_end", ["shared", "per_row"])
+def test_phase_masks_allow_only_the_state_machine_ids(tiny_pipeline, row_end):
+    vocab = small_vocab(tiny_pipeline.vocab, row_end)
     masks = build_phase_masks(vocab, "cpu", vocab.vocab_size + 3)
     assert masks[0].sum() == vocab.text_size + 2 and masks[0, vocab.boi_id] and masks[0, vocab.eos_id]
-    assert masks[1].sum() == vocab.image_size and masks[2].sum() == 1 and masks[3].sum() == 1
+    assert masks[1].sum() == vocab.image_size and masks[3].sum() == 1
+    assert masks[2].sum() == len(vocab.row_end_ids)
     assert not masks[:, vocab.vocab_size:].any()
 
 
 # --- the state machine ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("row_end", [False, True])
+@pytest.mark.parametrize("row_end", [None, "shared", "per_row"])
 def test_image_spans_have_exactly_the_grid_and_end_with_forced_eoi(lm, tiny_pipeline, row_end):
     vocab = small_vocab(tiny_pipeline.vocab, row_end)
     decoder = make_decoder(lm, vocab, tempting_bias(vocab, lm.model.config.vocab_size))
@@ -291,7 +292,7 @@ def test_routing_record_follows_the_predicts_rule_and_matches_prefill(lm, tiny_p
     # the adapter that produced token i is the one at the position holding the previous token
     previous = [prompt[-1], *tokens[:-1]]
     for prev, adapter in zip(previous, adapters):
-        image_input = prev == vocab.boi_id or vocab.is_image_code(prev)
+        image_input = prev == vocab.boi_id or vocab.is_image_code(prev) or vocab.is_row_end(prev)
         assert adapter == ("image_style" if image_input else "text_style")
     # one prefill of the whole sequence routes every position exactly as the token-by-token decode did
     with torch.inference_mode():

@@ -107,7 +107,7 @@ def test_stream_events_add_up_to_the_document(tiny_pipeline):
     assert np.array_equal(pixels(done[0].image), pixels(doc.images[0]))
     assert len(done[0].adapters) == tiny_pipeline.vocab.tokens_per_image + 1  # codes + <eoi>
     progress = [e.done for e in events if isinstance(e, ImageProgress)]
-    assert progress == list(range(16, 257, 16))
+    assert progress == list(range(17, 273, 17))  # one event per row: 16 codes and the row marker
     timings = [e for e in events if isinstance(e, StepTiming)]
     assert len(timings) == len(doc.routing) and all(t.ms > 0 for t in timings)
 

@@ -370,12 +370,19 @@ def test_learned_router_rejects_bad_settings(setup):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_cuda_routed_model_matches_cpu(setup, dtype, tol):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_routed_model_matches_cpu(setup, dtype):
+    """The routed model on the GPU (Triton kernels) equals the same model in the same dtype on the CPU (torch
+    path), up to the two devices' different rounding of the base model alone. (Against fp32, bf16 itself is
+    ~4% off with these random adapters, on the CPU exactly as on the GPU.)"""
     routed, _ = setup
-    router = VocabRangeRouter(VOCAB, "T", "I")
     with torch.no_grad():
-        want = routed(IDS, routers=router).logits
+        cpu = copy.deepcopy(routed).to(dtype)
+        want = cpu(IDS, routers=VocabRangeRouter(VOCAB, "T", "I")).logits.float()
+        base_want = cpu(IDS, routers=None).logits.float()
         gpu = copy.deepcopy(routed).to("cuda", dtype)
-        got = gpu(IDS.cuda(), routers=VocabRangeRouter(VOCAB, "T", "I")).logits
-    assert rel_err(got.float().cpu(), want) <= tol
+        got = gpu(IDS.cuda(), routers=VocabRangeRouter(VOCAB, "T", "I")).logits.float().cpu()
+        base_got = gpu(IDS.cuda(), routers=None).logits.float().cpu()
+    rounding = rel_err(base_got, base_want)
+    print(f"{dtype}: routed GPU vs CPU {rel_err(got, want):.2e}, base GPU vs CPU {rounding:.2e}")
+    assert rel_err(got, want) <= max(1e-4, 3 * rounding)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from PIL import Image
 from models.image_tokenizer import ImageTokenizer, ImageTokenizerError
 from models.testing import BASE_MODEL_NAME, write_tiny_adapter, write_tiny_model_dir
 from models.tokenizer import SPECIAL_TOKENS, TokenizerError, UnifiedTokenizer, build_tiny_tokenizer
+from models.vocab import VocabError
 from routing.errors import MoLoRAError
 
 TOK = build_tiny_tokenizer()
@@ -81,6 +83,41 @@ def test_image_span_round_trip():
         TOK.image_span(torch.full((16, 16), TOK.vocab.image_size))
     with pytest.raises(TokenizerError):
         TOK.codes_from_ids(TOK.encode_text("abc") * 100)
+
+
+def test_row_markers_close_every_row_and_route_to_the_image_side():
+    tok = UnifiedTokenizer(TOK.backend, TOK.vocab.with_row_markers())
+    v = tok.vocab
+    assert v.vocab_size == TOK.vocab.vocab_size + 16 and v.row_end_ids == tuple(range(TOK.vocab.vocab_size,
+                                                                                       v.vocab_size))
+    assert v.tokens_per_image == 16 * 17
+    codes = torch.randint(0, v.image_size, (3, 16, 16))
+    batch = tok.image_ids_batch(codes)
+    for k in range(3):
+        ids = batch[k]
+        assert ids == tok.image_ids(codes[k]) and len(ids) == 272
+        assert [ids[17 * r + 16] for r in range(16)] == list(v.row_end_ids)
+        assert torch.equal(tok.codes_from_ids(ids), codes[k])
+    table = v.modality_table()
+    assert all(table[i] == 1 for i in v.row_end_ids)
+    assert tok.token_piece(v.row_end_ids[3]) == "<row:3>"
+    swapped = list(batch[0])
+    swapped[16], swapped[33] = swapped[33], swapped[16]
+    with pytest.raises(TokenizerError, match="row marker"):
+        tok.codes_from_ids(swapped)
+    with pytest.raises(TokenizerError, match="272 ids"):
+        tok.codes_from_ids(batch[0][:-1])
+    with pytest.raises(VocabError, match="already has row markers"):
+        v.with_row_markers()
+    shared = dataclasses.replace(TOK.vocab, vocab_size=TOK.vocab.vocab_size + 1, row_end_ids=(TOK.vocab.vocab_size,))
+    assert UnifiedTokenizer(TOK.backend, shared).token_piece(shared.row_end_ids[0]) == "<eol>"
+
+
+@pytest.mark.parametrize("ids, match", [((5,), "outside the text and image"), ((1,), "outside the text"),
+                                        ((10**6,), "must be an id"), ((0, 0), "expected none, one")])
+def test_bad_row_markers_are_refused(ids, match):
+    with pytest.raises(VocabError, match=match):
+        dataclasses.replace(TOK.vocab, row_end_ids=ids)
 
 
 def test_save_load_and_corrupt_files(tmp_path):

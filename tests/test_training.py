@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -82,6 +83,7 @@ def test_adapters_are_peft_files_with_molora_json(trained):
         assert json.loads((folder / "molora.json").read_text())["modality"] == modality
         lm = LlamaForCausalLM.from_pretrained(root / "model" / "lm", dtype=torch.float32)
         PeftModel.from_pretrained(lm, folder)  # peft itself reads it back
+    assert not (root / "adapters" / "README.md").exists()  # no empty template beside them
 
 
 def test_lm_resume_continues_from_checkpoint(tmp_path):
@@ -92,6 +94,23 @@ def test_lm_resume_continues_from_checkpoint(tmp_path):
     assert not (model / "lm" / "checkpoint.safetensors").exists()
     first = train_lm.main(args + ["--steps", "4"])
     assert first["steps"] == 4
+
+
+def test_lm_second_stage_starts_from_the_first_stages_weights(trained, tmp_path):
+    root, _, lm_metrics, _ = trained
+    model = tmp_path / "model"
+    shutil.copytree(root / "model", model)
+    stage1 = tmp_path / "stage1"
+    shutil.copytree(model / "lm", stage1)
+    train_lm = _script("train_lm")
+    # zero steps: the saved model is stage 1's, so the validation losses are stage 1's
+    again = train_lm.main(["--model-dir", str(model), "--tiny", "--steps", "0", "--init-from", str(stage1)])
+    assert again["init_from"] == str(stage1) and again["sequences"] == lm_metrics["sequences"]
+    assert again["val_image_loss"] == pytest.approx(lm_metrics["val_image_loss"], rel=1e-2)
+    other = tmp_path / "other"
+    write_tiny_model_dir(other, codebook_size=16)
+    with pytest.raises(SystemExit, match="vocab_size"):
+        train_lm.main(["--model-dir", str(model), "--tiny", "--steps", "1", "--init-from", str(other / "lm")])
 
 
 def test_routed_lora_mask_applies_only_at_routed_positions():
@@ -147,7 +166,7 @@ def test_data_is_deterministic_and_worker_independent():
 
 
 def test_sequences_follow_the_contract_formats():
-    tok = build_tiny_tokenizer()
+    tok = build_tiny_tokenizer(row_markers=True)
     v = tok.vocab
     examples = sample_examples(40, seed=1)
     codes = torch.randint(0, v.image_size, (len(example_scenes(examples)), 16, 16))
@@ -161,9 +180,11 @@ def test_sequences_follow_the_contract_formats():
             assert e.register == "pirate" and tok.decode_text(s) == e.parts[0]
             continue
         start = s.index(v.boi_id)
-        assert all(v.is_image_code(i) for i in s[start + 1:start + 257]) and s[start + 257] == v.eoi_id
+        span = s[start + 1:start + 1 + v.tokens_per_image]
+        assert tok.codes_from_ids(span).shape == (16, 16)  # codes, each row closed by its marker
+        assert s[start + 1 + v.tokens_per_image] == v.eoi_id
         if e.kind == "i2t":
-            assert start == 1 and len(s) > 260
+            assert start == 1 and len(s) > v.tokens_per_image + 4
         if e.kind.startswith("t2i"):
             dropped += start == 1  # CFG stream: <bos> <boi> ...
     assert dropped > 0
