@@ -9,7 +9,8 @@
     ...     print(type(event).__name__)
 
 Routing modes (DESIGN.md §2):
-    "vocab"     per token by vocabulary range: text positions -> text_adapter, <boi> and image codes -> image_adapter
+    "vocab"     per token by vocabulary range: text positions -> text_adapter, <boi>, image codes and row markers
+                -> image_adapter
     "sequence"  the baseline: one adapter for the whole sequence (text_adapter if given, else image_adapter)
     "none"      the base model
     "learned"   MoLoRA top-k gates over the adapters they were trained on (text positions); image positions ->

@@ -3,7 +3,7 @@ per-token adapter slots.  They hold no global state; the only tensors they keep 
 cached on the router instance (reuse one router object across decode steps to build the table once).
 
     VocabRangeRouter  vocabulary range: a position is routed by the modality of the token it predicts
-                      (vocab.modality_table: `<boi>` and image codes -> image adapter, the rest -> text adapter).
+                      (vocab.modality_table: `<boi>`, image codes and row markers -> image adapter, the rest -> text adapter).
     SequenceRouter    one adapter for the whole sequence: the S-LoRA / PEFT baseline.
     LearnedRouter     MoLoRA: per transformer block a gate Linear(d_model, E) on the block input picks top-k of
                       E named adapters, softmax over the k kept logits; optionally hierarchical (a vocabulary

@@ -103,7 +103,7 @@ def test_generate_endpoint_returns_text_an_image_and_the_html_document(url):
     out = generate(client(url), start_image=True, max_new_tokens=IMAGE_TOKENS + 4, cfg_scale=1.0)
     assert len(out["images"]) == 1 and out["images"][0].shape == (64, 64, 3)
     assert out["text"].startswith("[image 1]")
-    # every generated token is on the routing map, coloured by its adapter: image codes -> image_style
+    # every generated token is on the routing map, coloured by its adapter: image codes and row markers -> image_style
     image_labels = [label for token, label in out["tokens"] if token == "■"]
     assert len(image_labels) == 272 and set(image_labels) == {"image_style"}  # codes and row markers
     assert set(out["colors"]) >= {"image_style", "text_style", BASE_LABEL}

@@ -3,6 +3,7 @@ has 200+ distinct held-out prompts, and the runner scores a perfect fake pipelin
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFilter
 
+from models.sampling import GenerationError
 from models.shapes import ShapesError
 from models.shapes.eval import (
     CATEGORIES,
@@ -265,3 +267,20 @@ def test_runner_rejects_bad_arguments():
         run_shapes_eval(pipe, n_per_category=2, categories=["beauty"], progress=False)
     with pytest.raises(ShapesError, match="conditions"):
         run_shapes_eval(pipe, n_per_category=2, conditions=["lucky"], progress=False)
+
+
+def test_cli_passes_generation_settings_and_rejects_malformed_ones(tiny_assets, tmp_path, capsys):
+    from models.shapes.eval import main
+
+    out = tmp_path / "r.json"
+    assert main(["--model", str(tiny_assets / "model"), "--n", "1", "--conditions", "base", "--categories",
+                 "single_object", "--device", "cpu", "--set", "cfg_scale=2.0", "--set", "image_temperature=0",
+                 "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["generation_overrides"] == {"cfg_scale": 2.0, "image_temperature": 0}
+    assert "cfg_scale=2.0" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--model", str(tiny_assets / "model"), "--set", "cfg_scale"])
+    with pytest.raises(GenerationError, match="unknown generation setting"):
+        main(["--model", str(tiny_assets / "model"), "--n", "1", "--conditions", "base", "--categories",
+              "single_object", "--device", "cpu", "--set", "cfg=2"])

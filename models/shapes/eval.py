@@ -305,7 +305,8 @@ def run_shapes_eval(pipeline, *, n_per_category: int = 200, conditions: Iterable
     for name, why in skipped.items():
         log.warning("ShapesEval: skipping condition %s: %s", name, why)
     prompt_sets = {c: build_prompts(c, n_per_category, seed) for c in categories}
-    results: dict = {"n_per_category": n_per_category, "seed": seed, "skipped": skipped, "conditions": {}}
+    results: dict = {"n_per_category": n_per_category, "seed": seed, "skipped": skipped,
+                     "generation_overrides": dict(generate_kwargs or {}), "conditions": {}}
     total = sum(len(conds) * -(-len(p) // batch_size) for p in prompt_sets.values())
     bar = tqdm(total=total, desc="ShapesEval", disable=not progress)
     for cond in conds:
@@ -378,6 +379,9 @@ def results_markdown(results: dict) -> str:
              "Content: every attribute named is right and the object count is exact. Outline/pirate rate: share "
              "of generated images read as outline / texts in the pirate register. Style ok: the styles the "
              "condition's adapters should produce are there (image style on images, text style on text)."]
+    if results.get("generation_overrides"):
+        settings = ", ".join(f"{k}={v}" for k, v in results["generation_overrides"].items())
+        notes.append(f"Generation settings over the model's defaults: {settings}.")
     for name, why in results.get("skipped", {}).items():
         notes.append(f"- {name}: skipped ({why})")
     return "\n".join(lines) + "\n" + "\n".join(notes) + "\n"
@@ -402,7 +406,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="adapter cache rank; the merged row needs the sum of both adapters' ranks")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a generation setting over the model's generation.json, e.g. --set cfg_scale=2.0 "
+                         "--set text_temperature=0 (any key of GenerationConfig.with_overrides)")
     args = ap.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--set expects KEY=VALUE, got {item!r}")
+        overrides[key.strip()] = json.loads(value) if value.strip() not in ("", "None") else None
     if args.threads:
         import torch
 
@@ -413,7 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pipe = InterleavedPipeline.from_pretrained(args.model, r_max=args.r_max, device=args.device)
     results, table = run_shapes_eval(pipe, n_per_category=args.n, conditions=args.conditions,
                                      categories=args.categories, batch_size=args.batch_size, seed=args.seed,
-                                     text_adapter=args.text_adapter, image_adapter=args.image_adapter)
+                                     text_adapter=args.text_adapter, image_adapter=args.image_adapter,
+                                     generate_kwargs=overrides)
     print(table)
     if args.out:
         Path(args.out).write_text(table)
