@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build the embedded default model end to end: VQ image tokenizer -> BPE text tokenizer -> LM -> style adapters.
+# Build the embedded default model end to end: VQ image tokenizer -> BPE text tokenizer -> LM (two stages) -> style
+# adapters. Stage lm2 continues stage lm's weights (kept in OUT/lm_stage1) on fresh examples at half the peak rate.
 #
 #   scripts/build_embedded.sh [OUT]            # OUT defaults to runs/embedded; writes OUT/model and OUT/adapters
 #   STAGES="vq tok lm" scripts/build_embedded.sh runs/embedded      # some stages only
@@ -7,17 +8,18 @@
 #
 # The shipped assets/ were built on one H200 with the defaults below (see assets/model/README.md); copy
 # OUT/model -> assets/model and OUT/adapters -> assets/adapters, then run scripts/train_*'s checks.
-# Extra per-stage flags: VQ_ARGS, TOK_ARGS, LM_ARGS, AD_ARGS (e.g. LM_ARGS="--max-minutes 4").
+# Extra per-stage flags: VQ_ARGS, TOK_ARGS, LM_ARGS, LM2_ARGS, AD_ARGS (e.g. LM_ARGS="--max-minutes 4").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/embedded}
-STAGES=${STAGES:-"vq tok lm adapters"}
+STAGES=${STAGES:-"vq tok lm lm2 adapters"}
 PY=${PYTHON:-python3}
 WORKERS=${WORKERS:-$(nproc)}
 SEED=${SEED:-0}
 if [[ "${TINY:-0}" == "1" ]]; then
   VQ_ARGS="--tiny --steps 3 ${VQ_ARGS:-}"; TOK_ARGS="--n-examples 500 ${TOK_ARGS:-}"
-  LM_ARGS="--tiny --steps 3 ${LM_ARGS:-}"; AD_ARGS="--tiny --steps 3 ${AD_ARGS:-}"; WORKERS=1
+  LM_ARGS="--tiny --steps 3 ${LM_ARGS:-}"; LM2_ARGS="--tiny --steps 2 ${LM2_ARGS:-}"
+  AD_ARGS="--tiny --steps 3 ${AD_ARGS:-}"; WORKERS=1
 fi
 mkdir -p "$OUT/model"
 for stage in $STAGES; do
@@ -27,9 +29,12 @@ for stage in $STAGES; do
     tok)      $PY scripts/train_tokenizer.py --out "$OUT/model" --vq "$OUT/model/vq" --seed "$SEED" \
                 --workers "$WORKERS" ${TOK_ARGS:-} ;;
     lm)       $PY scripts/train_lm.py --model-dir "$OUT/model" --seed "$SEED" --workers "$WORKERS" ${LM_ARGS:-} ;;
+    lm2)      rm -rf "$OUT/lm_stage1" && cp -r "$OUT/model/lm" "$OUT/lm_stage1"
+              $PY scripts/train_lm.py --model-dir "$OUT/model" --init-from "$OUT/lm_stage1" --seed $((SEED + 1)) \
+                --lr 1e-3 --workers "$WORKERS" ${LM2_ARGS:-} ;;
     adapters) $PY scripts/train_adapters.py --model-dir "$OUT/model" --out "$OUT/adapters" --seed "$SEED" \
                 --workers "$WORKERS" ${AD_ARGS:-} ;;
-    *) echo "unknown stage $stage (expected: vq tok lm adapters)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (expected: vq tok lm lm2 adapters)" >&2; exit 2 ;;
   esac
 done
 echo "=== done: $OUT ($(date -u +%H:%M:%S))"

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -198,3 +200,19 @@ def test_schedule_warms_up_decays_and_stops():
     s = Schedule(steps=100, warmup=10)
     assert s.factor(0) == pytest.approx(0.1) and s.factor(9) > 0.95 and s.factor(9) > s.factor(50)
     assert s.factor(99) == pytest.approx(0.1, abs=1e-3) and s.done(100) and not s.done(99)
+
+
+def test_build_script_runs_every_stage_at_toy_sizes(tmp_path):
+    """scripts/build_embedded.sh (the command the model card records) chains vq -> tok -> lm -> lm2 -> adapters."""
+    env = {**os.environ, "TINY": "1", "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "build_embedded.sh"), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    model = tmp_path / "model"
+    vocab = json.loads((model / "vocab.json").read_text())
+    assert len(vocab["row_end_ids"]) == 16 and (model / "vq" / "config.json").is_file()
+    lm = json.loads((model / "lm" / "metrics.json").read_text())
+    assert lm["init_from"] == str(tmp_path / "lm_stage1") and lm["seed"] == 1 and lm["lr"] == 1e-3
+    assert (tmp_path / "lm_stage1" / "model.safetensors").is_file()
+    for name in ("pirate", "outline"):
+        assert (tmp_path / "adapters" / name / "adapter_model.safetensors").is_file()
