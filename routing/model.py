@@ -13,6 +13,7 @@ the block input.  RoutedModel.forward then, per call:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import re
 from collections.abc import Iterator, Sequence
@@ -153,6 +154,9 @@ class RoutedModel(nn.Module):
         self.model = model
         self.cache = cache
         self.num_blocks = num_blocks
+        # transformers >= 5.2x names the KV-cache argument `cache` (`past_key_values` is deprecated, to be removed
+        # in 5.40); callers pass past_key_values=, which forward renames where the model wants `cache`
+        self._takes_cache = "cache" in inspect.signature(model.forward).parameters
 
     # --- facts about the model -----------------------------------------------------------------------------
     @property
@@ -282,6 +286,8 @@ class RoutedModel(nn.Module):
         """One forward of the HF model with every token routed; see the module docstring for the steps."""
         if "inputs_embeds" in hf_kwargs:
             raise RoutingError("routing works from token ids; pass input_ids, not inputs_embeds")
+        if self._takes_cache and "past_key_values" in hf_kwargs:
+            hf_kwargs["cache"] = hf_kwargs.pop("past_key_values")
         with self.routing_scope(input_ids, routers) as plan:
             out = self.model(input_ids=input_ids, **hf_kwargs)
         return self._output(out, input_ids, plan)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import threading
+import warnings
 
 import pytest
 import torch
@@ -386,3 +387,15 @@ def test_cuda_routed_model_matches_cpu(setup, dtype):
     rounding = rel_err(base_got, base_want)
     print(f"{dtype}: routed GPU vs CPU {rel_err(got, want):.2e}, base GPU vs CPU {rounding:.2e}")
     assert rel_err(got, want) <= max(1e-4, 3 * rounding)
+
+
+def test_kv_cache_argument_follows_the_installed_transformers(setup):
+    """Callers pass past_key_values=; transformers >= 5.2x wants `cache` (the old name warns, then goes away)."""
+    routed, _ = setup
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*deprecated", category=FutureWarning)
+        first = routed(IDS[:, :3], routers=VocabRangeRouter(VOCAB, "T", "I"), past_key_values=DynamicCache(),
+                       use_cache=True)
+        nxt = routed(IDS[:, 3:4], routers=VocabRangeRouter(VOCAB, "T", "I"), past_key_values=first.past_key_values,
+                     use_cache=True)
+    assert first.past_key_values.get_seq_length() == 4 and nxt.logits.shape[1] == 1
