@@ -9,7 +9,9 @@ in one peft model, and a forward hook on every lora_B multiplies its output by a
 [B,T,1] = (the adapter is on for this sequence) x (the position routes to the adapter's modality).  The data mixes
 pirate-only (plain pictures), outline-only (plain text) and both-at-once sequences, so each adapter works alone
 and both work together in ONE pass, as inference will run them.  The loss covers every generated token (not
-the prompt of a text->image example), so an adapter also learns not to disturb the other modality's content.
+the prompt of a text->image example, nor the given picture of an image->text one), so an adapter also learns not
+to disturb the other modality's content.  The given picture of an image->text example is drawn in either style:
+the image adapter reads it at inference too, and must not spoil the reading.
 
 Writes OUT/<name>/adapter_config.json + adapter_model.safetensors (peft's save_pretrained) + molora.json.
 
@@ -20,6 +22,7 @@ Writes OUT/<name>/adapter_config.json + adapter_model.safetensors (peft's save_p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import random
@@ -39,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.data import (  # noqa: E402
     ADAPTER_MIX,
+    Example,
     ExampleSpec,
     Schedule,
     collate,
@@ -48,6 +52,7 @@ from models.data import (  # noqa: E402
     sample_examples,
 )
 from models.image_tokenizer import ImageTokenizer  # noqa: E402
+from models.shapes.world import STYLES  # noqa: E402
 from models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
 from models.tokenizer import UnifiedTokenizer  # noqa: E402
 from models.vocab import IMAGE, TEXT, UnifiedVocab  # noqa: E402
@@ -129,13 +134,31 @@ def build(tok: UnifiedTokenizer, vq: ImageTokenizer, n: int, *, seed: str, split
           ) -> tuple[list[list[int]], list[dict[str, bool]], list[int]]:
     """Sequences, which adapters are on for each, and the length of each one's prompt (not trained on)."""
     spec = ExampleSpec(mix=tuple(ADAPTER_MIX.items()), looks=LOOKS, split=split)
-    examples = sample_examples(n, seed=seed, spec=spec, workers=workers)
+    examples = given_pictures_in_either_style(sample_examples(n, seed=seed, spec=spec, workers=workers), seed)
     codes = encode_scenes(vq, example_scenes(examples), workers)
     seqs = encode_examples(examples, tok, codes, seed=zlib.crc32(seed.encode()), cfg_dropout=0.0, max_len=10**9)
     flags = [{"pirate": e.register == "pirate", "outline": e.style == "outline"} for e in examples]
-    # the prompt of a text->image example is the user's: everything up to <boi> is context, not target
-    prompts = [s.index(tok.vocab.boi_id) if e.kind.startswith("t2i") else 0 for e, s in zip(examples, seqs)]
+    prompts = [prompt_length(e, s, tok.vocab) for e, s in zip(examples, seqs)]
     return seqs, flags, prompts
+
+
+def given_pictures_in_either_style(examples: list[Example], seed: str) -> list[Example]:
+    """An image->text example's picture is the user's input, not the adapters' output; vocabulary routing still
+    runs the image adapter over it, so that adapter must read pictures of either style and leave the caption to
+    the text side. Such pictures are drawn filled or outlined at random, whatever the adapter flags say."""
+    rng = random.Random(f"{seed}:given-picture-style")
+    return [dataclasses.replace(e, parts=(e.parts[0].with_style(rng.choice(STYLES)), *e.parts[1:]))
+            if e.kind == "i2t" else e for e in examples]
+
+
+def prompt_length(example: Example, seq: list[int], vocab: UnifiedVocab) -> int:
+    """Leading ids that are context, not targets: a text->image example's text up to <boi>, an image->text
+    example's picture through <eoi> (both are what the user gives); nothing for the other kinds."""
+    if example.kind.startswith("t2i"):
+        return seq.index(vocab.boi_id)
+    if example.kind == "i2t":
+        return seq.index(vocab.eoi_id) + 1
+    return 0
 
 
 def batch_tensors(idx: list[int], seqs, flags, prompts, vocab: UnifiedVocab, device: torch.device):

@@ -216,3 +216,21 @@ def test_build_script_runs_every_stage_at_toy_sizes(tmp_path):
     assert (tmp_path / "lm_stage1" / "model.safetensors").is_file()
     for name in ("pirate", "outline"):
         assert (tmp_path / "adapters" / name / "adapter_model.safetensors").is_file()
+
+
+def test_adapter_data_reads_given_pictures_of_either_style_as_context():
+    train_adapters = _script("train_adapters")
+    tok = build_tiny_tokenizer(row_markers=True)
+    spec = ExampleSpec(mix=(("i2t", 1.0), ("t2i_instruction", 1.0)), looks=train_adapters.LOOKS)
+    examples = train_adapters.given_pictures_in_either_style(sample_examples(80, seed=2, spec=spec), "s")
+    given = [(e.style, e.parts[0].style) for e in examples if e.kind == "i2t"]
+    assert {("outline", "filled"), ("outline", "outline"), ("filled", "filled"), ("filled", "outline")} <= set(given)
+    assert all(e.parts[1].style == e.style for e in examples if e.kind != "i2t")  # drawn pictures keep the flag
+    codes = torch.randint(0, tok.vocab.image_size, (len(example_scenes(examples)), 16, 16))
+    seqs = encode_examples(examples, tok, codes, seed=0, cfg_dropout=0.0)
+    for e, s in zip(examples, seqs):
+        n = train_adapters.prompt_length(e, s, tok.vocab)
+        if e.kind == "i2t":  # the picture through <eoi> is context; the caption is the target
+            assert s[n - 1] == tok.vocab.eoi_id and tok.decode_text(s[n:]) == e.parts[1]
+        else:  # the instruction through <boi>'s position is context; <boi> and the picture are targets
+            assert s[n] == tok.vocab.boi_id
