@@ -200,7 +200,7 @@ def evaluate(model, masker, table, val, vocab, device, amp, tokens_per_batch) ->
                 sums[key] = sums.get(key, 0.0) + float((loss[row] * sel_w).sum())
                 counts[key] = counts.get(key, 0) + int(sel_w.sum())
     model.train()
-    return {k: sums[k] / max(1, counts[k]) for k in sorted(sums)}
+    return {k: sums[k] / counts[k] for k in sorted(sums) if counts[k]}  # a look with no such targets: no entry
 
 
 def main(argv: list[str] | None = None) -> dict:
