@@ -2,8 +2,7 @@
 
 A sequence is text until the model emits `<boi>`; then exactly `vocab.tokens_per_image` image tokens follow
 (codebook ids, plus a forced row marker after each row where the vocabulary has `row_end_ids`), then `<eoi>` is
-forced
-and the sequence is text again; a sequence may hold several images and ends at `<eos>`.  The state machine
+forced and the sequence is text again; a sequence may hold several images and ends at `<eos>`.  The state machine
 lives in small per-row tensors and only *masks logits*: an invalid id can never be sampled, nothing is
 repaired afterwards.
 

@@ -12,8 +12,8 @@ Layout of the embedded model (real checkpoints map their own ranges onto the sam
 Routing rule (DESIGN.md §2): a position is routed by the modality of the token it *predicts*.
 `<boi>` predicts the first image code and every image code predicts the next one (the last predicts
 `<eoi>`, which generation forces anyway), so a lookup table over the *input* id suffices:
-`<boi>`, image codes and row markers -> image, everything else -> text.  Being a pure per-token lookup, prefill and
-token-by-token decode route identically.
+`<boi>`, image codes and row markers -> image, everything else -> text.  Being a pure per-token lookup,
+prefill and token-by-token decode route identically.
 """
 
 from __future__ import annotations

@@ -167,8 +167,6 @@ def main(argv: list[str] | None = None) -> dict:
              too_long, args.max_positions, len(val), time.time() - t0)
     del vq
 
-    config = llama_config(tok.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                          intermediate_size=args.intermediate, max_positions=args.max_positions)
     if args.init_from is not None:
         model = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
         if model.config.vocab_size != tok.vocab.vocab_size:
@@ -177,10 +175,12 @@ def main(argv: list[str] | None = None) -> dict:
         model = model.to(device)
         log.info("initialised from %s", args.init_from)
     else:
+        config = llama_config(tok.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                              intermediate_size=args.intermediate, max_positions=args.max_positions)
         model = LlamaForCausalLM(config).to(device)
     step_model = torch.compile(model, dynamic=True) if args.compile else model  # shares model's parameters
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("LlamaForCausalLM: %.2fM parameters, vocab %d", n_params / 1e6, config.vocab_size)
+    log.info("LlamaForCausalLM: %.2fM parameters, vocab %d", n_params / 1e6, model.config.vocab_size)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
