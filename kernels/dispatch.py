@@ -45,6 +45,15 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool = False) -> str:
     return "gather" if x.shape[0] * k <= limit else "grouped"
 
 
+def reads_meta(x: torch.Tensor, k: int) -> bool:
+    """Would the automatic path for this call read a prebuilt RoutingMeta? (The gather kernel and the CPU dense
+    form never do, so a caller building metadata once per forward skips it for decode-sized calls.)"""
+    rows = x.shape[0] * k
+    if triton_usable(x):
+        return rows > GATHER_MAX_ROWS_WITH_META
+    return rows > CPU_DENSE_MAX_ROWS
+
+
 def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
                         weights: torch.Tensor | None, scale: torch.Tensor, out: torch.Tensor | None = None,
                         meta: RoutingMeta | None = None, path: str = "auto") -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import routed_lora, routed_lora_topk
+from kernels import reads_meta, routed_lora, routed_lora_topk
 from routing.context import current_routing
 from routing.errors import RoutingError
 
@@ -54,7 +54,9 @@ class RoutedLoRALinear(nn.Linear):
         if x2.shape[0] != slots.shape[0]:
             raise RoutingError(f"routed layer '{self.name}' got {x2.shape[0]} tokens but the routing covers "
                                f"{slots.shape[0]}; call the model through RoutedModel.forward with the same input_ids")
-        meta = routing.meta(self.block)  # slot-sorted rows, built once per forward for every layer
+        # slot-sorted rows, built once per forward and shared by every layer; decode-sized calls take a path
+        # that does not read them, so they are not built there
+        meta = routing.meta(self.block) if reads_meta(x2, slots.shape[1] if slots.dim() == 2 else 1) else None
         out = y.view(-1, self.out_features)  # the kernels add the delta into the base output in place
         if weights is None:
             routed_lora(x2, self.lora_A, self.lora_B, slots, self.lora_scale, out=out, meta=meta)

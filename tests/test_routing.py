@@ -399,3 +399,18 @@ def test_kv_cache_argument_follows_the_installed_transformers(setup):
         nxt = routed(IDS[:, 3:4], routers=VocabRangeRouter(VOCAB, "T", "I"), past_key_values=first.past_key_values,
                      use_cache=True)
     assert first.past_key_values.get_seq_length() == 4 and nxt.logits.shape[1] == 1
+
+
+def test_routing_metadata_is_built_once_per_forward_and_only_for_paths_that_read_it(setup, monkeypatch):
+    import routing.context as context
+
+    routed, _ = setup
+    calls = []
+    real = context.build_routing_meta
+    monkeypatch.setattr(context, "build_routing_meta", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        routed(IDS[:, :4], routers=VocabRangeRouter(VOCAB, "T", "I"))  # decode-sized: the dense CPU form
+        assert calls == []
+        long_ids = torch.randint(0, 64, (2, 20))
+        routed(long_ids, routers=VocabRangeRouter(VOCAB, "T", "I"))  # 40 rows: the grouped loop, every layer
+    assert calls == [1]
