@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 # phases: what the NEXT token of a row may be
 TEXT_PHASE, CODE_PHASE, ROW_END_PHASE, EOI_PHASE, DONE_PHASE = range(5)
+ROW_MARKER_MASKS = 5  # mask table rows 5 + r: the end of image row r allows only row r's own marker
 NO_TOKEN = -1  # Step.tokens entry of a row that had already finished
 
 
@@ -151,14 +152,17 @@ class Step:
 
 
 def build_phase_masks(vocab: UnifiedVocab, device: torch.device | str, width: int | None = None) -> torch.Tensor:
-    """bool [5, width]: the ids allowed next in each phase (width = the LM's logits, >= vocab_size; ids past
-    the vocabulary, e.g. padded embedding rows, are never allowed). Built once, indexed by phase each step."""
-    masks = torch.zeros(5, width or vocab.vocab_size, dtype=torch.bool)
+    """bool [5 + marker rows, width]: the ids allowed next in each phase (width = the LM's logits, >= vocab_size;
+    ids past the vocabulary, e.g. padded embedding rows, are never allowed), then, where the vocabulary has row
+    markers, one table row per image row allowing that row's marker. Built once, indexed each step."""
+    row_ends = vocab.row_ends
+    masks = torch.zeros(ROW_MARKER_MASKS + len(row_ends), width or vocab.vocab_size, dtype=torch.bool)
     masks[TEXT_PHASE, vocab.text_start:vocab.text_start + vocab.text_size] = True
     masks[TEXT_PHASE, vocab.eos_id] = True
     masks[TEXT_PHASE, vocab.boi_id] = True
     masks[CODE_PHASE, vocab.image_start:vocab.image_start + vocab.image_size] = True
-    masks[ROW_END_PHASE, list(vocab.row_end_ids)] = True  # narrowed to the row's own marker in the loop
+    masks[ROW_END_PHASE, list(vocab.row_end_ids)] = True  # any marker; the loop picks the row's own table row
+    masks[ROW_MARKER_MASKS + torch.arange(len(row_ends)), list(row_ends)] = True
     masks[EOI_PHASE, vocab.eoi_id] = True
     masks[DONE_PHASE, vocab.pad_id] = True
     return masks.to(device)
@@ -205,13 +209,9 @@ class InterleavedDecoder:
         self.phase_masks = build_phase_masks(vocab, self.device, logits_size)
         # ids that belong to an image span as *inputs*: they are fed to the unconditional stream too
         self.feeds_uncond = vocab.modality_table(self.device) == IMAGE
-        rows, cols = vocab.image_grid
+        cols = vocab.image_grid[1]
         self.tokens_per_image = vocab.tokens_per_image
         self.row_period = cols + 1 if vocab.row_end_ids else 0
-        # row marker r is the only id allowed where row r ends
-        self.row_end_masks = torch.zeros(rows, self.phase_masks.shape[1], dtype=torch.bool, device=self.device)
-        if vocab.row_end_ids:
-            self.row_end_masks[torch.arange(rows), [vocab.row_end_id(r) for r in range(rows)]] = True
 
     # --- the steps ---------------------------------------------------------------------------
     def prefill(self, ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
@@ -310,10 +310,10 @@ class InterleavedDecoder:
         logits, cache, routing = self.prefill(ids, attn[:, :P], positions, routers)
         for step in range(max_new):
             phase = self.phase(in_image, image_pos, finished)
-            allowed = self.phase_masks[phase]
-            if self.row_period:
-                row = (image_pos // self.row_period).clamp(max=self.row_end_masks.shape[0] - 1)
-                allowed = torch.where((phase == ROW_END_PHASE)[:, None], self.row_end_masks[row], allowed)
+            mask_row = phase
+            if self.row_period:  # where image row r ends, only row r's marker
+                mask_row = torch.where(phase == ROW_END_PHASE, ROW_MARKER_MASKS + image_pos // self.row_period, phase)
+            allowed = self.phase_masks[mask_row]
             if max_new - step < self.tokens_per_image + 2:  # no room left for <boi> + image + <eoi>
                 allowed[:, vocab.boi_id] = False
             elif config.max_images is not None:

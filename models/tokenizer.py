@@ -205,7 +205,7 @@ class UnifiedTokenizer:
                                  f"[{int(codes.min())}, {int(codes.max())}]")
         ids = codes + v.image_start
         if v.row_end_ids:
-            markers = torch.tensor([v.row_end_id(r) for r in range(v.image_grid[0])], dtype=torch.long)
+            markers = torch.tensor(v.row_ends, dtype=torch.long)
             ids = torch.cat([ids, markers.expand(codes.shape[0], -1)[:, :, None]], dim=2)
         return ids.reshape(codes.shape[0], -1).tolist()
 
@@ -224,7 +224,7 @@ class UnifiedTokenizer:
                                  f"{' and a marker after each row' if v.row_end_ids else ''}), got {ids.numel()}")
         grid = ids.reshape(rows, -1)
         if v.row_end_ids:
-            expected = torch.tensor([v.row_end_id(r) for r in range(rows)])
+            expected = torch.tensor(v.row_ends)
             if not torch.equal(grid[:, -1], expected):
                 raise TokenizerError("an image span must end each row with its row marker "
                                      f"{expected.tolist()}, got {grid[:, -1].tolist()}")

@@ -92,6 +92,11 @@ class UnifiedVocab:
         """The marker that closes row `row` of an image (the vocabulary must have row markers)."""
         return self.row_end_ids[row % len(self.row_end_ids)]
 
+    @property
+    def row_ends(self) -> tuple[int, ...]:
+        """The marker closing each image row, row by row (the shared marker repeated); () without markers."""
+        return tuple(self.row_end_id(r) for r in range(self.image_grid[0])) if self.row_end_ids else ()
+
     def is_row_end(self, token_id: int) -> bool:
         return token_id in self.row_end_ids
 
