@@ -415,7 +415,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         key, sep, value = item.partition("=")
         if not sep or not key:
             ap.error(f"--set expects KEY=VALUE, got {item!r}")
-        overrides[key.strip()] = json.loads(value) if value.strip() not in ("", "None") else None
+        try:  # numbers, true/false and null as JSON; anything else is a string
+            overrides[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = value.strip() or None
     if args.threads:
         import torch
 
