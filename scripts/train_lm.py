@@ -14,13 +14,22 @@ losses every --val-every steps).
     python scripts/train_lm.py --model-dir /tmp/m --tiny --steps 3           # a CPU smoke run
     python scripts/train_lm.py --model-dir runs/model --init-from runs/stage1/lm --seed 1 --lr 1e-3
                                 # a second stage: continue from stage 1's weights on fresh examples (seed 1)
+    torchrun --standalone --nproc_per_node 2 scripts/train_lm.py --model-dir runs/model --workers 16
+                                # data parallel, one process a GPU (gloo on CPU)
+
+Data parallel: each rank renders and encodes its own share of the --n-examples sequences (the shares together are
+exactly the single-process examples), trains on --tokens-per-batch ids a step (so a step sees world-size times as many), and
+DDP averages the gradients. Rank 0 decides the learning rate and when to stop (the time limit) and sends both to
+every rank each step, so all ranks take identical steps; it alone validates and saves.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
+import os
 import random
 import sys
 import time
@@ -28,7 +37,9 @@ import zlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 from transformers import LlamaForCausalLM
 
@@ -62,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-examples", type=int, default=320_000)
     p.add_argument("--n-val", type=int, default=1024, help="held-out-split examples for validation loss")
     p.add_argument("--steps", type=int, default=2500)
-    p.add_argument("--tokens-per-batch", type=int, default=65_536)
+    p.add_argument("--tokens-per-batch", type=int, default=65_536, help="padded ids a step, per process")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=6)
@@ -101,8 +112,13 @@ def encode_scenes(vq: ImageTokenizer, scenes: list, workers: int, batch: int = 1
 
 
 def build_sequences(tok: UnifiedTokenizer, vq: ImageTokenizer, n: int, *, seed: str, split: str, workers: int,
-                    cfg_dropout: float) -> list[list[int]]:
-    examples = sample_examples(n, seed=seed, spec=ExampleSpec(split=split), workers=workers)
+                    cfg_dropout: float, shard: tuple[int, int] = (0, 1)) -> list[list[int]]:
+    """The id sequences of `n` seeded examples, or of shard (rank, world size)'s share of them: every world-size-th
+    example from the rank-th, so the shards of all ranks together are exactly the unsharded examples (which
+    prompts lose their text for CFG is drawn per shard). Drawing examples is cheap; rendering and VQ-encoding
+    them, which each rank does for its share only, is not."""
+    rank, world_size = shard
+    examples = sample_examples(n, seed=seed, spec=ExampleSpec(split=split), workers=workers)[rank::world_size]
     codes = encode_scenes(vq, example_scenes(examples), workers)
     return encode_examples(examples, tok, codes, seed=zlib.crc32(seed.encode()), cfg_dropout=cfg_dropout,
                            max_len=10**9)
@@ -141,12 +157,52 @@ def evaluate(model: LlamaForCausalLM, seqs: list[list[int]], tok: UnifiedTokeniz
     return {f"val_{k}_loss": sums[k] / max(1, counts[k]) for k in sums}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def init_distributed(device_name: str) -> tuple[int, int, torch.device, dist.ProcessGroup | None]:
+    """(rank, world size, this process's device, a CPU group for the per-step schedule) from torchrun's
+    environment; (0, 1, device, None) when not launched by torchrun."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device(device_name)
+    if world_size == 1:
+        return 0, 1, device, None
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda"
+                            else None)
+    # the schedule travels on a CPU (gloo) group: a broadcast there does not wait for the GPU's queue to drain
+    return dist.get_rank(), world_size, device, dist.new_group(backend="gloo")
+
+
+def synced_schedule(sched: Schedule, step: int, group: dist.ProcessGroup | None) -> tuple[float, bool]:
+    """Rank 0's (learning-rate factor, done) for this step, on every rank: the time limit reads each rank's own
+    clock, and ranks that disagreed would take different steps."""
+    state = torch.tensor([sched.factor(step), float(sched.done(step))], dtype=torch.float64)
+    if group is not None:
+        dist.broadcast(state, src=0, group=group)
+    return float(state[0]), bool(state[1])
+
+
+def check_ranks_agree(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Every rank must end with the same weights (same gradients, same learning rates): compare a checksum."""
+    checksum = sum(p.detach().double().sum() for p in model.parameters()).cpu()
+    extremes = torch.stack([checksum, -checksum])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    if extremes[0] != -extremes[1]:
+        raise RuntimeError(f"data-parallel ranks ended with different weights (checksums {-extremes[1]:.6g} to "
+                           f"{extremes[0]:.6g}): a step differed between ranks")
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    """Train; returns the metrics on rank 0 (None on the other ranks of a data-parallel run)."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    rank, world_size, device, sched_group = init_distributed(args.device)
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s")
+    if args.n_examples < world_size:
+        raise SystemExit(f"--n-examples {args.n_examples} leaves some of the {world_size} processes no data")
     random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    device = torch.device(args.device)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
     amp = device.type == "cuda"
     torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.time()
@@ -157,15 +213,20 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"vocab.json (image_size {tok.vocab.image_size}, grid {tok.vocab.image_grid}) does not "
                          f"match the VQ (codebook {vq.codebook_size}, grid {vq.grid}): retrain the tokenizer")
     train = build_sequences(tok, vq, args.n_examples, seed=f"lm{args.seed}", split="train", workers=args.workers,
-                            cfg_dropout=0.1)
-    val = build_sequences(tok, vq, args.n_val, seed=VAL_SEED, split="heldout", workers=args.workers, cfg_dropout=0.0)
+                            cfg_dropout=0.1, shard=(rank, world_size))
+    val = [] if rank else build_sequences(tok, vq, args.n_val, seed=VAL_SEED, split="heldout", workers=args.workers,
+                                          cfg_dropout=0.0)
     too_long = sum(len(s) > args.max_positions for s in train)
     train = [s for s in train if len(s) <= args.max_positions]
     val = [s for s in val if len(s) <= args.max_positions]
-    n_tokens = sum(len(s) for s in train)
-    log.info("data: %d sequences (%.1fM ids, %d over %d dropped), %d val, in %.0fs", len(train), n_tokens / 1e6,
-             too_long, args.max_positions, len(val), time.time() - t0)
+    totals = torch.tensor([len(train), sum(len(s) for s in train), too_long])  # over all ranks
+    if world_size > 1:
+        dist.all_reduce(totals, group=sched_group)
+    n_sequences, n_tokens, too_long = totals.tolist()
+    log.info("data: %d sequences on %d process(es) (%.1fM ids, %d over %d dropped), %d val, in %.0fs", n_sequences,
+             world_size, n_tokens / 1e6, too_long, args.max_positions, len(val), time.time() - t0)
     del vq
+    gc.freeze()  # millions of id lists: keep the garbage collector from walking them during training
 
     if args.init_from is not None:
         model = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
@@ -178,7 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
         config = llama_config(tok.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                               intermediate_size=args.intermediate, max_positions=args.max_positions)
         model = LlamaForCausalLM(config).to(device)
-    step_model = torch.compile(model, dynamic=True) if args.compile else model  # shares model's parameters
+    # step_model runs the training steps and shares model's parameters; model itself validates and saves
+    eager_model = DistributedDataParallel(model) if world_size > 1 else model
+    step_model = torch.compile(eager_model, dynamic=True) if args.compile else eager_model
     n_params = sum(p.numel() for p in model.parameters())
     log.info("LlamaForCausalLM: %.2fM parameters, vocab %d", n_params / 1e6, model.config.vocab_size)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
@@ -204,50 +267,57 @@ def main(argv: list[str] | None = None) -> dict:
         seen += len(batches)
     t_train, step, losses, val_curve, loss = time.time(), start, [], [], None
     sched = Schedule(args.steps, min(200, args.steps // 10), args.max_minutes)
-    bar = tqdm(total=args.steps, initial=start, desc="lm", mininterval=10)
-    while not sched.done(step):
+    bar = tqdm(total=args.steps, initial=start, desc="lm", mininterval=10, disable=rank > 0)
+    while True:
+        lr_factor, done = synced_schedule(sched, step, sched_group)
+        if done:
+            break
         if not batches:
             epoch += 1
             batches = length_batches(lengths, args.tokens_per_batch, seed=args.seed, epoch=epoch)
         ids, mask = collate([train[i] for i in batches.pop()], tok.vocab.pad_id)
         ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
         for group in opt.param_groups:
-            group["lr"] = args.lr * sched.factor(step)
+            group["lr"] = args.lr * lr_factor
         opt.zero_grad(set_to_none=True)
         try:
             loss = token_losses(step_model, ids, mask, amp).sum() / mask[:, 1:].sum()
             loss.backward()
         except Exception as exc:  # a compiler failure must not cost the run: continue in eager mode
-            if step_model is model or step > start:
+            if step_model is eager_model or step > start:
                 raise
             log.warning("torch.compile failed (%s: %s); training in eager mode", type(exc).__name__, exc)
-            step_model = model
+            step_model = eager_model
             opt.zero_grad(set_to_none=True)
-            loss = token_losses(model, ids, mask, amp).sum() / mask[:, 1:].sum()
+            loss = token_losses(eager_model, ids, mask, amp).sum() / mask[:, 1:].sum()
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
         bar.update(1)
         if step % 50 == 0 or step == args.steps:
-            losses.append((step, loss.item()))
-            bar.set_postfix(loss=f"{losses[-1][1]:.4f}", epoch=epoch)
-        if args.val_every and step % args.val_every == 0 and not sched.done(step):
+            losses.append((step, round(time.time() - t_train, 2), loss.item()))  # (step, seconds, loss)
+            bar.set_postfix(loss=f"{losses[-1][2]:.4f}", epoch=epoch)
+        if rank == 0 and args.val_every and step % args.val_every == 0 and not sched.done(step):
             val_curve.append({"step": step, **evaluate(model, val, tok, device, amp, args.tokens_per_batch)})
             log.info("step %d: %s", step, val_curve[-1])
-        if args.ckpt_every and step % args.ckpt_every == 0 and step < args.steps:
+        if rank == 0 and args.ckpt_every and step % args.ckpt_every == 0 and step < args.steps:
             save_checkpoint(ckpt, model, opt, {"step": step})
     bar.close()
+    if world_size > 1:
+        check_ranks_agree(model, sched_group)
+        dist.destroy_process_group()
+        if rank > 0:
+            return None
     train_seconds = time.time() - t_train
     final_loss = None if loss is None else loss.item()  # None: no step was taken
     metrics = evaluate(model, val, tok, device, amp, args.tokens_per_batch)
     metrics.update(train_loss=final_loss, steps=step, planned_steps=args.steps, epochs=epoch + 1,
-                   sequences=len(train), train_tokens_per_epoch=n_tokens, params=n_params, seed=args.seed,
-                   tokens_per_batch=args.tokens_per_batch, lr=args.lr, train_seconds=round(train_seconds, 1),
+                   sequences=n_sequences, train_tokens_per_epoch=n_tokens, params=n_params, seed=args.seed, processes=world_size, tokens_per_batch=args.tokens_per_batch, lr=args.lr, train_seconds=round(train_seconds, 1),
                    total_seconds=round(time.time() - t0, 1), loss_curve=losses,
                    val_curve=[*val_curve, {"step": step, "val_text_loss": metrics["val_text_loss"],
                                            "val_image_loss": metrics["val_image_loss"]}],
-                   compiled=step_model is not model, init_from=str(args.init_from) if args.init_from else None,
+                   compiled=step_model is not eager_model, init_from=str(args.init_from) if args.init_from else None,
                    device=torch.cuda.get_device_name() if amp else "cpu")
     log.info("step %d: train loss %s, val text %.4f, val image %.4f", step, final_loss,
              metrics["val_text_loss"], metrics["val_image_loss"])

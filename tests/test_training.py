@@ -115,6 +115,24 @@ def test_lm_second_stage_starts_from_the_first_stages_weights(trained, tmp_path)
         train_lm.main(["--model-dir", str(model), "--tiny", "--steps", "1", "--init-from", str(other / "lm")])
 
 
+def test_lm_trains_data_parallel_on_the_same_examples(trained, tmp_path):
+    """torchrun with two CPU processes (gloo): the ranks' shares are the single run's examples, both ranks take the
+    same steps (the script compares their weights at the end), rank 0 saves."""
+    root, _, lm_metrics, _ = trained
+    model = tmp_path / "model"
+    shutil.copytree(root / "model", model)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(ROOT / "scripts" / "train_lm.py"), "--model-dir", str(model), "--tiny",
+                           "--steps", "3", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((model / "lm" / "metrics.json").read_text())
+    assert metrics["processes"] == 2 and metrics["steps"] == 3
+    assert metrics["sequences"] == lm_metrics["sequences"]
+    # the same examples; only which text-to-image prompts lose their text (CFG dropout) is drawn per share
+    assert metrics["train_tokens_per_epoch"] == pytest.approx(lm_metrics["train_tokens_per_epoch"], rel=0.02)
+    assert LlamaForCausalLM.from_pretrained(model / "lm").num_parameters() == lm_metrics["params"]
+
+
 def test_routed_lora_mask_applies_only_at_routed_positions():
     train_adapters = _script("train_adapters")
     tok = build_tiny_tokenizer()
