@@ -130,7 +130,7 @@ def token_losses(model: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor,
     Batches are right-padded, so the causal mask alone keeps every real token from seeing padding: no attention
     mask is passed, and attention runs as plain causal (flash) attention."""
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-        logits = model(input_ids=ids).logits
+        logits = model(input_ids=ids, use_cache=False).logits
     loss = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
     return loss * mask[:, 1:]
 
@@ -239,6 +239,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         config = llama_config(tok.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                               intermediate_size=args.intermediate, max_positions=args.max_positions)
         model = LlamaForCausalLM(config).to(device)
+    # from_pretrained returns a model in eval mode, which builds a KV cache every step (and a compiled step would
+    # be traced for eval): the --init-from stages ran 40% slower until the first validation switched it back
+    model.train()
     # step_model runs the training steps and shares model's parameters; model itself validates and saves
     eager_model = DistributedDataParallel(model) if world_size > 1 else model
     step_model = torch.compile(eager_model, dynamic=True) if args.compile else eager_model

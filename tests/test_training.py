@@ -98,6 +98,18 @@ def test_lm_resume_continues_from_checkpoint(tmp_path):
     assert first["steps"] == 4
 
 
+def test_lm_second_stage_trains_in_train_mode(trained, tmp_path, monkeypatch):
+    """from_pretrained hands back an eval-mode model; training steps must still run in train mode."""
+    root = trained[0]
+    model = tmp_path / "model"
+    shutil.copytree(root / "model", model)
+    train_lm = _script("train_lm")
+    modes, token_losses = [], train_lm.token_losses
+    monkeypatch.setattr(train_lm, "token_losses", lambda m, *a: (modes.append(m.training), token_losses(m, *a))[1])
+    train_lm.main(["--model-dir", str(model), "--tiny", "--steps", "2", "--init-from", str(root / "model" / "lm")])
+    assert modes[:2] == [True, True] and modes[-1] is False  # two steps, then the final validation
+
+
 def test_lm_second_stage_starts_from_the_first_stages_weights(trained, tmp_path):
     root, _, lm_metrics, _ = trained
     model = tmp_path / "model"
