@@ -176,7 +176,7 @@ def forward_loss(model, masker: RoutedLoraMask, table: torch.Tensor, ids, weight
     causal mask alone keeps real tokens from seeing padding (as in train_lm.token_losses)."""
     masker.set(ids, table, enabled, {a: (IMAGE if m == "image" else TEXT) for a, (m, _) in ADAPTERS.items()})
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-        logits = model(input_ids=ids).logits
+        logits = model(input_ids=ids, use_cache=False).logits
     loss = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
     return loss, weight[:, 1:]
 
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in names[1:]:
         model.add_adapter(name, cfg)
     model.base_model.set_adapter(names)  # all active at once; the masks decide where each one applies
-    model.to(device)
+    model.to(device).train()  # from_pretrained returns eval mode (as in train_lm)
     masker = RoutedLoraMask(model, names)
     table = tok.vocab.modality_table(device)
     trainable = [p for p in model.parameters() if p.requires_grad]
