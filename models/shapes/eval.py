@@ -33,7 +33,7 @@ import argparse
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -287,8 +287,11 @@ def _style_ok(cond: Condition, rec: dict) -> bool | None:
 def run_shapes_eval(pipeline, *, n_per_category: int = 200, conditions: Iterable[str | Condition] | None = None,
                     categories: Iterable[str] | None = None, batch_size: int = 32, seed: int = 0,
                     text_adapter: str | None = None, image_adapter: str | None = None,
-                    generate_kwargs: dict | None = None, progress: bool = True) -> tuple[dict, str]:
-    """Generate for every (condition, category) prompt set and score it. Returns (results, markdown)."""
+                    generate_kwargs: dict | None = None, progress: bool = True,
+                    on_condition: Callable[[dict, str], None] | None = None) -> tuple[dict, str]:
+    """Generate for every (condition, category) prompt set and score it. Returns (results, markdown).
+    `on_condition(results, markdown)` sees the results so far after each condition (the CLI writes them, so an
+    hour-long run that is stopped keeps what it finished)."""
     if batch_size < 1:
         raise ShapesError(f"batch_size must be >= 1, got {batch_size}")
     categories = list(CATEGORIES if categories is None else categories)
@@ -352,6 +355,8 @@ def run_shapes_eval(pipeline, *, n_per_category: int = 200, conditions: Iterable
                 "seconds": time.perf_counter() - t0,
             },
         }
+        if on_condition is not None:
+            on_condition(results, results_markdown(results))
     bar.close()
     return results, results_markdown(results)
 
@@ -426,16 +431,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from models import InterleavedPipeline  # the generation API (helper G); imported only to run
 
+    def write(results: dict, table: str) -> None:
+        if args.out:
+            Path(args.out).write_text(table)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+
     pipe = InterleavedPipeline.from_pretrained(args.model, r_max=args.r_max, device=args.device)
     results, table = run_shapes_eval(pipe, n_per_category=args.n, conditions=args.conditions,
                                      categories=args.categories, batch_size=args.batch_size, seed=args.seed,
                                      text_adapter=args.text_adapter, image_adapter=args.image_adapter,
-                                     generate_kwargs=overrides)
+                                     generate_kwargs=overrides, on_condition=write)
     print(table)
-    if args.out:
-        Path(args.out).write_text(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write(results, table)
     return 0
 
 
