@@ -212,6 +212,16 @@ def example_scenes(examples: Sequence[Example]) -> list[world.Scene]:
     return [p for e in examples for p in e.parts if isinstance(p, world.Scene)]
 
 
+def prompt_length(example: Example, seq: Sequence[int], vocab) -> int:
+    """Leading ids of an encoded example that are context, not targets: a text->image example's text up to <boi>,
+    an image->text example's picture through <eoi> (both are what the user gives); nothing for the other kinds."""
+    if example.kind.startswith("t2i"):
+        return list(seq).index(vocab.boi_id)
+    if example.kind == "i2t":
+        return list(seq).index(vocab.eoi_id) + 1
+    return 0
+
+
 def encode_examples(examples: Sequence[Example], tokenizer, codes: torch.Tensor, *, seed: int,
                     cfg_dropout: float = 0.1, max_len: int = 1024) -> list[list[int]]:
     """Unified-id sequences. `codes` [n_scenes, rows, cols] are the VQ codes of example_scenes(examples),

@@ -49,6 +49,7 @@ from models.data import (  # noqa: E402
     encode_examples,
     example_scenes,
     length_batches,
+    prompt_length,
     sample_examples,
 )
 from models.image_tokenizer import ImageTokenizer  # noqa: E402
@@ -149,16 +150,6 @@ def given_pictures_in_either_style(examples: list[Example], seed: str) -> list[E
     rng = random.Random(f"{seed}:given-picture-style")
     return [dataclasses.replace(e, parts=(e.parts[0].with_style(rng.choice(STYLES)), *e.parts[1:]))
             if e.kind == "i2t" else e for e in examples]
-
-
-def prompt_length(example: Example, seq: list[int], vocab: UnifiedVocab) -> int:
-    """Leading ids that are context, not targets: a text->image example's text up to <boi>, an image->text
-    example's picture through <eoi> (both are what the user gives); nothing for the other kinds."""
-    if example.kind.startswith("t2i"):
-        return seq.index(vocab.boi_id)
-    if example.kind == "i2t":
-        return seq.index(vocab.eoi_id) + 1
-    return 0
 
 
 def batch_tensors(idx: list[int], seqs, flags, prompts, vocab: UnifiedVocab, device: torch.device):

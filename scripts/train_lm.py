@@ -54,6 +54,7 @@ from models.data import (  # noqa: E402
     images_to_tensor,
     length_batches,
     load_checkpoint,
+    prompt_length,
     render_batch,
     sample_examples,
     save_checkpoint,
@@ -94,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init-from", type=Path, default=None,
                    help="start from this saved LM (a second training stage) instead of random weights; its "
                         "vocabulary and shape win over --hidden/--layers/...")
+    p.add_argument("--targets-only", action="store_true",
+                   help="loss on generated tokens only: a text->image example's prompt and an image->text example's "
+                        "picture are context, as in train_adapters (validation still scores every target)")
     p.add_argument("--tiny", action="store_true", help="tiny model and data (CPU smoke test)")
     args = p.parse_args(argv)
     if args.tiny:
@@ -112,16 +116,17 @@ def encode_scenes(vq: ImageTokenizer, scenes: list, workers: int, batch: int = 1
 
 
 def build_sequences(tok: UnifiedTokenizer, vq: ImageTokenizer, n: int, *, seed: str, split: str, workers: int,
-                    cfg_dropout: float, shard: tuple[int, int] = (0, 1)) -> list[list[int]]:
-    """The id sequences of `n` seeded examples, or of shard (rank, world size)'s share of them: every world-size-th
+                    cfg_dropout: float, shard: tuple[int, int] = (0, 1)) -> tuple[list[list[int]], list[int]]:
+    """The id sequences of `n` seeded examples and the length of each one's prompt (models.data.prompt_length), or of shard (rank, world size)'s share of them: every world-size-th
     example from the rank-th, so the shards of all ranks together are exactly the unsharded examples (which
     prompts lose their text for CFG is drawn per shard). Drawing examples is cheap; rendering and VQ-encoding
     them, which each rank does for its share only, is not."""
     rank, world_size = shard
     examples = sample_examples(n, seed=seed, spec=ExampleSpec(split=split), workers=workers)[rank::world_size]
     codes = encode_scenes(vq, example_scenes(examples), workers)
-    return encode_examples(examples, tok, codes, seed=zlib.crc32(seed.encode()), cfg_dropout=cfg_dropout,
+    seqs = encode_examples(examples, tok, codes, seed=zlib.crc32(seed.encode()), cfg_dropout=cfg_dropout,
                            max_len=10**9)
+    return seqs, [prompt_length(e, s, tok.vocab) for e, s in zip(examples, seqs, strict=True)]
 
 
 def token_losses(model: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor, amp: bool) -> torch.Tensor:
@@ -212,12 +217,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     if vq.codebook_size != tok.vocab.image_size or tuple(vq.grid) != tuple(tok.vocab.image_grid):
         raise SystemExit(f"vocab.json (image_size {tok.vocab.image_size}, grid {tok.vocab.image_grid}) does not "
                          f"match the VQ (codebook {vq.codebook_size}, grid {vq.grid}): retrain the tokenizer")
-    train = build_sequences(tok, vq, args.n_examples, seed=f"lm{args.seed}", split="train", workers=args.workers,
-                            cfg_dropout=0.1, shard=(rank, world_size))
+    train, prompts = build_sequences(tok, vq, args.n_examples, seed=f"lm{args.seed}", split="train",
+                                     workers=args.workers, cfg_dropout=0.1, shard=(rank, world_size))
     val = [] if rank else build_sequences(tok, vq, args.n_val, seed=VAL_SEED, split="heldout", workers=args.workers,
-                                          cfg_dropout=0.0)
+                                          cfg_dropout=0.0)[0]
     too_long = sum(len(s) > args.max_positions for s in train)
-    train = [s for s in train if len(s) <= args.max_positions]
+    keep = [i for i, s in enumerate(train) if len(s) <= args.max_positions]
+    train, prompts = [train[i] for i in keep], [prompts[i] for i in keep]
     val = [s for s in val if len(s) <= args.max_positions]
     totals = torch.tensor([len(train), sum(len(s) for s in train), too_long])  # over all ranks
     if world_size > 1:
@@ -278,7 +284,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         if not batches:
             epoch += 1
             batches = length_batches(lengths, args.tokens_per_batch, seed=args.seed, epoch=epoch)
-        ids, mask = collate([train[i] for i in batches.pop()], tok.vocab.pad_id)
+        batch = batches.pop()
+        ids, mask = collate([train[i] for i in batch], tok.vocab.pad_id)
+        if args.targets_only:  # the prompt's ids are context: weight 0 as targets
+            for row, i in enumerate(batch):
+                mask[row, :prompts[i]] = 0
         ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
         for group in opt.param_groups:
             group["lr"] = args.lr * lr_factor
@@ -320,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                    total_seconds=round(time.time() - t0, 1), loss_curve=losses,
                    val_curve=[*val_curve, {"step": step, "val_text_loss": metrics["val_text_loss"],
                                            "val_image_loss": metrics["val_image_loss"]}],
-                   compiled=step_model is not eager_model, init_from=str(args.init_from) if args.init_from else None,
+                   compiled=step_model is not eager_model, targets_only=args.targets_only, init_from=str(args.init_from) if args.init_from else None,
                    device=torch.cuda.get_device_name() if amp else "cpu")
     log.info("step %d: train loss %s, val text %.4f, val image %.4f", step, final_loss,
              metrics["val_text_loss"], metrics["val_image_loss"])

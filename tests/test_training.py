@@ -23,6 +23,7 @@ from models.data import (
     encode_examples,
     example_scenes,
     length_batches,
+    prompt_length,
     render_batch,
     sample_examples,
     sample_scenes,
@@ -108,6 +109,30 @@ def test_lm_second_stage_trains_in_train_mode(trained, tmp_path, monkeypatch):
     monkeypatch.setattr(train_lm, "token_losses", lambda m, *a: (modes.append(m.training), token_losses(m, *a))[1])
     train_lm.main(["--model-dir", str(model), "--tiny", "--steps", "2", "--init-from", str(root / "model" / "lm")])
     assert modes[:2] == [True, True] and modes[-1] is False  # two steps, then the final validation
+
+
+def test_lm_targets_only_takes_prompts_out_of_the_loss(trained, tmp_path, monkeypatch):
+    """--targets-only: the same batch, with a prefix of some rows (the prompt or given picture) weighted 0."""
+    train_lm = _script("train_lm")
+    masks, token_losses = {}, train_lm.token_losses
+
+    def spy(model, ids, mask, amp):
+        masks.setdefault(flag, mask.clone())  # the first training batch
+        return token_losses(model, ids, mask, amp)
+
+    monkeypatch.setattr(train_lm, "token_losses", spy)
+    for flag in (False, True):
+        model = tmp_path / f"m{flag}"
+        shutil.copytree(trained[0] / "model", model)
+        metrics = train_lm.main(["--model-dir", str(model), "--tiny", "--steps", "1"]
+                                + (["--targets-only"] if flag else []))
+        assert metrics["targets_only"] is flag
+    every, targets = masks[False], masks[True]
+    assert every.shape == targets.shape and bool((targets <= every).all()) and targets.sum() < every.sum()
+    removed = every - targets
+    for row in removed:  # what is taken out is a prefix of the sequence
+        n = int(row.sum())
+        assert bool((row[:n] == 1).all())
 
 
 def test_lm_second_stage_starts_from_the_first_stages_weights(trained, tmp_path):
@@ -259,7 +284,7 @@ def test_adapter_data_reads_given_pictures_of_either_style_as_context():
     codes = torch.randint(0, tok.vocab.image_size, (len(example_scenes(examples)), 16, 16))
     seqs = encode_examples(examples, tok, codes, seed=0, cfg_dropout=0.0)
     for e, s in zip(examples, seqs):
-        n = train_adapters.prompt_length(e, s, tok.vocab)
+        n = prompt_length(e, s, tok.vocab)
         if e.kind == "i2t":  # the picture through <eoi> is context; the caption is the target
             assert s[n - 1] == tok.vocab.eoi_id and tok.decode_text(s[n:]) == e.parts[1]
         else:  # the instruction through <boi>'s position is context; <boi> and the picture are targets
