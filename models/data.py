@@ -216,9 +216,9 @@ def prompt_length(example: Example, seq: Sequence[int], vocab) -> int:
     """Leading ids of an encoded example that are context, not targets: a text->image example's text up to <boi>,
     an image->text example's picture through <eoi> (both are what the user gives); nothing for the other kinds."""
     if example.kind.startswith("t2i"):
-        return list(seq).index(vocab.boi_id)
+        return seq.index(vocab.boi_id)
     if example.kind == "i2t":
-        return list(seq).index(vocab.eoi_id) + 1
+        return seq.index(vocab.eoi_id) + 1
     return 0
 
 
@@ -274,14 +274,16 @@ def length_batches(lengths: Sequence[int], tokens_per_batch: int, *, seed: int, 
     return batches
 
 
-def collate(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input_ids [B,T] and attention_mask [B,T]."""
+def collate(seqs: Sequence[Sequence[int]], pad_id: int, context: Sequence[int] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input_ids [B,T] and a target mask [B,T]: 1 on real ids, 0 on padding and, with `context`,
+    on each sequence's first context[i] ids (its prompt_length: given, not to be learnt as targets)."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, :len(s)] = 1
+        mask[i, context[i] if context is not None else 0:len(s)] = 1
     return ids, mask
 
 

@@ -153,10 +153,8 @@ def given_pictures_in_either_style(examples: list[Example], seed: str) -> list[E
 
 
 def batch_tensors(idx: list[int], seqs, flags, prompts, vocab: UnifiedVocab, device: torch.device):
-    ids, mask = collate([seqs[i] for i in idx], vocab.pad_id)
-    weight = mask.clone().float()
-    for row, i in enumerate(idx):
-        weight[row, :prompts[i]] = 0.0  # targets ids[:, t+1]; weight of target position t+1
+    ids, mask = collate([seqs[i] for i in idx], vocab.pad_id, context=[prompts[i] for i in idx])
+    weight = mask.float()  # targets ids[:, t+1]; weight of target position t+1
     enabled = {a: torch.tensor([flags[i][a] for i in idx], device=device) for a in ADAPTERS}
     return ids.to(device), weight.to(device), enabled
 

@@ -17,10 +17,10 @@ losses every --val-every steps).
     torchrun --standalone --nproc_per_node 2 scripts/train_lm.py --model-dir runs/model --workers 16
                                 # data parallel, one process a GPU (gloo on CPU)
 
-Data parallel: each rank renders and encodes its own share of the --n-examples sequences (the shares together are
-exactly the single-process examples), trains on --tokens-per-batch ids a step (so a step sees world-size times as many), and
-DDP averages the gradients. Rank 0 decides the learning rate and when to stop (the time limit) and sends both to
-every rank each step, so all ranks take identical steps; it alone validates and saves.
+Data parallel: each rank renders and encodes its own share of the --n-examples sequences (the shares together
+are exactly the single-process examples) and trains on --tokens-per-batch ids a step (so a step sees world-size
+times as many); DDP averages the gradients. Rank 0 decides the learning rate and when to stop (the time limit)
+and sends both to every rank each step, so all ranks take identical steps; it alone validates and saves.
 """
 
 from __future__ import annotations
@@ -117,10 +117,10 @@ def encode_scenes(vq: ImageTokenizer, scenes: list, workers: int, batch: int = 1
 
 def build_sequences(tok: UnifiedTokenizer, vq: ImageTokenizer, n: int, *, seed: str, split: str, workers: int,
                     cfg_dropout: float, shard: tuple[int, int] = (0, 1)) -> tuple[list[list[int]], list[int]]:
-    """The id sequences of `n` seeded examples and the length of each one's prompt (models.data.prompt_length), or of shard (rank, world size)'s share of them: every world-size-th
-    example from the rank-th, so the shards of all ranks together are exactly the unsharded examples (which
-    prompts lose their text for CFG is drawn per shard). Drawing examples is cheap; rendering and VQ-encoding
-    them, which each rank does for its share only, is not."""
+    """The id sequences of `n` seeded examples and each one's prompt_length, or of shard (rank, world size)'s
+    share of them: every world-size-th example from the rank-th, so the shards of all ranks together are exactly
+    the unsharded examples (which prompts lose their text for CFG is drawn per shard). Drawing examples is cheap;
+    rendering and VQ-encoding them, which each rank does for its share only, is not."""
     rank, world_size = shard
     examples = sample_examples(n, seed=seed, spec=ExampleSpec(split=split), workers=workers)[rank::world_size]
     codes = encode_scenes(vq, example_scenes(examples), workers)
@@ -285,10 +285,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             epoch += 1
             batches = length_batches(lengths, args.tokens_per_batch, seed=args.seed, epoch=epoch)
         batch = batches.pop()
-        ids, mask = collate([train[i] for i in batch], tok.vocab.pad_id)
-        if args.targets_only:  # the prompt's ids are context: weight 0 as targets
-            for row, i in enumerate(batch):
-                mask[row, :prompts[i]] = 0
+        ids, mask = collate([train[i] for i in batch], tok.vocab.pad_id,
+                            context=[prompts[i] for i in batch] if args.targets_only else None)
         ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
         for group in opt.param_groups:
             group["lr"] = args.lr * lr_factor
@@ -326,11 +324,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     final_loss = None if loss is None else loss.item()  # None: no step was taken
     metrics = evaluate(model, val, tok, device, amp, args.tokens_per_batch)
     metrics.update(train_loss=final_loss, steps=step, planned_steps=args.steps, epochs=epoch + 1,
-                   sequences=n_sequences, train_tokens_per_epoch=n_tokens, params=n_params, seed=args.seed, processes=world_size, tokens_per_batch=args.tokens_per_batch, lr=args.lr, train_seconds=round(train_seconds, 1),
+                   sequences=n_sequences, train_tokens_per_epoch=n_tokens, params=n_params, seed=args.seed,
+                   processes=world_size, tokens_per_batch=args.tokens_per_batch, lr=args.lr,
+                   train_seconds=round(train_seconds, 1),
                    total_seconds=round(time.time() - t0, 1), loss_curve=losses,
                    val_curve=[*val_curve, {"step": step, "val_text_loss": metrics["val_text_loss"],
                                            "val_image_loss": metrics["val_image_loss"]}],
-                   compiled=step_model is not eager_model, targets_only=args.targets_only, init_from=str(args.init_from) if args.init_from else None,
+                   compiled=step_model is not eager_model, targets_only=args.targets_only,
+                   init_from=str(args.init_from) if args.init_from else None,
                    device=torch.cuda.get_device_name() if amp else "cpu")
     log.info("step %d: train loss %s, val text %.4f, val image %.4f", step, final_loss,
              metrics["val_text_loss"], metrics["val_image_loss"])

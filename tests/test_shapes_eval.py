@@ -264,7 +264,8 @@ def test_runner_reads_documents_with_or_without_the_prompt_echoed():
 def test_runner_reports_each_condition_as_it_finishes():
     seen = []
     run_shapes_eval(FakePipeline(), n_per_category=4, progress=False, conditions=["base", "vocab_both"],
-                    categories=["colour"], on_condition=lambda res, table: seen.append((list(res["conditions"]), table)))
+                    categories=["colour"],
+                    on_condition=lambda res, table: seen.append((list(res["conditions"]), table)))
     assert [names for names, _ in seen] == [["base"], ["base", "vocab_both"]]  # the results so far, each time
     assert "| base |" in seen[0][1] and "| vocab_both |" not in seen[0][1]
 

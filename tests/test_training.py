@@ -247,6 +247,10 @@ def test_sequences_follow_the_contract_formats():
     assert dropped > 0
     ids, mask = collate(seqs[:3], v.pad_id)
     assert ids.shape == mask.shape and int(mask.sum()) == sum(len(s) for s in seqs[:3])
+    context = [prompt_length(e, s, v) for e, s in zip(examples[:3], seqs[:3])]
+    _, targets = collate(seqs[:3], v.pad_id, context=context)  # the given prefixes are no targets
+    assert int(targets.sum()) == int(mask.sum()) - sum(context)
+    assert all(int(targets[i, :c].sum()) == 0 and int(targets[i, c]) == 1 for i, c in enumerate(context))
     batches = length_batches([len(s) for s in seqs], 2000, seed=0, epoch=0)
     assert sorted(i for b in batches for i in b) == list(range(len(seqs)))
 
