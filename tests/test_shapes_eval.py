@@ -293,3 +293,42 @@ def test_cli_passes_generation_settings_and_rejects_malformed_ones(tiny_assets, 
     with pytest.raises(GenerationError, match="unknown generation setting"):
         main(["--model", str(tiny_assets / "model"), "--n", "1", "--conditions", "base", "--categories",
               "single_object", "--device", "cpu", "--set", "cfg=2"])
+
+
+def test_merge_joins_runs_split_by_condition_and_refuses_mismatches(tmp_path, capsys):
+    from models.shapes.eval import main, merge_results
+
+    def run(conditions, **kw):
+        return run_shapes_eval(FakePipeline(), n_per_category=4, progress=False, conditions=conditions,
+                               categories=["colour", "image_to_text"], **kw)[0]
+
+    whole = run(["base", "vocab_both", "seq_text"])
+    split = [run(["seq_text", "vocab_both"]), run(["base"])]
+    merged = merge_results(split)
+    assert list(merged["conditions"]) == ["base", "vocab_both", "seq_text"]  # the eval's order, not the files'
+    for name, res in whole["conditions"].items():
+        assert merged["conditions"][name]["categories"] == res["categories"]
+    paths = []
+    for i, part in enumerate(split):
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(part))
+    out_md, out_json = tmp_path / "all.md", tmp_path / "all.json"
+    assert main(["--merge", *map(str, paths), "--out", str(out_md), "--json", str(out_json)]) == 0
+    assert out_md.read_text() == results_markdown(merged) and "| base |" in capsys.readouterr().out
+    assert list(json.loads(out_json.read_text())["conditions"]) == ["base", "vocab_both", "seq_text"]
+
+    with pytest.raises(ShapesError, match="more than one"):
+        merge_results([split[1], split[1]])
+    with pytest.raises(ShapesError, match="n_per_category"):
+        merge_results([split[1], {**split[0], "n_per_category": 200}])
+    with pytest.raises(ShapesError, match="different categories"):
+        merge_results([split[1], run_shapes_eval(FakePipeline(), n_per_category=4, progress=False,
+                                                 conditions=["seq_text"], categories=["colour"])[0]])
+    with pytest.raises(ShapesError, match="not a ShapesEval results"):
+        merge_results([split[0], {"rows": []}])
+    with pytest.raises(ShapesError, match="nothing to merge"):
+        merge_results([])
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(SystemExit):
+        main(["--merge", str(paths[0]), str(tmp_path / "bad.json")])
+    assert "cannot read" in capsys.readouterr().err

@@ -25,6 +25,7 @@ has one: an adapter whose modality is "merged" in pipe.adapters, or pipe.merge_a
 name. Adapters are found in pipe.adapters (name -> modality "text" / "image"), or named by the caller.
 
 CLI: python -m models.shapes.eval --model assets/model --n 200 --out results.md [--json results.json]
+     python -m models.shapes.eval --merge gpu0.json gpu1.json --out results.md   (runs split by --conditions)
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from .world import Obj, Scene
 __all__ = [
     "CATEGORIES", "CONDITIONS", "T2I_CATEGORIES", "Condition", "EvalPrompt", "ImageReading", "ParsedText",
     "analyse_image", "build_prompts", "default_conditions", "document_consistency", "is_outline", "is_pirate",
-    "match_objects", "parse_caption", "results_markdown", "run_shapes_eval", "score_image_to_text",
+    "match_objects", "merge_results", "parse_caption", "results_markdown", "run_shapes_eval", "score_image_to_text",
     "score_interleaved", "score_text_to_image",
 ]
 
@@ -361,6 +362,36 @@ def run_shapes_eval(pipeline, *, n_per_category: int = 200, conditions: Iterable
     return results, results_markdown(results)
 
 
+def merge_results(parts: Sequence[dict]) -> dict:
+    """One results dict from runs over disjoint conditions with the same settings (e.g. one process a GPU)."""
+    if not parts:
+        raise ShapesError("nothing to merge: give at least one results JSON")
+    for i, part in enumerate(parts):
+        if not isinstance(part, dict) or not isinstance(part.get("conditions"), dict):
+            raise ShapesError(f"results #{i + 1} is not a ShapesEval results JSON (no 'conditions' table)")
+    first = parts[0]
+    merged = {**first, "skipped": {}, "conditions": {}}
+    for i, part in enumerate(parts):
+        for key in ("n_per_category", "seed", "generation_overrides"):
+            if part.get(key) != first.get(key):
+                raise ShapesError(f"results #{i + 1} has {key} {part.get(key)!r}, results #1 {first.get(key)!r}: "
+                                  "only runs with the same settings can be merged")
+        twice = sorted(set(part["conditions"]) & set(merged["conditions"]))
+        if twice:
+            raise ShapesError(f"condition(s) {twice} appear in more than one of the results to merge")
+        merged["conditions"].update(part["conditions"])
+        merged["skipped"].update(part.get("skipped", {}))
+    category_sets = {name: sorted(res.get("categories", {})) for name, res in merged["conditions"].items()}
+    if len({tuple(c) for c in category_sets.values()}) > 1:
+        raise ShapesError(f"the results cover different categories, so their summaries would not compare: "
+                          f"{category_sets}")
+    for name in merged["conditions"]:
+        merged["skipped"].pop(name, None)
+    order = {name: i for i, name in enumerate(CONDITIONS)}
+    merged["conditions"] = dict(sorted(merged["conditions"].items(), key=lambda kv: order.get(kv[0], len(order))))
+    return merged
+
+
 def _fmt(x: float | None) -> str:
     return "–" if x is None else f"{x:.3f}"
 
@@ -411,10 +442,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="adapter cache rank; the merged row needs the sum of both adapters' ranks")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="write one table from the --json files of runs over different conditions (e.g. one "
+                         "process a GPU) instead of running")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a generation setting over the model's generation.json, e.g. --set cfg_scale=2.0 "
                          "--set text_temperature=0 (any key of GenerationConfig.with_overrides)")
     args = ap.parse_args(argv)
+
+    def write(results: dict, table: str) -> None:
+        if args.out:
+            Path(args.out).write_text(table)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+
+    if args.merge:
+        parts = []
+        for path in args.merge:
+            try:
+                parts.append(json.loads(Path(path).read_text()))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                ap.error(f"--merge: cannot read {path}: {exc}")
+        merged = merge_results(parts)
+        table = results_markdown(merged)
+        print(table)
+        write(merged, table)
+        return 0
     overrides = {}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -430,12 +483,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from models import InterleavedPipeline  # the generation API (helper G); imported only to run
-
-    def write(results: dict, table: str) -> None:
-        if args.out:
-            Path(args.out).write_text(table)
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2))
 
     pipe = InterleavedPipeline.from_pretrained(args.model, r_max=args.r_max, device=args.device)
     results, table = run_shapes_eval(pipe, n_per_category=args.n, conditions=args.conditions,
