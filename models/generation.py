@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 TEXT_PHASE, CODE_PHASE, ROW_END_PHASE, EOI_PHASE, DONE_PHASE = range(5)
 ROW_MARKER_MASKS = 5  # mask table rows 5 + r: the end of image row r allows only row r's own marker
 NO_TOKEN = -1  # Step.tokens entry of a row that had already finished
+MAX_BEST_OF = 16
 
 
 @dataclass
@@ -51,6 +52,9 @@ class GenerationConfig:
     max_images: cap on images generated per sequence (None = no cap, 0 = text only).
     start_image: append `<boi>` to the prompt, so the continuation starts with an image (text -> image).
     min_new_tokens: `<eos>` is masked until this many tokens were generated (as in transformers' generate).
+    best_of: draw up to this many candidate documents and keep the first that passes `check` (models/best_of.py;
+        1 = off). Candidate 0 is this config's own sample.
+    check: the name of a registered check (models.best_of.CHECKS), e.g. "shapes_caption" for the embedded model.
     """
 
     max_new_tokens: int = 512
@@ -61,6 +65,8 @@ class GenerationConfig:
     max_images: int | None = None
     start_image: bool = False
     min_new_tokens: int = 0
+    best_of: int = 1
+    check: str | None = None
 
     # keyword shortcuts accepted by with_overrides: "temperature" sets both modalities, "text_top_k" one
     _SAMPLING_KEYS = ("temperature", "top_k", "top_p")
@@ -89,6 +95,14 @@ class GenerationConfig:
                 or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise GenerationError(f"min_new_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], "
                                   f"got {self.min_new_tokens!r}")
+        if isinstance(self.best_of, bool) or not isinstance(self.best_of, int) or not 1 <= self.best_of <= MAX_BEST_OF:
+            raise GenerationError(f"best_of must be an int in [1, {MAX_BEST_OF}], got {self.best_of!r}")
+        if self.check is not None and not isinstance(self.check, str):
+            raise GenerationError(f"check must be the name of a registered check or None, got {self.check!r}")
+        if self.best_of > 1 and self.check is None:
+            raise GenerationError(f"best_of={self.best_of} needs a check that says which candidate to keep; set "
+                                  "check= to a registered name (the embedded model's generation.json sets "
+                                  "'shapes_caption')")
 
     @property
     def uses_cfg(self) -> bool:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from models.best_of import generate_best_of, make_check
 from models.document import Document, DocumentBuilder
 from models.events import Finished, StepTiming
 from models.generation import NO_TOKEN, GenerationConfig, InterleavedDecoder, Request, open_image_span
@@ -249,6 +250,9 @@ class InterleavedPipeline:
         """
         prompts, _ = split_prompts(prompt)
         config = self.resolve_config(config, overrides)
+        if config.best_of > 1:
+            raise GenerationError(f"best_of={config.best_of} checks whole documents before choosing one, so it "
+                                  "cannot stream; call generate(), or stream with best_of=1")
         if config.start_image and config.max_new_tokens < self.vocab.tokens_per_image + 1:
             raise GenerationError(f"start_image needs max_new_tokens >= {self.vocab.tokens_per_image + 1} (one "
                                   f"image and <eoi>), got {config.max_new_tokens}")
@@ -305,7 +309,8 @@ class InterleavedPipeline:
         """Generate a Document (a list of Documents for a list of prompts, decoded together in one batch).
 
         Keyword overrides change the config: seed=, max_new_tokens=, cfg_scale=, temperature= (both modalities),
-        text_temperature=, image_top_k=, ..., max_images=, start_image=. A prompt is a str, a PIL image or a list
+        text_temperature=, image_top_k=, ..., max_images=, start_image=, best_of= (with check=; see
+        models/best_of.py: the first of n candidates that passes the check is returned). A prompt is a str, a PIL image or a list
         mixing them (images are VQ-encoded into <boi> codes <eoi>, so image -> text works).
         `text_adapter` / `image_adapter` may be lists (one per prompt) to route each row differently.
 
@@ -313,13 +318,26 @@ class InterleavedPipeline:
         >>> doc.images[0].size
         (64, 64)
         """
-        documents: dict[int, Document] = {}
-        for event in self.stream(prompt, text_adapter=text_adapter, image_adapter=image_adapter, routing=routing,
-                                 config=config, **overrides):
-            if isinstance(event, Finished):
-                documents[event.row] = event.document
-        ordered = [documents[row] for row in sorted(documents)]
-        return ordered if split_prompts(prompt)[1] else ordered[0]
+        prompts, batched = split_prompts(prompt)
+        config = self.resolve_config(config, overrides)
+        text_adapters = _per_prompt(text_adapter, len(prompts), "text_adapter")
+        image_adapters = _per_prompt(image_adapter, len(prompts), "image_adapter")
+
+        def generate_rows(rows: list[int], row_config: GenerationConfig) -> list[Document]:
+            documents: dict[int, Document] = {}
+            for event in self.stream([prompts[r] for r in rows], text_adapter=[text_adapters[r] for r in rows],
+                                     image_adapter=[image_adapters[r] for r in rows], routing=routing,
+                                     config=row_config):
+                if isinstance(event, Finished):
+                    documents[event.row] = event.document
+            return [documents[i] for i in range(len(rows))]
+
+        if config.best_of > 1:
+            check = make_check(config.check, self)
+            ordered = generate_best_of(generate_rows, len(prompts), config, check)
+        else:
+            ordered = generate_rows(list(range(len(prompts))), config)
+        return ordered if batched else ordered[0]
 
     def _finish(self, builder: DocumentBuilder, reason: str, steps: int, total_ms: float, first_ms: float) -> list:
         """Stamp the batch's timing so far (step 0 includes the prompt's prefill) and close the document."""

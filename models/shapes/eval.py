@@ -66,11 +66,13 @@ _FIELDS = ("shape", "colour", "size", "cell")
 
 
 def _fits(spec: ParsedObj, obj: ReadObj | Obj | ParsedObj) -> bool:
-    return all(getattr(spec, f) is None or getattr(spec, f) == getattr(obj, f) for f in _FIELDS)
+    return all(None in (getattr(spec, f), getattr(obj, f)) or getattr(spec, f) == getattr(obj, f) for f in _FIELDS)
 
 
 def match_objects(specs: Sequence[ParsedObj], objects: Sequence[ReadObj | Obj | ParsedObj]) -> bool:
-    """True when the objects can be paired one to one with the specs (None in a spec matches anything)."""
+    """True when the objects can be paired one to one with the specs. None is an attribute not stated, which
+    matches anything: in a spec (the prompt leaves it free) or in a parsed object (a caption that does not say
+    it; rendered and read objects state every attribute)."""
     if len(specs) != len(objects):
         return False
     owner: list[int] = [-1] * len(objects)  # bipartite matching (Kuhn): object j -> spec owner[j]
@@ -128,23 +130,27 @@ def score_image_to_text(scene: Scene, text: str | ParsedText) -> bool:
     return match_objects(list(parsed.objects), scene.objects)
 
 
-def document_consistency(parts: Sequence[str | Image.Image]) -> list[bool]:
+def document_consistency(parts: Sequence[str | Image.Image],
+                         objects_of: Callable[[Image.Image], Sequence[ReadObj | ParsedObj]] | None = None
+                         ) -> list[bool]:
     """For each picture in an interleaved document: does it show what the text before it introduced?
 
     Texts add objects (the story only ever adds), so picture k must show the union of the objects named in
-    the texts before it. A closing "N shapes" total must match the last picture."""
+    the texts before it. A closing "N shapes" total must match the last picture. `objects_of(picture)` reads a
+    picture's objects: the exact analyser by default (models/shapes/self_check.py passes the model's captions)."""
+    objects_of = objects_of or (lambda image: analyse_image(image).objects)
     named: list[ParsedObj] = []
     verdicts: list[bool] = []
-    last: ImageReading | None = None
+    last: Sequence | None = None
     for part in parts:
         if isinstance(part, str):
             parsed = parse_caption(part)
             named.extend(parsed.objects)
             if parsed.total is not None and last is not None and verdicts:
-                verdicts[-1] = verdicts[-1] and parsed.total == last.count
+                verdicts[-1] = verdicts[-1] and parsed.total == len(last)
         elif isinstance(part, Image.Image):
-            last = analyse_image(part)
-            verdicts.append(bool(named) and match_objects(named, last.objects))
+            last = objects_of(part)
+            verdicts.append(bool(named) and match_objects(named, last))
         else:
             raise ShapesError(f"a document part must be str or PIL image, got {type(part).__name__}")
     return verdicts
@@ -330,6 +336,9 @@ def run_shapes_eval(pipeline, *, n_per_category: int = 200, conditions: Iterable
                     rec = _score_one(p, d)
                     rec["style_ok"] = _style_ok(cond, rec)
                     rec["style_and_content"] = None if rec["style_ok"] is None else rec["style_ok"] and rec["content"]
+                    verdicts = getattr(d, "meta", {}).get("best_of", {}).get("verdicts")  # best_of > 1 runs only
+                    rec["candidates"] = None if verdicts is None else len(verdicts)
+                    rec["check_passed"] = None if verdicts is None else any(verdicts)
                     records.append(rec)
                 bar.update(1)
             per_cat[cat] = {
@@ -339,6 +348,8 @@ def run_shapes_eval(pipeline, *, n_per_category: int = 200, conditions: Iterable
                 "pirate": _mean([r["pirate"] for r in records]),
                 "style_ok": _mean([r["style_ok"] for r in records]),
                 "style_and_content": _mean([r["style_and_content"] for r in records]),
+                "candidates": _mean([r["candidates"] for r in records]),
+                "check_passed": _mean([r["check_passed"] for r in records]),
             }
             records_all.extend(records)
         t2i = [per_cat[c]["content"] for c in T2I_CATEGORIES if c in per_cat]
@@ -353,6 +364,8 @@ def run_shapes_eval(pipeline, *, n_per_category: int = 200, conditions: Iterable
                 "pirate_rate": _mean([r["pirate"] for r in records_all]),
                 "style_ok": _mean([r["style_ok"] for r in records_all]),
                 "style_and_content": _mean([r["style_and_content"] for r in records_all]),
+                "candidates": _mean([r["candidates"] for r in records_all]),
+                "check_passed": _mean([r["check_passed"] for r in records_all]),
                 "seconds": time.perf_counter() - t0,
             },
         }
@@ -418,6 +431,12 @@ def results_markdown(results: dict) -> str:
     if results.get("generation_overrides"):
         settings = ", ".join(f"{k}={v}" for k, v in results["generation_overrides"].items())
         notes.append(f"Generation settings over the model's defaults: {settings}.")
+    drawn = {name: res["summary"].get("candidates") for name, res in results["conditions"].items()}
+    if any(v is not None for v in drawn.values()):
+        notes.append("Best-of-n (models/best_of.py), candidates decoded per prompt on average, and the share of "
+                     "prompts whose check passed: " + "; ".join(
+                         f"{name} {v:.2f}, {_fmt(results['conditions'][name]['summary']['check_passed'])}"
+                         for name, v in drawn.items() if v is not None) + ".")
     for name, why in results.get("skipped", {}).items():
         notes.append(f"- {name}: skipped ({why})")
     return "\n".join(lines) + "\n" + "\n".join(notes) + "\n"

@@ -1,0 +1,116 @@
+"""Best-of-n generation (models/best_of.py) and the shapes world's caption check (models/shapes/self_check.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from models import Document, GenerationConfig, GenerationError, InterleavedPipeline
+from models.best_of import CHECKS, RESAMPLE_TEMPERATURE, candidate_config, generate_best_of, register_check
+from models.shapes.self_check import CaptionCheck
+from models.shapes.world import Obj, Scene, render
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+# ------------------------------------------------------------------------------------- the loop, no model
+
+
+def test_candidate_configs_redraw_with_the_next_seeds():
+    greedy = GenerationConfig(seed=5, best_of=3, check="shapes_caption").with_overrides(image_temperature=0.0)
+    first, third = candidate_config(greedy, 0), candidate_config(greedy, 2)
+    assert (first.seed, first.image.temperature, first.best_of) == (5, 0.0, 1)
+    assert (third.seed, third.image.temperature, third.best_of) == (7, RESAMPLE_TEMPERATURE, 1)
+    assert third.text == greedy.text
+    sampled = greedy.with_overrides(image_temperature=1.2)
+    assert candidate_config(sampled, 1).image.temperature == 1.2  # already sampled pictures keep their temperature
+
+
+def test_rounds_decode_only_the_prompts_still_failing_and_keep_the_first_pass():
+    passes_at = {0: 0, 1: 2, 2: None}  # prompt -> the candidate its check passes (None: never)
+    calls = []
+
+    def generate_rows(rows, config):
+        calls.append((list(rows), config.seed))
+        return [Document(meta={"row": r, "candidate": config.seed - 10}) for r in rows]
+
+    def check(documents):
+        return [passes_at[d.meta["row"]] == d.meta["candidate"] for d in documents]
+
+    config = GenerationConfig(seed=10, best_of=4, check="test")
+    chosen = generate_best_of(generate_rows, 3, config, check)
+    assert calls == [([0, 1, 2], 10), ([1, 2], 11), ([1, 2], 12), ([2], 13)]
+    assert [d.meta["candidate"] for d in chosen] == [0, 2, 0]  # prompt 2 never passed: candidate 0 is kept
+    assert [d.meta["best_of"]["verdicts"] for d in chosen] == [[True], [False, False, True], [False] * 4]
+    assert [d.meta["best_of"]["candidate"] for d in chosen] == [0, 2, 0]
+
+
+def test_a_check_answering_for_the_wrong_number_of_documents_is_an_error():
+    def generate_rows(rows, config):
+        return [Document() for _ in rows]
+
+    with pytest.raises(GenerationError, match="verdicts"):
+        generate_best_of(generate_rows, 2, GenerationConfig(seed=0, best_of=2, check="x"), lambda docs: [True])
+
+
+@pytest.mark.parametrize("bad", [0, 17, True, 2.0, "4"])
+def test_best_of_must_be_a_small_int(bad):
+    with pytest.raises(GenerationError, match="best_of must be an int"):
+        GenerationConfig(best_of=bad, check="shapes_caption")
+
+
+def test_best_of_without_a_check_or_with_an_unknown_one_is_refused(tiny_pipeline):
+    with pytest.raises(GenerationError, match="needs a check"):
+        tiny_pipeline.generate("a red circle", seed=0, best_of=2)
+    with pytest.raises(GenerationError, match="unknown check 'nope'.*shapes_caption"):
+        tiny_pipeline.generate("a red circle", seed=0, best_of=2, check="nope")
+    with pytest.raises(GenerationError, match="cannot stream"):
+        tiny_pipeline.stream("a red circle", seed=0, best_of=2, check="shapes_caption")
+    with pytest.raises(GenerationError, match="non-empty str"):
+        register_check("", lambda pipe: None)
+
+
+# -------------------------------------------------------------------------------- through the pipeline
+
+
+def test_pipeline_best_of_returns_the_passing_candidate_reproducibly(tiny_pipeline, monkeypatch):
+    """A check that passes only candidate 1 (seed + 1): each prompt gets that document, and its recorded config
+    regenerates it exactly with best_of off."""
+    monkeypatch.setitem(CHECKS, "second_draw",
+                        lambda pipe: lambda docs: [d.meta["seed"] == 21 for d in docs])
+    prompts = ["a red circle", "two stars"]
+    kwargs = dict(text_adapter=["text_style", None], image_adapter="image_style", max_new_tokens=300)
+    chosen = tiny_pipeline.generate(prompts, seed=20, best_of=3, check="second_draw", start_image=True, **kwargs)
+    assert [d.meta["best_of"]["verdicts"] for d in chosen] == [[False, True]] * 2
+    again = tiny_pipeline.generate(prompts, config=GenerationConfig.from_dict(chosen[0].meta["config"]), **kwargs)
+    for doc, redo in zip(chosen, again):
+        assert doc.meta["seed"] == 21 and doc.meta["config"]["best_of"] == 1
+        assert [r.id for r in doc.routing] == [r.id for r in redo.routing]
+
+
+# ---------------------------------------------------------------------------- the caption check (embedded)
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return InterleavedPipeline.from_pretrained()
+
+
+def test_caption_check_passes_the_right_picture_and_fails_a_wrong_one(embedded):
+    asked = "Draw a large red circle at the top left."
+    right = render(Scene((Obj("circle", "red", "large", "top left"),), background="white"))
+    wrong = render(Scene((Obj("square", "blue", "large", "center"),), background="white"))
+    documents = [Document(parts=[right], prompt=[asked], meta={"routing": "none"}),
+                 Document(parts=[wrong], prompt=[asked], meta={"routing": "none"}),
+                 Document(parts=["Arr, a fine day."], prompt=[asked], meta={"routing": "none"})]
+    assert CaptionCheck(embedded)(documents) == [True, False, True]  # a document without pictures passes
+
+
+def test_embedded_model_declares_its_check_and_best_of_runs_end_to_end(embedded):
+    assert embedded.default_config.check == "shapes_caption"
+    prompts = ["Draw a small red star on the right.", "Show me a yellow triangle in the bottom right corner."]
+    docs = embedded.generate(prompts, routing="none", seed=0, best_of=2)
+    check = CaptionCheck(embedded)
+    for doc in docs:
+        verdicts = doc.meta["best_of"]["verdicts"]
+        assert 1 <= len(verdicts) <= 2 and doc.images
+        assert check([doc]) == [any(verdicts)]  # the passing candidate, or candidate 0 when none passed
