@@ -197,7 +197,7 @@ class FakePipeline:
                                 for o in scene.objects), scene.background, scene.style)
         return render(scene)
 
-    def generate(self, prompts, *, text_adapter=None, image_adapter=None, routing="vocab", seed=0):
+    def generate(self, prompts, *, text_adapter=None, image_adapter=None, routing="vocab", seed=0, **settings):
         self.calls.append((text_adapter, image_adapter, routing))
         text_styled = text_adapter is not None and routing in ("vocab", "sequence")
         image_styled = image_adapter is not None or (routing == "sequence" and text_adapter == "merged")
@@ -261,13 +261,31 @@ def test_runner_reads_documents_with_or_without_the_prompt_echoed():
         assert base["pirate_rate"] == 0.0 and both["pirate_rate"] == 1.0 and both["outline_rate"] == 1.0
 
 
-def test_runner_reports_each_condition_as_it_finishes():
+def test_runner_reports_each_category_as_it_finishes():
     seen = []
     run_shapes_eval(FakePipeline(), n_per_category=4, progress=False, conditions=["base", "vocab_both"],
-                    categories=["colour"],
-                    on_condition=lambda res, table: seen.append((list(res["conditions"]), table)))
-    assert [names for names, _ in seen] == [["base"], ["base", "vocab_both"]]  # the results so far, each time
-    assert "| base |" in seen[0][1] and "| vocab_both |" not in seen[0][1]
+                    categories=["colour", "image_to_text"],
+                    on_result=lambda res, table: seen.append(
+                        [(name, list(r["categories"])) for name, r in res["conditions"].items()]))
+    assert seen == [  # the results so far, each time
+        [("base", ["colour"])],
+        [("base", ["colour", "image_to_text"])],
+        [("base", ["colour", "image_to_text"]), ("vocab_both", ["colour"])],
+        [("base", ["colour", "image_to_text"]), ("vocab_both", ["colour", "image_to_text"])],
+    ]
+
+
+def test_runner_asks_for_one_picture_in_text_to_image_prompts():
+    calls = []
+
+    class Recording(FakePipeline):
+        def generate(self, prompts, **kwargs):
+            calls.append(kwargs.get("max_images"))
+            return super().generate(prompts, **kwargs)
+
+    run_shapes_eval(Recording(), n_per_category=2, progress=False, conditions=["base"],
+                    categories=["colour", "image_to_text", "interleaved"])
+    assert calls == [1, None, None]
 
 
 def test_runner_rejects_bad_arguments():

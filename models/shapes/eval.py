@@ -291,13 +291,45 @@ def _style_ok(cond: Condition, rec: dict) -> bool | None:
     return all(checks) if checks else None
 
 
+def _record(cond: Condition, prompt: EvalPrompt, doc) -> dict:
+    """One prompt's scores under a condition, with best-of-n's candidate count when it ran."""
+    rec = _score_one(prompt, doc)
+    rec["style_ok"] = _style_ok(cond, rec)
+    rec["style_and_content"] = None if rec["style_ok"] is None else rec["style_ok"] and rec["content"]
+    verdicts = getattr(doc, "meta", {}).get("best_of", {}).get("verdicts")  # best_of > 1 runs only
+    rec["candidates"] = None if verdicts is None else len(verdicts)
+    rec["check_passed"] = None if verdicts is None else any(verdicts)
+    return rec
+
+
+_RATES = ("outline", "pirate", "style_ok", "style_and_content", "candidates", "check_passed")
+
+
+def _summary(records: list[dict]) -> dict:
+    return {"n": len(records), "content": _mean([r["content"] for r in records]),
+            **{key: _mean([r[key] for r in records]) for key in _RATES}}
+
+
+def _condition_summary(per_cat: dict, records: list[dict], seconds: float) -> dict:
+    rates = {key: _mean([r[key] for r in records]) for key in _RATES}
+    return {
+        "text_to_image": _mean([per_cat[c]["content"] for c in T2I_CATEGORIES if c in per_cat]),
+        "image_to_text": per_cat.get("image_to_text", {}).get("content"),
+        "interleaved": per_cat.get("interleaved", {}).get("content"),
+        "outline_rate": rates.pop("outline"),
+        "pirate_rate": rates.pop("pirate"),
+        **rates,
+        "seconds": seconds,
+    }
+
+
 def run_shapes_eval(pipeline, *, n_per_category: int = 200, conditions: Iterable[str | Condition] | None = None,
                     categories: Iterable[str] | None = None, batch_size: int = 32, seed: int = 0,
                     text_adapter: str | None = None, image_adapter: str | None = None,
                     generate_kwargs: dict | None = None, progress: bool = True,
-                    on_condition: Callable[[dict, str], None] | None = None) -> tuple[dict, str]:
+                    on_result: Callable[[dict, str], None] | None = None) -> tuple[dict, str]:
     """Generate for every (condition, category) prompt set and score it. Returns (results, markdown).
-    `on_condition(results, markdown)` sees the results so far after each condition (the CLI writes them, so an
+    `on_result(results, markdown)` sees the results so far after each category (the CLI writes them, so an
     hour-long run that is stopped keeps what it finished)."""
     if batch_size < 1:
         raise ShapesError(f"batch_size must be >= 1, got {batch_size}")
@@ -325,52 +357,27 @@ def run_shapes_eval(pipeline, *, n_per_category: int = 200, conditions: Iterable
         records_all: list[dict] = []
         for cat, prompts in prompt_sets.items():
             records = []
+            # a text-to-image answer is one picture: what would follow it is never scored (nor checked by best_of)
+            kwargs = {**({"max_images": 1} if cat in T2I_CATEGORIES else {}), **(generate_kwargs or {})}
             for start in range(0, len(prompts), batch_size):
                 batch = prompts[start:start + batch_size]
                 docs = pipeline.generate([p.pipeline_prompt() for p in batch], text_adapter=cond.text_adapter,
                                          image_adapter=cond.image_adapter, routing=cond.routing,
-                                         seed=seed + start, **(generate_kwargs or {}))
+                                         seed=seed + start, **kwargs)
                 if len(docs) != len(batch):
                     raise ShapesError(f"pipeline returned {len(docs)} documents for {len(batch)} prompts")
                 for p, d in zip(batch, docs):
-                    rec = _score_one(p, d)
-                    rec["style_ok"] = _style_ok(cond, rec)
-                    rec["style_and_content"] = None if rec["style_ok"] is None else rec["style_ok"] and rec["content"]
-                    verdicts = getattr(d, "meta", {}).get("best_of", {}).get("verdicts")  # best_of > 1 runs only
-                    rec["candidates"] = None if verdicts is None else len(verdicts)
-                    rec["check_passed"] = None if verdicts is None else any(verdicts)
-                    records.append(rec)
+                    records.append(_record(cond, p, d))
                 bar.update(1)
-            per_cat[cat] = {
-                "n": len(records),
-                "content": _mean([r["content"] for r in records]),
-                "outline": _mean([r["outline"] for r in records]),
-                "pirate": _mean([r["pirate"] for r in records]),
-                "style_ok": _mean([r["style_ok"] for r in records]),
-                "style_and_content": _mean([r["style_and_content"] for r in records]),
-                "candidates": _mean([r["candidates"] for r in records]),
-                "check_passed": _mean([r["check_passed"] for r in records]),
-            }
+            per_cat[cat] = _summary(records)
             records_all.extend(records)
-        t2i = [per_cat[c]["content"] for c in T2I_CATEGORIES if c in per_cat]
-        results["conditions"][cond.name] = {
-            "condition": asdict(cond),
-            "categories": per_cat,
-            "summary": {
-                "text_to_image": _mean(t2i),
-                "image_to_text": per_cat.get("image_to_text", {}).get("content"),
-                "interleaved": per_cat.get("interleaved", {}).get("content"),
-                "outline_rate": _mean([r["outline"] for r in records_all]),
-                "pirate_rate": _mean([r["pirate"] for r in records_all]),
-                "style_ok": _mean([r["style_ok"] for r in records_all]),
-                "style_and_content": _mean([r["style_and_content"] for r in records_all]),
-                "candidates": _mean([r["candidates"] for r in records_all]),
-                "check_passed": _mean([r["check_passed"] for r in records_all]),
-                "seconds": time.perf_counter() - t0,
-            },
-        }
-        if on_condition is not None:
-            on_condition(results, results_markdown(results))
+            results["conditions"][cond.name] = {
+                "condition": asdict(cond),
+                "categories": per_cat,
+                "summary": _condition_summary(per_cat, records_all, time.perf_counter() - t0),
+            }
+            if on_result is not None:  # after every category: a run that is stopped keeps what it finished
+                on_result(results, results_markdown(results))
     bar.close()
     return results, results_markdown(results)
 
@@ -507,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results, table = run_shapes_eval(pipe, n_per_category=args.n, conditions=args.conditions,
                                      categories=args.categories, batch_size=args.batch_size, seed=args.seed,
                                      text_adapter=args.text_adapter, image_adapter=args.image_adapter,
-                                     generate_kwargs=overrides, on_condition=write)
+                                     generate_kwargs=overrides, on_result=write)
     print(table)
     write(results, table)
     return 0
