@@ -17,7 +17,16 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
-from models.events import Finished, ImageDone, ImageProgress, ImageStarted, Notice, StepTiming, TextDelta
+from models.events import (
+    Finished,
+    ImageDone,
+    ImageProgress,
+    ImageStarted,
+    Notice,
+    Redraw,
+    StepTiming,
+    TextDelta,
+)
 
 BASE_LABEL = "base (no adapter)"
 BASE_COLOR = "#cbd5e1"
@@ -67,6 +76,8 @@ class RunView:
     notices: list[str] = field(default_factory=list)
     document: object | None = None
     finish_reason: str | None = None
+    candidate: int = 0  # best-of-n: the candidate being drawn (a Redraw event starts the next)
+    best_of: int = 1
 
     # --- folding events ------------------------------------------------------------------------
     def apply(self, event: object) -> bool:
@@ -95,11 +106,22 @@ class RunView:
         if isinstance(event, Notice):
             self.notices.append(event.message)
             return True
+        if isinstance(event, Redraw):  # best-of-n: the check rejected what is shown; the next candidate starts
+            self.parts, self.tokens, self.candidate, self.best_of = [], [], event.candidate, event.best_of
+            return True
         if isinstance(event, Finished):
             self.document = event.document
             self.finish_reason = event.reason
-            # an image the token budget cut off is left out of the document (a Notice says so): drop its bar
-            self.parts = [p for p in self.parts if not (isinstance(p, _ImageSlot) and p.image is None)]
+            # the document kept: best-of-n may keep an earlier candidate than the one shown, and an image the token
+            # budget cut off is left out of the document (a Notice says so)
+            shown = {id(p.image): p.data_uri for p in self.parts if isinstance(p, _ImageSlot)}
+            self.parts = []
+            for part in event.document.parts:
+                if isinstance(part, str):
+                    self.parts.append(part)
+                else:
+                    index = sum(isinstance(p, _ImageSlot) for p in self.parts)
+                    self.parts.append(_ImageSlot(index, 1, 1, part, shown.get(id(part)) or image_data_uri(part)))
             self.tokens = [(IMAGE_TOKEN_GLYPH if record.modality == "image" else record.piece,
                             self.label_of(record.adapter)) for record in event.document.routing]
             return True

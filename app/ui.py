@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CONCURRENCY = 2
 MAX_PROMPT_CHARS = 2000
 MAX_NEW_TOKENS = 1024
+MAX_BEST_OF_UI = 8  # each candidate costs a whole document (and its captions) on a shared CPU
 REFRESH_SECONDS = 0.2  # the page is refreshed at most this often while tokens stream
 
 # (prompt, start with an image) pairs in the shapes world's own phrasing (models/shapes/text.py)
@@ -131,8 +132,8 @@ class MoLoRAApp:
     # --- generation -----------------------------------------------------------------------------
     def generate(self, prompt: str, text_choice: str, image_choice: str, routing: str, start_image: bool,
                  text_temperature: float, text_top_k: int, text_top_p: float, image_temperature: float,
-                 image_top_k: int, cfg_scale: float, seed: int, max_new_tokens: int, state: SessionState,
-                 request: gr.Request) -> Iterator[tuple]:
+                 image_top_k: int, cfg_scale: float, seed: int, max_new_tokens: int, best_of: int,
+                 state: SessionState, request: gr.Request) -> Iterator[tuple]:
         """Stream one document: yields (text, images, html file, document view, routing map, stats) updates."""
         try:
             state.bind(request.session_hash)
@@ -148,7 +149,8 @@ class MoLoRAApp:
                 max_new_tokens=int(max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))),
                 text=SamplingConfig(temperature=text_temperature, top_k=int(text_top_k), top_p=text_top_p),
                 image=SamplingConfig(temperature=image_temperature, top_k=int(image_top_k)),
-                cfg_scale=float(cfg_scale), seed=int(seed), start_image=bool(start_image))
+                cfg_scale=float(cfg_scale), seed=int(seed), start_image=bool(start_image),
+                best_of=int(best_of), check=self.defaults.check)
             view = RunView(label_of=self._labeller(state), prompt=prompt)
             colors = color_map([*self.builtin, *state.display_names().values()])
             started = time.perf_counter()
@@ -162,6 +164,9 @@ class MoLoRAApp:
                 changed = [view.apply(event) for event in batch]
                 if any(changed):
                     status = f"generating… {time.perf_counter() - started:.1f} s"
+                    if view.candidate:
+                        status += (f" · candidate {view.candidate + 1} of {view.best_of}: the model's caption of "
+                                   "the last one did not match the text")
                     yield self._outputs(view, colors, status, None, sent)
             if view.document is None:
                 raise gr.Error("generation ended without a document; see the server log")
@@ -169,6 +174,7 @@ class MoLoRAApp:
             status = f"done in {time.perf_counter() - started:.1f} s · {len(view.tokens)} tokens"
             if view.finish_reason == "length":
                 status += " · stopped at the token limit"
+            status += best_of_status(view.document.meta.get("best_of"))
             yield self._outputs(view, colors, status, path)
         except MoLoRAError as err:
             raise gr.Error(str(err)) from err
@@ -269,9 +275,14 @@ class MoLoRAApp:
                                                     value=self.default_adapter("image"), label="Image adapter",
                                                     allow_custom_value=True, elem_id="image-adapter")
                     routing = gr.Radio(self.routing_choices(), value="vocab", label="Routing")
-                    start_image = gr.Checkbox(False, label="Start with an image",
-                                              info="text -> image: the prompt is followed by <boi>",
-                                              elem_id="start-image")
+                    with gr.Row():
+                        start_image = gr.Checkbox(False, label="Start with an image",
+                                                  info="text -> image: the prompt is followed by <boi>",
+                                                  elem_id="start-image")
+                        best_of = gr.Slider(1, MAX_BEST_OF_UI, value=1, step=1, label="Best of",
+                                            info="draw up to this many candidates; keep the first whose pictures "
+                                                 "the model's own captions match to the text",
+                                            visible=self.defaults.check is not None, elem_id="best-of")
                     d = self.defaults
                     with gr.Accordion("Sampling", open=False):
                         with gr.Row():
@@ -323,7 +334,7 @@ class MoLoRAApp:
             run.click(self.generate,
                       inputs=[prompt, text_adapter, image_adapter, routing, start_image, text_temperature,
                               text_top_k, text_top_p, image_temperature, image_top_k, cfg_scale, seed,
-                              max_new_tokens, state],
+                              max_new_tokens, best_of, state],
                       outputs=[text_out, images, html_file, document, routing_map, stats],
                       api_name="generate", show_progress="minimal")
             upload_button.click(self.upload_adapter,
@@ -332,6 +343,16 @@ class MoLoRAApp:
                                 api_name="upload_adapter", show_progress_on=[upload_status])
             demo.load(self.list_adapters, inputs=[state], outputs=[adapters_json], api_name="adapters")
         return demo
+
+
+def best_of_status(best_of: dict | None) -> str:
+    """The status line's note on a best-of-n run (models/best_of.py records it in the document's meta)."""
+    if not best_of or best_of["n"] == 1:
+        return ""
+    drawn = len(best_of["verdicts"])
+    if any(best_of["verdicts"]):
+        return f" · kept candidate {best_of['candidate'] + 1} of {drawn} drawn (its captions match the text)"
+    return f" · none of {drawn} candidates passed the caption check: kept the first"
 
 
 def build_demo(pipe, *, examples: list[tuple[str, bool]] | None = None) -> gr.Blocks:

@@ -3,6 +3,7 @@
     python -m models "a red circle in the top left" --out out/doc.html --start-image --seed 0
     python -m models "describe:" --image photo.png --out out/caption.html --markdown out/caption
     python -m models "two stars" --image-adapter outline --routing vocab --cfg-scale 3 --out out/stars.html
+    python -m models "Draw a blue diamond at the bottom." --best-of 4 --max-images 1 --out out/diamond.html
 
 Prints the paths it wrote. Errors of the project (unknown adapter, missing model files, ...) exit with status 2
 and their message.
@@ -45,6 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image-top-k", type=int, default=None)
     p.add_argument("--max-images", type=int, default=None)
     p.add_argument("--start-image", action="store_true", help="begin the continuation with an image")
+    p.add_argument("--best-of", type=int, default=None,
+                   help="draw up to N candidates and keep the first that passes the model's check (the embedded "
+                        "model's: its own captions of its pictures match the text)")
     p.add_argument("--no-color", action="store_true", help="do not colour tokens by adapter in the HTML")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=1,
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed, "max_new_tokens": args.max_new_tokens, "cfg_scale": args.cfg_scale,
         "text_temperature": args.temperature, "text_top_p": args.top_p,
         "image_temperature": args.image_temperature, "image_top_k": args.image_top_k,
-        "max_images": args.max_images}.items() if value is not None}
+        "max_images": args.max_images, "best_of": args.best_of}.items() if value is not None}
     if args.start_image:
         overrides["start_image"] = True
     try:

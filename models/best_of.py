@@ -7,6 +7,8 @@ re-draws with seed + k and, when the config's pictures are greedy, image tempera
 candidates differ. A prompt keeps the first candidate its check passes; when none passes it keeps candidate 0, so
 best-of-n is never worse than one draw by the check's own measure. Candidates are decoded in rounds: round k
 batches candidate k of every prompt still without a passing candidate, so prompts that pass early cost nothing more.
+Every candidate streams as it decodes (a Redraw event opens the next one of a prompt); a prompt's Finished event
+carries the document kept, with meta["best_of"] = {n, check, candidate, verdicts, seconds}.
 
 A check is a callable  check(documents) -> list[bool]  made for one pipeline by a factory registered in CHECKS:
     register_check("my_clip_check", lambda pipe: MyCheck(pipe))
@@ -18,19 +20,21 @@ caption must name exactly the objects the text before the picture introduced.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from models.document import Document
+from models.events import Finished, Redraw
 from models.generation import GenerationConfig
 from models.sampling import GenerationError
 
 RESAMPLE_TEMPERATURE = 0.7  # image temperature of candidates 1.. when the config's is greedy (measured: RESULTS.md)
 
 Check = Callable[[Sequence[Document]], list[bool]]
-# generate(rows, config) -> one Document per row: the pipeline decoding the prompts at those indices
-GenerateRows = Callable[[list[int], GenerationConfig], list[Document]]
+# stream_rows(rows, config) -> the pipeline's events for the prompts at those indices (their rows 0..len(rows)-1)
+StreamRows = Callable[[list[int], GenerationConfig], Iterator[Any]]
 
 
 def _shapes_caption(pipe: Any) -> Check:
@@ -66,40 +70,53 @@ def candidate_config(config: GenerationConfig, k: int) -> GenerationConfig:
     return config.with_overrides(best_of=1, seed=config.seed + k, image_temperature=temperature)
 
 
-def generate_best_of(generate_rows: GenerateRows, n_prompts: int, config: GenerationConfig, check: Check
-                     ) -> list[Document]:
-    """One Document per prompt, each the first of up to config.best_of candidates that `check` passes."""
+def stream_best_of(stream_rows: StreamRows, n_prompts: int, config: GenerationConfig, check: Check, *,
+                   first_round: Iterator[Any] | None = None) -> Iterator[Any]:
+    """Events of every candidate as it decodes, then one Finished per prompt carrying the document kept: the first
+    of up to config.best_of candidates that `check` passes, else candidate 0. A Redraw opens each later candidate
+    of a prompt; a prompt's Finished comes as soon as one of its candidates passes. `first_round`: candidate 0's
+    events of every prompt when the caller built them already (to raise on bad arguments before streaming)."""
     if config.seed is None:
         raise GenerationError("best-of generation needs a resolved seed (candidates use seed + k)")
     t0 = time.perf_counter()
-    chosen: list[Document | None] = [None] * n_prompts
+    first: dict[int, Finished] = {}  # candidate 0 of each prompt: kept when no candidate passes
     verdicts: list[list[bool]] = [[] for _ in range(n_prompts)]
     pending = list(range(n_prompts))
     for k in range(config.best_of):
-        documents = generate_rows(pending, candidate_config(config, k))
-        passed = check(documents)
-        if len(documents) != len(pending) or len(passed) != len(pending):
-            raise GenerationError(f"best-of round {k}: {len(documents)} documents and {len(passed)} verdicts "
-                                  f"for {len(pending)} prompts")
+        if k > 0:
+            yield from (Redraw(k, config.best_of, row=row) for row in pending)
+        finished: dict[int, Finished] = {}
+        events = first_round if k == 0 and first_round is not None else stream_rows(pending, candidate_config(config, k))
+        for event in events:
+            event = dataclasses.replace(event, row=pending[event.row])
+            if isinstance(event, Finished):
+                finished[event.row] = event
+            else:
+                yield event
+        passed = check([finished[row].document for row in pending])
+        if len(passed) != len(pending):
+            raise GenerationError(f"the check gave {len(passed)} verdicts for {len(pending)} documents")
         still = []
-        for row, document, ok in zip(pending, documents, passed):
+        for row, ok in zip(pending, passed):
             verdicts[row].append(bool(ok))
-            if k == 0:
-                chosen[row] = document  # kept when no candidate passes
+            first.setdefault(row, finished[row])
             if ok:
-                chosen[row] = document
+                yield _kept(finished[row], config, verdicts[row], t0)
             else:
                 still.append(row)
         pending = still
         if not pending:
-            break
-    seconds = round(time.perf_counter() - t0, 3)
-    for row, document in enumerate(chosen):
-        picked = verdicts[row].index(True) if True in verdicts[row] else 0
-        document.meta["best_of"] = {"n": config.best_of, "check": config.check, "candidate": picked,
-                                    "verdicts": verdicts[row], "seconds": seconds}
-    return chosen
+            return
+    for row in pending:
+        yield _kept(first[row], config, verdicts[row], t0)
 
 
-__all__ = ["CHECKS", "RESAMPLE_TEMPERATURE", "Check", "candidate_config", "generate_best_of", "make_check",
-           "register_check"]
+def _kept(event: Finished, config: GenerationConfig, verdicts: list[bool], t0: float) -> Finished:
+    event.document.meta["best_of"] = {"n": config.best_of, "check": config.check,
+                                      "candidate": verdicts.index(True) if True in verdicts else 0,
+                                      "verdicts": verdicts, "seconds": round(time.perf_counter() - t0, 3)}
+    return event
+
+
+__all__ = ["CHECKS", "RESAMPLE_TEMPERATURE", "Check", "candidate_config", "make_check", "register_check",
+           "stream_best_of"]

@@ -1,6 +1,8 @@
 """Events streamed while a document is generated; the Python API and the Gradio app consume the same ones.
 
-Every event carries `row`: the index of its prompt in a batched call (0 for a single prompt).
+Every event carries `row`: the index of its prompt in a batched call (0 for a single prompt). With best_of > 1,
+the events of each candidate stream as it decodes, a Redraw starts the next candidate of a row, and Finished
+carries the document kept (which may be an earlier candidate than the last one streamed).
 `adapters` lists, per token, the adapter that *produced* it (the one active at the position that predicted it;
 None = base model), so a UI can colour each token by adapter.
 
@@ -78,6 +80,16 @@ class Notice:
 
 
 @dataclass
+class Redraw:
+    """Best-of-n (models/best_of.py): the check rejected every candidate of this row so far, so candidate
+    `candidate` (of at most `best_of`) is drawn from here on. A UI clears what it showed of the last candidate."""
+
+    candidate: int
+    best_of: int
+    row: int = 0
+
+
+@dataclass
 class Finished:
     """The document of `row` is complete (eos, token budget or stop)."""
 
@@ -86,4 +98,4 @@ class Finished:
     reason: str = field(default="eos")
 
 
-Event = TextDelta | ImageStarted | ImageProgress | ImageDone | StepTiming | Notice | Finished
+Event = TextDelta | ImageStarted | ImageProgress | ImageDone | StepTiming | Notice | Redraw | Finished

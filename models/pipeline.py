@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from models.best_of import generate_best_of, make_check
+from models.best_of import candidate_config, make_check, stream_best_of
 from models.document import Document, DocumentBuilder
 from models.events import Finished, StepTiming
 from models.generation import NO_TOKEN, GenerationConfig, InterleavedDecoder, Request, open_image_span
@@ -244,20 +244,33 @@ class InterleavedPipeline:
         """Generate and yield events as they happen (models/events.py); the last event of each prompt is
         Finished(document). A list of prompts decodes as one batch; events carry their prompt's `row`.
         Bad arguments raise here, before the iterator is returned; closing the iterator stops decoding.
+        With best_of > 1 every candidate streams, a Redraw event opens a prompt's next candidate, and Finished
+        carries the document kept (models/best_of.py).
 
         >>> for event in pipe.stream("a green triangle", seed=0, max_new_tokens=300):
         ...     pass
         """
         prompts, _ = split_prompts(prompt)
         config = self.resolve_config(config, overrides)
-        if config.best_of > 1:
-            raise GenerationError(f"best_of={config.best_of} checks whole documents before choosing one, so it "
-                                  "cannot stream; call generate(), or stream with best_of=1")
+        text_adapters = _per_prompt(text_adapter, len(prompts), "text_adapter")
+        image_adapters = _per_prompt(image_adapter, len(prompts), "image_adapter")
+
+        def stream_rows(rows: list[int], row_config: GenerationConfig) -> Iterator[Any]:
+            return self._stream_rows([prompts[r] for r in rows], [text_adapters[r] for r in rows],
+                                     [image_adapters[r] for r in rows], routing, row_config)
+
+        if config.best_of == 1:
+            return stream_rows(list(range(len(prompts))), config)
+        check = make_check(config.check, self)
+        first_round = stream_rows(list(range(len(prompts))), candidate_config(config, 0))  # checks the arguments
+        return stream_best_of(stream_rows, len(prompts), config, check, first_round=first_round)
+
+    def _stream_rows(self, prompts: list[Prompt], text_adapters: list[str | None], image_adapters: list[str | None],
+                     routing: str, config: GenerationConfig) -> Iterator[Any]:
+        """One batch's events (a generator); bad arguments raise before it is returned."""
         if config.start_image and config.max_new_tokens < self.vocab.tokens_per_image + 1:
             raise GenerationError(f"start_image needs max_new_tokens >= {self.vocab.tokens_per_image + 1} (one "
                                   f"image and <eoi>), got {config.max_new_tokens}")
-        text_adapters = _per_prompt(text_adapter, len(prompts), "text_adapter")
-        image_adapters = _per_prompt(image_adapter, len(prompts), "image_adapter")
         routers = [self.make_router(routing, t, i) for t, i in zip(text_adapters, image_adapters)]
 
         encoded = [self.encode_prompt(p, config, config.max_new_tokens) for p in prompts]
@@ -318,26 +331,13 @@ class InterleavedPipeline:
         >>> doc.images[0].size
         (64, 64)
         """
-        prompts, batched = split_prompts(prompt)
-        config = self.resolve_config(config, overrides)
-        text_adapters = _per_prompt(text_adapter, len(prompts), "text_adapter")
-        image_adapters = _per_prompt(image_adapter, len(prompts), "image_adapter")
-
-        def generate_rows(rows: list[int], row_config: GenerationConfig) -> list[Document]:
-            documents: dict[int, Document] = {}
-            for event in self.stream([prompts[r] for r in rows], text_adapter=[text_adapters[r] for r in rows],
-                                     image_adapter=[image_adapters[r] for r in rows], routing=routing,
-                                     config=row_config):
-                if isinstance(event, Finished):
-                    documents[event.row] = event.document
-            return [documents[i] for i in range(len(rows))]
-
-        if config.best_of > 1:
-            check = make_check(config.check, self)
-            ordered = generate_best_of(generate_rows, len(prompts), config, check)
-        else:
-            ordered = generate_rows(list(range(len(prompts))), config)
-        return ordered if batched else ordered[0]
+        documents: dict[int, Document] = {}
+        for event in self.stream(prompt, text_adapter=text_adapter, image_adapter=image_adapter, routing=routing,
+                                 config=config, **overrides):
+            if isinstance(event, Finished):
+                documents[event.row] = event.document
+        ordered = [documents[row] for row in sorted(documents)]
+        return ordered if split_prompts(prompt)[1] else ordered[0]
 
     def _finish(self, builder: DocumentBuilder, reason: str, steps: int, total_ms: float, first_ms: float) -> list:
         """Stamp the batch's timing so far (step 0 includes the prompt's prefill) and close the document."""

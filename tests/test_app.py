@@ -27,6 +27,7 @@ from app.render import BASE_LABEL
 from app.server import serve, warm_up
 from app.session import SessionState, UploadedAdapter
 from models import InterleavedPipeline
+from models.best_of import CHECKS
 from models.testing import write_tiny_adapter
 from routing import LearnedGates
 
@@ -78,10 +79,10 @@ def client(url: str) -> Client:
 
 def request(prompt: str = "Draw a red circle.", *, text: str = "text_style", image: str = "image_style",
             routing: str = "vocab", start_image: bool = False, seed: int = 0, max_new_tokens: int = 16,
-            cfg_scale: float = 3.0) -> dict:
+            cfg_scale: float = 3.0, best_of: int = 1) -> dict:
     return dict(prompt=prompt, text_choice=text, image_choice=image, routing=routing, start_image=start_image,
                 text_temperature=1.0, text_top_k=0, text_top_p=1.0, image_temperature=1.0, image_top_k=0,
-                cfg_scale=cfg_scale, seed=seed, max_new_tokens=max_new_tokens)
+                cfg_scale=cfg_scale, seed=seed, max_new_tokens=max_new_tokens, best_of=best_of)
 
 
 def generate(c: Client, **kwargs) -> dict:
@@ -259,3 +260,21 @@ def test_generation_streams_partial_pages_before_the_final_one(url):
     partial_stats = [o[5] for o in outputs[:-1]]
     assert all("generating…" in stats for stats in partial_stats)
     assert "done in" in final[5] and final[2] is not None  # the HTML file only comes with the final page
+
+
+def test_best_of_streams_candidates_and_keeps_the_one_the_check_passes(tiny_assets, url, monkeypatch):
+    with pytest.raises(AppError, match="needs a check"):  # the tiny model names no check: a clear refusal
+        generate(client(url), best_of=2)
+    monkeypatch.setitem(CHECKS, "second_draw", lambda pipe: lambda docs: [d.meta["seed"] == 6 for d in docs])
+    pipe = InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")
+    pipe.default_config = pipe.default_config.with_overrides(check="second_draw")
+    port = free_port()
+    demo = serve(pipe, host="127.0.0.1", port=port, block=False)
+    try:
+        out = generate(client(f"http://127.0.0.1:{port}/"), seed=5, best_of=3)
+    finally:
+        demo.close()
+    assert "kept candidate 2 of 2 drawn" in out["stats"]
+    same_seed = pipe.generate("Draw a red circle.", text_adapter="text_style", image_adapter="image_style",
+                              seed=6, max_new_tokens=16, text_temperature=1.0, text_top_p=1.0, cfg_scale=3.0)
+    assert out["text"] == same_seed.text  # the kept candidate is the seed + 1 draw

@@ -5,8 +5,18 @@ from __future__ import annotations
 from PIL import Image
 
 from app.render import BASE_COLOR, BASE_LABEL, IMAGE_TOKEN_GLYPH, RunView, color_map, sparkline
+from app.ui import best_of_status
 from models.document import Document, TokenRecord
-from models.events import Finished, ImageDone, ImageProgress, ImageStarted, Notice, StepTiming, TextDelta
+from models.events import (
+    Finished,
+    ImageDone,
+    ImageProgress,
+    ImageStarted,
+    Notice,
+    Redraw,
+    StepTiming,
+    TextDelta,
+)
 
 
 def label_of(name: str | None) -> str:
@@ -65,3 +75,26 @@ def test_an_image_cut_off_by_the_token_budget_leaves_no_progress_bar_behind():
     view.apply(Notice("image 0 was cut off after 40 of 256 tokens by the token budget and left out"))
     view.apply(Finished(Document(parts=["Draw:"]), reason="length"))
     assert view.text == "Draw:" and "<progress" not in view.document_html() and view.finish_reason == "length"
+
+
+def test_a_redraw_clears_the_view_and_finished_shows_the_candidate_kept():
+    """Best-of-n: each candidate streams; the document kept may be an earlier one than the last shown."""
+    first, second = Image.new("RGB", (64, 64), (200, 30, 30)), Image.new("RGB", (64, 64), (30, 30, 200))
+    view = RunView(label_of=label_of)
+    view.apply(TextDelta("One", [9], [None]))
+    view.apply(ImageDone(0, first, ["outline"]))
+    assert view.apply(Redraw(1, 4))
+    assert (view.candidate, view.best_of, view.text, view.routing_map()) == (1, 4, "", [])
+    view.apply(TextDelta("Two", [8], [None]))
+    view.apply(ImageDone(0, second, ["outline"]))
+    assert view.images == [second]
+    kept = Document(parts=["One", first], routing=[TokenRecord(9, "One", "text", None, 0)])
+    view.apply(Finished(kept))
+    assert view.text == "One[image 1]" and view.images == [first] and view.routing_map() == [("One", BASE_LABEL)]
+    assert "data:image/png;base64," in view.document_html()
+
+
+def test_the_status_line_says_which_candidate_was_kept():
+    assert best_of_status(None) == "" and best_of_status({"n": 1, "verdicts": [True], "candidate": 0}) == ""
+    assert "kept candidate 2 of 2 drawn" in best_of_status({"n": 4, "verdicts": [False, True], "candidate": 1})
+    assert "none of 4 candidates passed" in best_of_status({"n": 4, "verdicts": [False] * 4, "candidate": 0})

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from models import Document, GenerationConfig, GenerationError, InterleavedPipeline
-from models.best_of import CHECKS, RESAMPLE_TEMPERATURE, candidate_config, generate_best_of, register_check
+from models.best_of import CHECKS, RESAMPLE_TEMPERATURE, candidate_config, register_check, stream_best_of
+from models.events import Finished, ImageDone, Notice, Redraw
 from models.shapes.self_check import CaptionCheck
 from models.shapes.world import Obj, Scene, render
+from routing import UnknownAdapterError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,27 +31,35 @@ def test_rounds_decode_only_the_prompts_still_failing_and_keep_the_first_pass():
     passes_at = {0: 0, 1: 2, 2: None}  # prompt -> the candidate its check passes (None: never)
     calls = []
 
-    def generate_rows(rows, config):
+    def stream_rows(rows, config):
         calls.append((list(rows), config.seed))
-        return [Document(meta={"row": r, "candidate": config.seed - 10}) for r in rows]
+        for i, r in enumerate(rows):
+            yield Notice(f"prompt {r}, candidate {config.seed - 10}", row=i)
+            yield Finished(Document(meta={"prompt": r, "candidate": config.seed - 10}), row=i)
 
     def check(documents):
-        return [passes_at[d.meta["row"]] == d.meta["candidate"] for d in documents]
+        return [passes_at[d.meta["prompt"]] == d.meta["candidate"] for d in documents]
 
     config = GenerationConfig(seed=10, best_of=4, check="test")
-    chosen = generate_best_of(generate_rows, 3, config, check)
+    events = list(stream_best_of(stream_rows, 3, config, check))
     assert calls == [([0, 1, 2], 10), ([1, 2], 11), ([1, 2], 12), ([2], 13)]
-    assert [d.meta["candidate"] for d in chosen] == [0, 2, 0]  # prompt 2 never passed: candidate 0 is kept
-    assert [d.meta["best_of"]["verdicts"] for d in chosen] == [[True], [False, False, True], [False] * 4]
-    assert [d.meta["best_of"]["candidate"] for d in chosen] == [0, 2, 0]
+    finished = {e.row: e.document for e in events if isinstance(e, Finished)}
+    assert [finished[r].meta["candidate"] for r in range(3)] == [0, 2, 0]  # prompt 2 never passed: candidate 0
+    assert [finished[r].meta["best_of"]["verdicts"] for r in range(3)] == [[True], [False, False, True], [False] * 4]
+    assert [finished[r].meta["best_of"]["candidate"] for r in range(3)] == [0, 2, 0]
+    # events keep their prompt's row in every round; a Redraw opens each later candidate; Finished once a prompt
+    assert [(e.row, e.message) for e in events if isinstance(e, Notice)][-1] == (2, "prompt 2, candidate 3")
+    assert [(e.row, e.candidate) for e in events if isinstance(e, Redraw)] == [(1, 1), (2, 1), (1, 2), (2, 2), (2, 3)]
+    assert [type(e).__name__ for e in events].count("Finished") == 3
+    assert events.index(next(e for e in events if isinstance(e, Finished))) < 4  # prompt 0 finishes in round 0
 
 
 def test_a_check_answering_for_the_wrong_number_of_documents_is_an_error():
-    def generate_rows(rows, config):
-        return [Document() for _ in rows]
+    def stream_rows(rows, config):
+        return iter([Finished(Document(), row=i) for i in range(len(rows))])
 
     with pytest.raises(GenerationError, match="verdicts"):
-        generate_best_of(generate_rows, 2, GenerationConfig(seed=0, best_of=2, check="x"), lambda docs: [True])
+        list(stream_best_of(stream_rows, 2, GenerationConfig(seed=0, best_of=2, check="x"), lambda docs: [True]))
 
 
 @pytest.mark.parametrize("bad", [0, 17, True, 2.0, "4"])
@@ -63,8 +73,8 @@ def test_best_of_without_a_check_or_with_an_unknown_one_is_refused(tiny_pipeline
         tiny_pipeline.generate("a red circle", seed=0, best_of=2)
     with pytest.raises(GenerationError, match="unknown check 'nope'.*shapes_caption"):
         tiny_pipeline.generate("a red circle", seed=0, best_of=2, check="nope")
-    with pytest.raises(GenerationError, match="cannot stream"):
-        tiny_pipeline.stream("a red circle", seed=0, best_of=2, check="shapes_caption")
+    with pytest.raises(UnknownAdapterError, match="unknown image_adapter"):  # before the iterator is returned
+        tiny_pipeline.stream("a red circle", seed=0, best_of=2, check="shapes_caption", image_adapter="nope")
     with pytest.raises(GenerationError, match="non-empty str"):
         register_check("", lambda pipe: None)
 
@@ -85,6 +95,11 @@ def test_pipeline_best_of_returns_the_passing_candidate_reproducibly(tiny_pipeli
     for doc, redo in zip(chosen, again):
         assert doc.meta["seed"] == 21 and doc.meta["config"]["best_of"] == 1
         assert [r.id for r in doc.routing] == [r.id for r in redo.routing]
+    events = list(tiny_pipeline.stream(prompts[0], seed=20, best_of=3, check="second_draw", start_image=True,
+                                       text_adapter="text_style", image_adapter="image_style", max_new_tokens=300))
+    redraws = [i for i, e in enumerate(events) if isinstance(e, Redraw)]
+    assert len(redraws) == 1 and isinstance(events[-1], Finished) and events[-1].document.meta["seed"] == 21
+    assert any(isinstance(e, ImageDone) for e in events[:redraws[0]])  # candidate 0 streamed before its redraw
 
 
 # ---------------------------------------------------------------------------- the caption check (embedded)
