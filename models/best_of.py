@@ -30,7 +30,7 @@ from models.events import Finished, Redraw
 from models.generation import GenerationConfig
 from models.sampling import GenerationError
 
-RESAMPLE_TEMPERATURE = 0.7  # image temperature of candidates 1.. when the config's is greedy (measured: RESULTS.md)
+RESAMPLE_TEMPERATURE = 0.7  # image temperature of candidates 1.. when the config's is greedy (as in RESULTS.md's runs)
 
 Check = Callable[[Sequence[Document]], list[bool]]
 # stream_rows(rows, config) -> the pipeline's events for the prompts at those indices (their rows 0..len(rows)-1)
@@ -86,7 +86,10 @@ def stream_best_of(stream_rows: StreamRows, n_prompts: int, config: GenerationCo
         if k > 0:
             yield from (Redraw(k, config.best_of, row=row) for row in pending)
         finished: dict[int, Finished] = {}
-        events = first_round if k == 0 and first_round is not None else stream_rows(pending, candidate_config(config, k))
+        if k == 0 and first_round is not None:
+            events = first_round
+        else:
+            events = stream_rows(pending, candidate_config(config, k))
         for event in events:
             event = dataclasses.replace(event, row=pending[event.row])
             if isinstance(event, Finished):

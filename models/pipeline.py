@@ -7,6 +7,7 @@
     >>> doc.save_html("out/circle.html")
     >>> for event in pipe.stream("two blue squares", seed=1):   # TextDelta, ImageStarted, ImageDone, ...
     ...     print(type(event).__name__)
+    >>> doc = pipe.generate("a blue diamond at the bottom", seed=0, best_of=4)   # the model checks its pictures
 
 Routing modes (DESIGN.md §2):
     "vocab"     per token by vocabulary range: text positions -> text_adapter, <boi>, image codes and row markers
@@ -322,8 +323,8 @@ class InterleavedPipeline:
         """Generate a Document (a list of Documents for a list of prompts, decoded together in one batch).
 
         Keyword overrides change the config: seed=, max_new_tokens=, cfg_scale=, temperature= (both modalities),
-        text_temperature=, image_top_k=, ..., max_images=, start_image=, best_of= (with check=; see
-        models/best_of.py: the first of n candidates that passes the check is returned). A prompt is a str, a PIL image or a list
+        text_temperature=, image_top_k=, ..., max_images=, start_image=, best_of= (with check=; models/best_of.py:
+        the first of n candidates that passes the check is returned). A prompt is a str, a PIL image or a list
         mixing them (images are VQ-encoded into <boi> codes <eoi>, so image -> text works).
         `text_adapter` / `image_adapter` may be lists (one per prompt) to route each row differently.
 
