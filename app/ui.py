@@ -280,8 +280,8 @@ class MoLoRAApp:
                                                   info="text -> image: the prompt is followed by <boi>",
                                                   elem_id="start-image")
                         best_of = gr.Slider(1, MAX_BEST_OF_UI, value=1, step=1, label="Best of",
-                                            info="draw up to this many candidates; keep the first whose pictures "
-                                                 "the model's own captions match to the text",
+                                            info="re-draw until the model's captions of its pictures match "
+                                                 "the text",
                                             visible=self.defaults.check is not None, elem_id="best-of")
                     d = self.defaults
                     with gr.Accordion("Sampling", open=False):
