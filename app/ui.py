@@ -150,7 +150,7 @@ class MoLoRAApp:
                 text=SamplingConfig(temperature=text_temperature, top_k=int(text_top_k), top_p=text_top_p),
                 image=SamplingConfig(temperature=image_temperature, top_k=int(image_top_k)),
                 cfg_scale=float(cfg_scale), seed=int(seed), start_image=bool(start_image),
-                best_of=int(best_of), check=self.defaults.check)
+                best_of=int(max(1, min(int(best_of), MAX_BEST_OF_UI))), check=self.defaults.check)
             view = RunView(label_of=self._labeller(state), prompt=prompt)
             colors = color_map([*self.builtin, *state.display_names().values()])
             started = time.perf_counter()

@@ -329,6 +329,7 @@ def run_shapes_eval(pipeline, *, n_per_category: int = 200, conditions: Iterable
                     generate_kwargs: dict | None = None, progress: bool = True,
                     on_result: Callable[[dict, str], None] | None = None) -> tuple[dict, str]:
     """Generate for every (condition, category) prompt set and score it. Returns (results, markdown).
+    Text-to-image prompts are asked for one picture (max_images=1, unless generate_kwargs sets it).
     `on_result(results, markdown)` sees the results so far after each category (the CLI writes them, so an
     hour-long run that is stopped keeps what it finished)."""
     if batch_size < 1:
