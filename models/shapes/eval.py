@@ -52,7 +52,7 @@ __all__ = [
     "CATEGORIES", "CONDITIONS", "T2I_CATEGORIES", "Condition", "EvalPrompt", "ImageReading", "ParsedText",
     "analyse_image", "build_prompts", "default_conditions", "document_consistency", "is_outline", "is_pirate",
     "match_objects", "merge_results", "parse_caption", "results_markdown", "run_shapes_eval", "score_image_to_text",
-    "score_interleaved", "score_text_to_image",
+    "score_interleaved", "score_text_to_image", "states_colour_and_cell",
 ]
 
 log = logging.getLogger(__name__)
@@ -118,10 +118,15 @@ def score_text_to_image(prompt: EvalPrompt, image: Image.Image | ImageReading | 
     return match_objects(prompt.target(), reading.objects)
 
 
+def states_colour_and_cell(objects: Iterable[ParsedObj]) -> bool:
+    """A caption places what it names: every object with its colour and cell (its size may be left out)."""
+    return all(o.colour is not None and o.cell is not None for o in objects)
+
+
 def score_image_to_text(scene: Scene, text: str | ParsedText) -> bool:
     """Does the caption name every object of the scene (colour, shape and cell), and nothing else?"""
     parsed = _as_parsed(text)
-    if any(o.colour is None or o.cell is None for o in parsed.objects):
+    if not states_colour_and_cell(parsed.objects):
         return False
     if parsed.background is not None and parsed.background != scene.background:
         return False

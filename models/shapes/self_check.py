@@ -20,7 +20,7 @@ from typing import Any
 
 from PIL import Image
 
-from .eval import document_consistency
+from .eval import document_consistency, states_colour_and_cell
 from .parse import ParsedObj, parse_caption
 
 CAPTION_TOKENS = 128  # the longest caption of the world (four objects with sizes, cells, background) is ~60 tokens
@@ -37,9 +37,8 @@ class CaptionCheck:
             if not document.images:
                 verdicts.append(True)
                 continue
-            captions = [objects_by_picture[id(image)] for image in document.images]
-            if any(o.colour is None or o.cell is None for objects in captions for o in objects):
-                verdicts.append(False)  # as ShapesEval's image-to-text rule: a caption states colour and cell
+            if not all(states_colour_and_cell(objects_by_picture[id(image)]) for image in document.images):
+                verdicts.append(False)  # ShapesEval's image-to-text rule
                 continue
             parts = [p for p in document.prompt if isinstance(p, str)] + list(document.parts)
             found = document_consistency(parts, objects_of=lambda image: objects_by_picture[id(image)])
