@@ -56,7 +56,8 @@ class RoutedLoRALinear(nn.Linear):
                                f"{slots.shape[0]}; call the model through RoutedModel.forward with the same input_ids")
         # slot-sorted rows, built once per forward and shared by every layer; decode-sized calls take a path
         # that does not read them, so they are not built there
-        meta = routing.meta(self.block) if reads_meta(x2, slots.shape[1] if slots.dim() == 2 else 1) else None
+        k = slots.shape[1] if slots.dim() == 2 else 1
+        meta = routing.meta(self.block) if reads_meta(x2, k, self.lora_A) else None
         out = y.view(-1, self.out_features)  # the kernels add the delta into the base output in place
         if weights is None:
             routed_lora(x2, self.lora_A, self.lora_B, slots, self.lora_scale, out=out, meta=meta)

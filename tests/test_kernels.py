@@ -169,6 +169,13 @@ def test_dispatcher_picks_by_shape_only(monkeypatch):
     with_meta = torch.zeros(dispatch.GATHER_MAX_ROWS_WITH_META + 1, 4)
     assert dispatch.choose_path(with_meta, 1, has_meta=True) == "grouped"
     assert dispatch.choose_path(with_meta[:-1], 1, has_meta=True) == "gather"
+    # a narrow hot set (S*r within STACKED_MAX_WIDTH) takes the stacked kernel above the gather rows, any k
+    narrow = dispatch.STACKED_MAX_WIDTH
+    above = torch.zeros(dispatch.GATHER_MAX_ROWS_STACKED + 1, 4)
+    assert dispatch.choose_path(above, 1, width=narrow) == "stacked"
+    assert dispatch.choose_path(above, 4, has_meta=True, width=narrow) == "stacked"
+    assert dispatch.choose_path(above[:1], 1, width=narrow) == "gather"
+    assert dispatch.choose_path(above, 1, width=narrow + 1) == dispatch.choose_path(above, 1)
 
 
 def test_metadata_builder_is_sync_free_and_sorted(monkeypatch):

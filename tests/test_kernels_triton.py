@@ -40,8 +40,12 @@ CASES = {
     "topk3_repeats_fp16": (13, 24, 20, 3, 8, 3, "repeats", "float16"),
     "topk4_repeats_bf16": (13, 24, 20, 3, 8, 4, "repeats", "bfloat16"),
     "topk4_random": (10, 24, 20, 4, 8, 4, "random", "float32"),
+    # stacked width S*r = 40 -> 64 padded columns: several column tiles, padded columns, k = 2 and 4
+    "wide_stack_topk2_fp16": (29, 40, 36, 5, 8, 2, "random", "float16"),
+    "wide_stack_topk4_fp32": (18, 33, 50, 5, 8, 4, "random", "float32"),
+    "rank_32_fp16": (9, 24, 20, 3, 32, 1, "random", "float16"),
 }
-PATHS = ("gather", "grouped")
+PATHS = ("gather", "stacked", "grouped")
 
 # Training on the GPU runs the Triton forward and the torch-path backward (kernels/autograd.py); float64 always
 # takes the torch path, so these fp32 cases are what covers that mix. Reference: kernels/reference.py under torch
@@ -50,12 +54,15 @@ GRAD_TOL = 1e-4
 # name: (N, in, out, S, r, k)
 GRAD_CASES = {"grad_k1": (19, 33, 29, 4, 8, 1), "grad_topk3": (13, 27, 21, 3, 8, 3)}
 
-# path="auto" under the interpreter: (N, k, pass a prebuilt meta, path the dispatcher must pick). Hidden sizes are
-# tiny so the rows above kernels/dispatch.py's GATHER_MAX_ROWS stay cheap for the interpreter.
-AUTO_CASES = {"auto_one_token": (1, 1, False, "gather"), "auto_one_token_topk": (1, 3, False, "gather"),
-              "auto_above_gather_max": (600, 1, False, "grouped"),
-              "auto_above_gather_max_topk": (200, 3, False, "grouped"),
-              "auto_meta_above_meta_max": (300, 1, True, "grouped")}
+# path="auto" under the interpreter: (N, k, pass a prebuilt meta, S, r, path the dispatcher must pick). Hidden
+# sizes are tiny so the rows above kernels/dispatch.py's thresholds stay cheap for the interpreter; S*r = 384
+# is above STACKED_MAX_WIDTH (a wide hot set takes the grouped kernel).
+AUTO_CASES = {"auto_one_token": (1, 1, False, 3, 4, "gather"), "auto_one_token_topk": (1, 3, False, 3, 4, "gather"),
+              "auto_above_gather_stacked": (200, 1, False, 3, 4, "stacked"),
+              "auto_above_gather_stacked_topk": (100, 3, True, 3, 4, "stacked"),
+              "auto_wide_above_gather_max": (600, 1, False, 3, 128, "grouped"),
+              "auto_wide_above_gather_max_topk": (200, 3, False, 3, 128, "grouped"),
+              "auto_wide_meta_above_meta_max": (300, 1, True, 3, 128, "grouped")}
 
 
 def _slots(torch, pattern: str, n: int, s: int, k: int, gen):
@@ -143,11 +150,10 @@ def _rel_err(got, want) -> float:
 
 
 def _spy_paths():
-    """Record which Triton launcher the dispatcher really calls (it imports them from these modules per call)."""
-    import kernels.triton_gather as gather_mod
-    import kernels.triton_grouped as grouped_mod
+    """Record which Triton launcher the dispatcher really calls (kernels/dispatch.py's module-level names)."""
+    import kernels.dispatch as dispatch
     calls: list[str] = []
-    real = {"gather": gather_mod.gather_lora, "grouped": grouped_mod.grouped_lora}
+    real = {name: getattr(dispatch, f"{name}_lora") for name in ("gather", "stacked", "grouped")}
 
     def wrap(name):
         def launcher(*args, **kwargs):
@@ -155,10 +161,12 @@ def _spy_paths():
             return real[name](*args, **kwargs)
         return launcher
 
-    gather_mod.gather_lora, grouped_mod.grouped_lora = wrap("gather"), wrap("grouped")
+    for name in real:
+        setattr(dispatch, f"{name}_lora", wrap(name))
 
     def restore():
-        gather_mod.gather_lora, grouped_mod.grouped_lora = real["gather"], real["grouped"]
+        for name, fn in real.items():
+            setattr(dispatch, f"{name}_lora", fn)
     return calls, restore
 
 
@@ -219,8 +227,8 @@ def _run_auto_case(name: str, seed: int) -> dict:
     from kernels.dispatch import choose_path
     from kernels.reference import routed_lora_topk_reference
 
-    n, k, with_meta, _ = AUTO_CASES[name]
-    d_in, d_out, s, r = 12, 10, 3, 4
+    n, k, with_meta, s, r, _ = AUTO_CASES[name]
+    d_in, d_out = 12, 10
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d_in, generator=gen)
     A = torch.randn(s, r, d_in, generator=gen) / d_in ** 0.5
@@ -238,7 +246,7 @@ def _run_auto_case(name: str, seed: int) -> dict:
     finally:
         restore()
     want = routed_lora_topk_reference(x, A, B, slots, weights if k > 1 else torch.ones(n, 1), scale)
-    return {"chosen": choose_path(x, k, with_meta), "calls": calls, "err": _rel_err(y, want),
+    return {"chosen": choose_path(x, k, with_meta, s * r), "calls": calls, "err": _rel_err(y, want),
             "dtype_ok": y.dtype == torch.float32, "tol": TOLERANCE["float32"]}
 
 
@@ -323,17 +331,19 @@ def test_triton_forward_with_torch_backward_matches_reference_autograd(interp_re
 def test_auto_path_under_interpreter(interp_results: dict, case: str) -> None:
     res = interp_results[case]
     assert "error" not in res, res.get("error")
-    want = AUTO_CASES[case][3]
+    want = AUTO_CASES[case][-1]
     assert res["chosen"] == want and res["calls"] == [want], f"expected {want}: {res}"
     assert res["dtype_ok"] and res["err"] <= res["tol"], res
 
 
-def test_auto_cases_straddle_the_dispatcher_thresholds() -> None:
+def test_auto_cases_straddle_the_dispatcher_thresholds(monkeypatch) -> None:
     """Keeps AUTO_CASES meaningful if the thresholds in kernels/dispatch.py move."""
-    from kernels.dispatch import GATHER_MAX_ROWS, GATHER_MAX_ROWS_WITH_META
-    for n, k, with_meta, want in AUTO_CASES.values():
-        limit = GATHER_MAX_ROWS_WITH_META if with_meta else GATHER_MAX_ROWS
-        assert (n * k <= limit) == (want == "gather"), (n, k, with_meta, want, limit)
+    import torch
+
+    import kernels.dispatch as dispatch
+    monkeypatch.setattr(dispatch, "triton_usable", lambda _x: True)
+    for n, k, with_meta, s, r, want in AUTO_CASES.values():
+        assert dispatch.choose_path(torch.zeros(n, 1), k, with_meta, s * r) == want, (n, k, with_meta, s, r, want)
 
 
 if __name__ == "__main__":

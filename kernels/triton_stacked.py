@@ -1,0 +1,159 @@
+"""Stacked-slots Triton kernels: top-k at the cost of k = 1, with no sort, no metadata and no atomics.
+
+Every slot's A is read as one stacked matrix Af[S*r, in] (row c = s*r + i is A[s, i, :]) and every slot's B as
+Bf[S*r, out] (row c is B[s, :, i]). For slots [N, k] and weights [N, k]:
+    coef[n, c] = scale[s] * sum_j weights[n, j] * [slots[n, j] == s]          (s = c // r; -1 matches nothing)
+    delta[n]   = sum_c (coef[n, c] * (Af[c] . x[n])) * Bf[c]
+so x is read once, the k choices only change the coefficients folded into the [N, S*r] intermediate, and one
+expand writes each output element once, straight into `out` (no float32 buffer). The arithmetic is S/k times
+what the grouped kernel does, which costs nothing while S*r is small: at d = 4096 on the H200 the two matmuls
+stay under the memory time while S*r <~ 100 (4*d*S*r flop vs 4*d bytes per token at ~790 TFLOP/s, ~4.3 TB/s);
+kernels/dispatch.py bounds S*r with the width up to which this path was measured faster.
+  shrink  grid (cdiv(N, SHRINK_M), S*r_pad / BLOCK_C, SPLIT_K):
+          P[ks, rows, cols] = coef[rows, cols] * x[rows, chunk_ks] @ Af[cols, chunk_ks]^T    (float32 partials)
+  expand  grid (cdiv(N, EXPAND_M), OUT_SPLIT):
+          out[rows, slice] (+)= (sum_ks P[ks, rows, :]) @ Bf[:, slice]
+Grids depend on shapes only, so a call can be captured in a CUDA graph and replayed with new slot values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.triton_common import HAS_TRITON, dot_config, interpreting, next_pow2, tl, triton
+
+if HAS_TRITON:
+    @triton.jit
+    def _stacked_shrink_kernel(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, part_ptr,
+                               N, IN, R, S, K_PER,
+                               sx0, sx1, sa0, sa1, sa2,
+                               K: tl.constexpr, HAS_W: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                               PRECISION: tl.constexpr, SR_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mm = offs_m < N
+        offs_m64 = offs_m.to(tl.int64)
+        offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mc = offs_c < S * R
+        c_slot = offs_c // R
+        a_col = c_slot.to(tl.int64) * sa0 + (offs_c % R) * sa1
+        k_lo = tl.program_id(2) * K_PER
+        k_hi = tl.minimum(k_lo + K_PER, IN)
+        acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mk = offs_k < k_hi
+            xt = tl.load(x_ptr + offs_m64[:, None] * sx0 + offs_k[None, :] * sx1,
+                         mask=mm[:, None] & mk[None, :], other=0.0)
+            at = tl.load(a_ptr + a_col[None, :] + offs_k[:, None] * sa2, mask=mk[:, None] & mc[None, :], other=0.0)
+            acc += tl.dot(xt.to(DOT_DTYPE), at.to(DOT_DTYPE), input_precision=PRECISION)
+        # fold weight * scale of every choice into its slot's r columns (a token's repeated slot sums its weights)
+        coef = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(K):
+            s = tl.load(slot_ptr + offs_m64 * K + j, mask=mm, other=-1).to(tl.int32)
+            if HAS_W:
+                w = tl.load(w_ptr + offs_m64 * K + j, mask=mm, other=0.0).to(tl.float32)
+            else:
+                w = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+            coef += tl.where(s[:, None] == c_slot[None, :], w[:, None], 0.0)
+        sc = tl.load(scale_ptr + c_slot, mask=mc, other=0.0).to(tl.float32)
+        acc = acc * coef * sc[None, :]
+        ptrs = part_ptr + (tl.program_id(2) * N + offs_m64[:, None]) * SR_PAD + offs_c[None, :]
+        tl.store(ptrs, acc, mask=mm[:, None])  # padded columns (c >= S*r) get zeros: the expand reads them unmasked
+
+    @triton.jit
+    def _stacked_expand_kernel(b_ptr, part_ptr, out_ptr, N, OUT, R, S, OUT_PER, SPLIT_K,
+                               sb0, sb1, sb2, so0, so1,
+                               ACCUMULATE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                               SR_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mm = offs_m < N
+        offs_m64 = offs_m.to(tl.int64)
+        offs_c = tl.arange(0, SR_PAD)
+        mc = offs_c < S * R
+        b_col = (offs_c // R).to(tl.int64) * sb0 + (offs_c % R) * sb2
+        t = tl.zeros([BLOCK_M, SR_PAD], dtype=tl.float32)
+        for ks in range(0, SPLIT_K):
+            t += tl.load(part_ptr + (ks * N + offs_m64[:, None]) * SR_PAD + offs_c[None, :],
+                         mask=mm[:, None], other=0.0)
+        t16 = t.to(DOT_DTYPE)
+        o_lo = tl.program_id(1) * OUT_PER
+        o_hi = tl.minimum(o_lo + OUT_PER, OUT)
+        for o0 in range(o_lo, o_hi, BLOCK_N):
+            offs_o = o0 + tl.arange(0, BLOCK_N)
+            mo = offs_o < o_hi
+            bt = tl.load(b_ptr + b_col[:, None] + offs_o[None, :] * sb1, mask=mc[:, None] & mo[None, :], other=0.0)
+            y = tl.dot(t16, bt.to(DOT_DTYPE), input_precision=PRECISION)
+            ptrs = out_ptr + offs_m64[:, None] * so0 + offs_o[None, :] * so1
+            m2 = mm[:, None] & mo[None, :]
+            if ACCUMULATE:
+                y += tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
+            tl.store(ptrs, y, mask=m2)
+
+
+# Programs per launch that keep all 132 SMs of an H200 busy (2 per SM), the same aim as triton_grouped.py.
+TARGET_PROGRAMS = 264
+
+
+def stacked_config(n: int, d_in: int, d_out: int, width: int) -> dict:
+    """Tiles for N tokens, `width` = S*r stacked columns (see the module doc for the two grids).
+
+    SHRINK_M grows with N because every shrink row tile re-reads the whole stacked A (S*r*in*2 bytes, from L2);
+    SPLIT_K and OUT_SPLIT then spread each phase over ~TARGET_PROGRAMS programs.
+    """
+    sr_pad = max(16, next_pow2(width))
+    if interpreting():  # tiny tiles so interpreter tests walk every split, column tile and mask
+        return dict(SHRINK_M=16, EXPAND_M=16, BLOCK_C=16, BLOCK_K=16, BLOCK_N=16, SPLIT_K=2 if d_in > 16 else 1,
+                    OUT_SPLIT=2 if d_out > 16 else 1, num_warps=1, SR_PAD=sr_pad)
+    shrink_m = 16 if n <= 256 else (32 if n <= 2048 else 64)
+    block_c = min(sr_pad, 128)
+    block_k = 128 if shrink_m <= 32 else 64
+    tiles = triton.cdiv(n, shrink_m) * (sr_pad // block_c)
+    split_k = 1
+    while split_k * 2 * block_k * 2 <= d_in and tiles * split_k < TARGET_PROGRAMS:
+        split_k *= 2
+    expand_m = 16 if n <= 256 or sr_pad > 128 else 32
+    block_n = 128 if sr_pad <= 128 else 64
+    rows = triton.cdiv(n, expand_m)
+    out_split = 1
+    while out_split * 2 * block_n <= d_out and rows * out_split < TARGET_PROGRAMS:
+        out_split *= 2
+    return dict(SHRINK_M=shrink_m, EXPAND_M=expand_m, BLOCK_C=block_c, BLOCK_K=block_k, BLOCK_N=block_n,
+                SPLIT_K=split_k, OUT_SPLIT=out_split, num_warps=4, SR_PAD=sr_pad)
+
+
+def stacked_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                 weights: torch.Tensor | None, scale: torch.Tensor, out: torch.Tensor | None = None,
+                 config: dict | None = None) -> torch.Tensor:
+    """delta (x's dtype) for slots [N, k]; with `out` given, out += delta in place and out is returned."""
+    n, d_in = x.shape
+    s_count, r, _ = A.shape
+    d_out = B.shape[1]
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty(n, d_out, dtype=x.dtype, device=x.device)
+    if n == 0 or d_out == 0:
+        return out
+    k = slots.shape[1]
+    slots = slots.contiguous()
+    w = weights.contiguous() if weights is not None else scale
+    cfg = config or stacked_config(n, d_in, d_out, s_count * r)
+    sr_pad = cfg["SR_PAD"]
+    dot_dtype, precision = dot_config(x.dtype)
+    k_per = triton.cdiv(triton.cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split_k = triton.cdiv(d_in, k_per)
+    part = torch.empty(split_k, n, sr_pad, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg["SHRINK_M"]), sr_pad // cfg["BLOCK_C"], split_k)
+    _stacked_shrink_kernel[grid](x, A, slots, w, scale, part, n, d_in, r, s_count, k_per,
+                                 x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
+                                 K=k, HAS_W=weights is not None, DOT_DTYPE=dot_dtype, PRECISION=precision,
+                                 SR_PAD=sr_pad, BLOCK_M=cfg["SHRINK_M"], BLOCK_C=cfg["BLOCK_C"],
+                                 BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+    out_per = triton.cdiv(triton.cdiv(d_out, cfg["OUT_SPLIT"]), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    grid = (triton.cdiv(n, cfg["EXPAND_M"]), triton.cdiv(d_out, out_per))
+    _stacked_expand_kernel[grid](B, part, out, n, d_out, r, s_count, out_per, split_k,
+                                 B.stride(0), B.stride(1), B.stride(2), out.stride(0), out.stride(1),
+                                 ACCUMULATE=accumulate, DOT_DTYPE=dot_dtype, PRECISION=precision,
+                                 SR_PAD=sr_pad, BLOCK_M=cfg["EXPAND_M"], BLOCK_N=cfg["BLOCK_N"],
+                                 num_warps=cfg["num_warps"])
+    return out
