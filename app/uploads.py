@@ -2,8 +2,10 @@
 
 An upload is either one zip of a PEFT folder or the folder's two files picked directly. Everything is checked
 here, on bytes, before the pipeline sees a path: sizes (declared and actually read, so a zip bomb stops at the
-cap), entry names (no absolute paths, no `..`, no links, nothing but the two PEFT files), JSON that parses, and a
-safetensors header that is well formed. Only then are the two files written into a fresh private folder, which
+cap), entry names (no absolute paths, no `..`, no links), JSON that parses, and a safetensors header that is well
+formed. A zip may hold, beside the two PEFT files, what this project writes into an adapter folder (`molora.json`,
+checked like the config) and harmless documentation or archiver leftovers (README.md, *.txt, .DS_Store,
+__MACOSX/), which are skipped unread; any other file (code, pickles, executables) is refused. Only then are the two files written into a fresh private folder, which
 `routing.load_peft_adapter` (through the pipeline) validates again tensor by tensor. A rejected upload leaves no
 folder behind and changes no state.
 """
@@ -25,7 +27,13 @@ from routing.errors import AdapterError, MoLoRAError
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+METADATA_NAME = "molora.json"  # the modality and description our scripts write beside the PEFT files
 EXPECTED_FILES = (CONFIG_NAME, WEIGHTS_NAME)
+# skipped unread (never written to disk): documentation and what archivers add on their own
+IGNORED_SUFFIXES = (".md", ".txt")
+IGNORED_NAMES = ("LICENSE", ".DS_Store", ".gitattributes", ".gitignore", "Thumbs.db")
+IGNORED_FOLDERS = ("__MACOSX",)
+MODALITIES = ("text", "image", "any")
 
 # The embedded model's largest adapter (rank 16 on every projection) is ~1 MB; 64 MiB leaves room for bigger bases
 # while keeping a hostile upload from filling memory or disk.
@@ -50,6 +58,7 @@ class ValidatedUpload:
     config_bytes: bytes
     weights_bytes: bytes
     suggested_name: str | None  # the folder name inside a zip, if it had one
+    metadata: dict | None = None  # the zip's molora.json (modality, description), if it had one
 
     def write(self, parent: str | Path) -> Path:
         """Write the two files into a new folder under `parent` and return it."""
@@ -112,12 +121,30 @@ def _validate_zip(path: Path) -> ValidatedUpload:
     except zipfile.BadZipFile as err:
         raise UploadError(f"{path.name} is a damaged zip archive ({err})") from err
     suggested = folders.pop() if len(folders) == 1 else None
-    return _validated(contents[CONFIG_NAME], contents[WEIGHTS_NAME], suggested_name=suggested)
+    metadata = _parse_metadata(contents[METADATA_NAME]) if METADATA_NAME in contents else None
+    return _validated(contents[CONFIG_NAME], contents[WEIGHTS_NAME], suggested_name=suggested, metadata=metadata)
+
+
+def _ignored(parts: tuple[str, ...]) -> bool:
+    """Documentation and archiver leftovers that an adapter folder may carry; skipped, never read."""
+    name = parts[-1]
+    return (parts[0] in IGNORED_FOLDERS or name in IGNORED_NAMES or name.startswith("._")
+            or name.lower().endswith(IGNORED_SUFFIXES))
+
+
+def _parse_metadata(raw: bytes) -> dict:
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UploadError(f"{METADATA_NAME} is not valid JSON ({err})") from err
+    if not isinstance(meta, dict) or meta.get("modality", "any") not in MODALITIES:
+        raise UploadError(f"{METADATA_NAME} must be a JSON object whose modality is one of {', '.join(MODALITIES)}")
+    return meta
 
 
 def _check_entries(infos: list[zipfile.ZipInfo]) -> tuple[dict[str, tuple[zipfile.ZipInfo, int]], set[str]]:
     """Map each expected file name to its entry; refuse anything unsafe or unexpected."""
-    caps = {CONFIG_NAME: MAX_CONFIG_BYTES, WEIGHTS_NAME: MAX_WEIGHTS_BYTES}
+    caps = {CONFIG_NAME: MAX_CONFIG_BYTES, WEIGHTS_NAME: MAX_WEIGHTS_BYTES, METADATA_NAME: MAX_CONFIG_BYTES}
     files: dict[str, tuple[zipfile.ZipInfo, int]] = {}
     folders: set[str] = set()
     for info in infos:
@@ -132,6 +159,8 @@ def _check_entries(infos: list[zipfile.ZipInfo]) -> tuple[dict[str, tuple[zipfil
         mode = info.external_attr >> 16
         if stat.S_ISLNK(mode):
             raise UploadError(f"zip entry {raw!r} is a symbolic link; refusing it")
+        if parts and parts[0] in IGNORED_FOLDERS:
+            continue  # macOS's resource forks: skipped, never read
         if info.is_dir():
             if len(parts) > 1:
                 raise UploadError(f"zip entry {raw!r} is nested too deep; zip the adapter folder itself")
@@ -143,8 +172,11 @@ def _check_entries(infos: list[zipfile.ZipInfo]) -> tuple[dict[str, tuple[zipfil
             folders.add(parts[0])
         name = parts[-1]
         if name not in caps:
-            raise UploadError(f"unexpected file {raw!r} in the zip: only {CONFIG_NAME} and {WEIGHTS_NAME} "
-                              "are accepted")
+            if _ignored(parts):
+                continue
+            raise UploadError(f"unexpected file {raw!r} in the zip: an adapter folder holds {CONFIG_NAME} and "
+                              f"{WEIGHTS_NAME} (and optionally {METADATA_NAME} and README/text files); nothing "
+                              "else, code and pickles least of all, is accepted")
         if name in files:
             raise UploadError(f"the zip holds {name} twice")
         if info.file_size > caps[name]:
@@ -172,7 +204,8 @@ def _read_capped_entry(archive: zipfile.ZipFile, info: zipfile.ZipInfo, cap: int
     return b"".join(chunks)
 
 
-def _validated(config_bytes: bytes, weights_bytes: bytes, suggested_name: str | None) -> ValidatedUpload:
+def _validated(config_bytes: bytes, weights_bytes: bytes, suggested_name: str | None,
+               metadata: dict | None = None) -> ValidatedUpload:
     try:
         config = parse_adapter_config(config_bytes, CONFIG_NAME)
     except AdapterError as err:
@@ -180,7 +213,7 @@ def _validated(config_bytes: bytes, weights_bytes: bytes, suggested_name: str | 
     _check_safetensors_header(weights_bytes)
     if suggested_name is not None and not NAME_PATTERN.match(suggested_name):
         suggested_name = None
-    return ValidatedUpload(config, config_bytes, weights_bytes, suggested_name)
+    return ValidatedUpload(config, config_bytes, weights_bytes, suggested_name, metadata)
 
 
 def _check_safetensors_header(data: bytes) -> None:

@@ -92,6 +92,44 @@ def test_any_file_beyond_the_two_is_refused(adapter_files, tmp_path):
         validate_upload([make_zip(tmp_path / "a.zip", entries)])
 
 
+def test_a_shipped_adapter_folder_zipped_as_is_is_accepted(tmp_path):
+    """`cd assets/adapters && zip -r outline.zip outline/`: the folder holds molora.json beside the PEFT files."""
+    shipped = Path(__file__).resolve().parent.parent / "assets" / "adapters" / "outline"
+    archive = tmp_path / "outline.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.write(shipped, "outline/")
+        for path in sorted(shipped.iterdir()):
+            zf.write(path, f"outline/{path.name}")
+    upload = validate_upload([archive])
+    assert upload.suggested_name == "outline"
+    assert upload.metadata["modality"] == "image"
+    assert upload.weights_bytes == (shipped / WEIGHTS_NAME).read_bytes()
+
+
+def test_documentation_and_archiver_leftovers_are_skipped(adapter_files, tmp_path):
+    entries = good_entries(adapter_files)
+    entries.update({"my-adapter/README.md": b"# my adapter", "my-adapter/notes.txt": b"x",
+                    "my-adapter/.DS_Store": b"\0\0", "__MACOSX/my-adapter/._adapter_config.json": b"\0"})
+    upload = validate_upload([make_zip(tmp_path / "a.zip", entries)])
+    assert upload.suggested_name == "my-adapter" and upload.metadata is None
+    assert sorted(p.name for p in upload.write(tmp_path).iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME])
+
+
+@pytest.mark.parametrize("name", ["run.sh", "weights.bin", "adapter_model.pt", "setup.py", "x.pkl"])
+def test_code_and_pickles_beside_the_metadata_are_still_refused(adapter_files, tmp_path, name):
+    entries = {**good_entries(adapter_files), "my-adapter/molora.json": b'{"modality": "text"}',
+               f"my-adapter/{name}": b"import os"}
+    with pytest.raises(UploadError, match="unexpected file"):
+        validate_upload([make_zip(tmp_path / "a.zip", entries)])
+
+
+@pytest.mark.parametrize("meta", [b"{not json", b'{"modality": "audio"}', b"[1]"])
+def test_a_bad_molora_json_is_refused(adapter_files, tmp_path, meta):
+    entries = {**good_entries(adapter_files), "my-adapter/molora.json": meta}
+    with pytest.raises(UploadError, match="molora.json"):
+        validate_upload([make_zip(tmp_path / "a.zip", entries)])
+
+
 def test_a_zip_missing_the_weights_is_refused(adapter_files, tmp_path):
     entries = good_entries(adapter_files)
     entries.pop("my-adapter/" + WEIGHTS_NAME)
