@@ -17,7 +17,9 @@ Routing modes (DESIGN.md §2):
     "learned"   MoLoRA top-k gates over the adapters they were trained on (text positions); image positions ->
                 image_adapter. Needs learned gates (loaded from assets/router/ or with load_learned_router).
 
-Every call has its own state (KV cache, masks, random generator, routers), so threads may call generate at once.
+Every call, from any thread, goes through the pipeline's serving engine (models/engine.py): concurrent calls
+share forward passes, each request keeps its own sampling settings and random generator, and its adapters stay
+pinned in the hot set from admission to its last token.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from PIL import Image
 
 from models.best_of import candidate_config, make_check, stream_best_of
 from models.document import Document, DocumentBuilder
+from models.engine import Done, Engine, EngineConfig
 from models.events import Finished, StepTiming
-from models.generation import NO_TOKEN, GenerationConfig, InterleavedDecoder, Request, open_image_span
+from models.generation import GenerationConfig, Request, open_image_span
 from models.loading import (
     AdapterInfo,
     LoadedModel,
@@ -66,7 +69,7 @@ class InterleavedPipeline:
     """A unified text-and-image LM with routed LoRA adapters, its tokenizers and the interleaved decoder."""
 
     def __init__(self, loaded: LoadedModel, *, num_slots: int | None = None, r_max: int | None = None,
-                 learned_top_k: int = 2) -> None:
+                 learned_top_k: int = 2, engine: EngineConfig | None = None) -> None:
         self.path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.vocab = loaded.vocab
@@ -85,8 +88,9 @@ class InterleavedPipeline:
         if loaded.gates_path is not None:
             self.load_learned_router(loaded.gates_path)
         logits_size = int(loaded.lm.config.get_text_config().vocab_size)
-        self.decoder = InterleavedDecoder(self.routed, self.vocab, device=self.device,
-                                          max_positions=self.max_positions, logits_size=logits_size)
+        self.engine = Engine(self.routed, self.vocab, device=self.device, logits_size=logits_size,
+                             config=engine, max_positions=self.max_positions)
+        self.max_positions = self.engine.max_len
         try:
             self.default_config = GenerationConfig.from_dict(loaded.generation_defaults)
         except (GenerationError, TypeError) as exc:
@@ -95,15 +99,17 @@ class InterleavedPipeline:
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, adapters_dir: str | Path | None = None,
                         device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                        num_slots: int | None = None, r_max: int | None = None) -> InterleavedPipeline:
+                        num_slots: int | None = None, r_max: int | None = None,
+                        engine: EngineConfig | None = None) -> InterleavedPipeline:
         """Load a model directory (None = the repo's assets/model) and every adapter beside it.
 
         `path` may be a model directory (vocab.json, tokenizer.json, lm/, vq/) or a folder holding model/ and
         adapters/. Adapters come from `adapters_dir`, else <path>/adapters, else the sibling adapters/ folder.
+        `engine` sets the serving engine's rows and positions (models/engine.py EngineConfig).
         Raises ModelDirError (a MoLoRAError) naming every missing file.
         """
         loaded = load_model_dir(path, adapters_dir=adapters_dir, device=device, dtype=dtype)
-        return cls(loaded, num_slots=num_slots, r_max=r_max)
+        return cls(loaded, num_slots=num_slots, r_max=r_max, engine=engine)
 
     # --- adapters ---------------------------------------------------------------------------------
     @property
@@ -296,26 +302,25 @@ class InterleavedPipeline:
 
     def _events(self, requests: list[Request], builders: list[DocumentBuilder], config: GenerationConfig
                 ) -> Iterator[Any]:
-        """The decode loop as events (a generator: closing it early stops decoding, e.g. a UI stop button)."""
-        for builder in builders:
-            yield from builder.start()
-        total_ms, first_ms, steps = 0.0, 0.0, 0
-        alive = [True] * len(requests)
-        for step in self.decoder.generate(requests, config):
-            total_ms += step.ms
-            first_ms = first_ms or step.ms
-            steps += 1
-            yield StepTiming(step.index, step.ms, batch=sum(alive))
-            for row, (token, adapter) in enumerate(zip(step.tokens, step.adapters)):
-                if token == NO_TOKEN:
+        """The engine's tokens as events (a generator: closing it early cancels the requests, e.g. a UI stop
+        button; their rows and adapters are free within one engine step)."""
+        tokens = self.engine.stream(requests, config)  # bad requests raise here, before any event
+        return self._document_events(tokens, builders)
+
+    def _document_events(self, tokens: Any, builders: list[DocumentBuilder]) -> Iterator[Any]:
+        try:
+            for builder in builders:
+                yield from builder.start()
+            times: list[list[float]] = [[] for _ in builders]
+            for row, item in tokens:
+                if isinstance(item, Done):
+                    yield from self._finish(builders[row], item.reason, times[row])
                     continue
-                yield from builders[row].add(token, adapter)
-                if token == self.vocab.eos_id:
-                    alive[row] = False
-                    yield from self._finish(builders[row], "eos", steps, total_ms, first_ms)
-        for row, builder in enumerate(builders):
-            if alive[row]:
-                yield from self._finish(builder, "length", steps, total_ms, first_ms)
+                times[row].append(item.ms)
+                yield StepTiming(item.index, item.ms, batch=item.batch, row=row)
+                yield from builders[row].add(item.token, item.adapter)
+        finally:
+            tokens.close()  # a consumer that stopped early cancels the requests still running
 
     def generate(self, prompt: Prompt | list[Prompt], *, text_adapter: str | None | Sequence[str | None] = None,
                  image_adapter: str | None | Sequence[str | None] = None, routing: str = "vocab",
@@ -340,8 +345,10 @@ class InterleavedPipeline:
         ordered = [documents[row] for row in sorted(documents)]
         return ordered if split_prompts(prompt)[1] else ordered[0]
 
-    def _finish(self, builder: DocumentBuilder, reason: str, steps: int, total_ms: float, first_ms: float) -> list:
-        """Stamp the batch's timing so far (step 0 includes the prompt's prefill) and close the document."""
+    def _finish(self, builder: DocumentBuilder, reason: str, times: list[float]) -> list:
+        """Stamp the request's timing (its first token includes the prompt's prefill) and close the document."""
+        steps, total_ms = len(times), sum(times)
+        first_ms = times[0] if times else 0.0
         decode_ms = (total_ms - first_ms) / max(steps - 1, 1)
         builder.doc.meta["timing"] = {"steps": steps, "total_ms": round(total_ms, 3),
                                       "ms_per_step": round(total_ms / max(steps, 1), 3),

@@ -10,8 +10,9 @@ cannot be satisfied raises CacheFullError before touching anything.  All bookkee
 generation engine can serve several requests from several threads.
 
 On CUDA the pool is pinned and copies are issued non-blocking on a side stream that first waits for the
-compute stream (work already queued on a slot finishes before the slot is overwritten); the compute stream then
-waits for the copies, so the next forward sees the new weights without a host synchronisation.
+compute stream (work already queued on a slot finishes before the slot is overwritten).  `acquire` then makes the
+compute stream wait for the copies (no host synchronisation); `acquire_nowait` (the serving engine) returns their
+events instead, so rows that do not need the new adapter keep decoding while it is copied.
 """
 
 from __future__ import annotations
@@ -64,12 +65,14 @@ class HotSetCache:
         self._last_use: dict[str, int] = {}
         self._tick = 0
         self._streams: dict[torch.device, Any] = {}
+        self._in_flight: dict[str, Any] = {}  # adapter name -> CUDA event recorded after its copy into a slot
         self.hits = self.misses = self.evictions = self.bytes_copied = 0
 
     def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: a lock and CUDA streams cannot be copied
         state = self.__dict__.copy()
         del state["_lock"]
         state["_streams"] = {}
+        state["_in_flight"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -151,6 +154,7 @@ class HotSetCache:
                 raise AdapterError(f"adapter '{name}' is in use by {self._pins[name]} running request(s); "
                                    "remove it after they finish")
             self._sync_side_streams()  # an in-flight copy may still read its pinned memory or write its slot
+            self._in_flight.pop(name, None)
             slot = self._slot_of.pop(name, None)
             if slot is not None:
                 self._slot_name[slot] = None
@@ -162,7 +166,19 @@ class HotSetCache:
 
     # --- hot set ---------------------------------------------------------------------------------------
     def acquire(self, names: Sequence[str]) -> list[int]:
-        """Pin `names` in the hot set and return their slots (same order).  All or nothing."""
+        """Pin `names` in the hot set and return their slots (same order).  All or nothing.  The compute stream
+        waits for any copy into those slots, so the next forward on it sees the adapters."""
+        slots, pending = self.acquire_nowait(names)
+        if pending:
+            compute = torch.cuda.current_stream(next(iter(self.layers.values())).lora_A.device)
+            for event in pending:
+                compute.wait_event(event)
+        return slots
+
+    def acquire_nowait(self, names: Sequence[str]) -> tuple[list[int], list[Any]]:
+        """Like `acquire`, but nothing waits for the copies: returns (slots, events still in flight).  The
+        caller (the serving engine) runs a forward that reads these slots only once every event has completed
+        (`event.query()`), so rows that do not need the new adapters never stall behind their copy."""
         with self._lock:
             unique = list(dict.fromkeys(names))
             for name in unique:
@@ -196,8 +212,18 @@ class HotSetCache:
                 self._pins[name] = self._pins.get(name, 0) + 1
                 self._last_use[name] = self._tick
             if to_copy:
-                self._copy_in(to_copy)
-            return [self._slot_of[n] for n in names]
+                event = self._copy_in(to_copy)
+                if event is not None:
+                    for _, entry in to_copy:
+                        self._in_flight[entry.adapter.name] = event
+            pending = []
+            for name in unique:
+                event = self._in_flight.get(name)
+                if event is not None and event.query():
+                    del self._in_flight[name]
+                elif event is not None:
+                    pending.append(event)
+            return [self._slot_of[n] for n in names], pending
 
     def release(self, names: Iterable[str]) -> None:
         """Unpin adapters acquired by a finished request (each name once per acquire that named it)."""
@@ -238,17 +264,21 @@ class HotSetCache:
         for stream in self._streams.values():
             stream.synchronize()
 
-    def _copy_in(self, items: list[tuple[int, _PoolEntry]]) -> None:
+    def _copy_in(self, items: list[tuple[int, _PoolEntry]]) -> Any:
+        """Copy pool entries into their slots; on CUDA on a side stream, returning the event that marks the end
+        of the copies (None on the CPU, where the copy is done when this returns)."""
         device = next(iter(self.layers.values())).lora_A.device
         if device.type != "cuda":
             self._copy(items, non_blocking=False)
-            return
+            return None
         compute = torch.cuda.current_stream(device)
         side = self._side_stream(device)
         side.wait_stream(compute)  # kernels already queued on these slots run before we overwrite them
         with torch.cuda.stream(side):
             self._copy(items, non_blocking=True)
-        compute.wait_stream(side)  # the next forward sees the new weights; no host sync
+            done = torch.cuda.Event()
+            done.record(side)
+        return done
 
     @torch.no_grad()
     def _copy(self, items: list[tuple[int, _PoolEntry]], non_blocking: bool) -> None:

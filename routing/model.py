@@ -272,8 +272,8 @@ class RoutedModel(nn.Module):
         slots = self.cache.acquire(names) if names else []
         try:
             slot_of = dict(zip(names, slots))
-            plan = None if per_row is None else self._plan(input_ids, per_row, slot_of)
-            token = set_routing(plan if names else None)
+            plan = None if per_row is None or not names else self._plan(input_ids, per_row, slot_of)
+            token = set_routing(plan)
             try:
                 yield plan
             finally:
@@ -286,10 +286,19 @@ class RoutedModel(nn.Module):
         """One forward of the HF model with every token routed; see the module docstring for the steps."""
         if "inputs_embeds" in hf_kwargs:
             raise RoutingError("routing works from token ids; pass input_ids, not inputs_embeds")
+        with self.routing_scope(input_ids, routers) as plan:
+            return self.run(input_ids, plan, **hf_kwargs)
+
+    def run(self, input_ids: torch.Tensor, plan: CallRouting | None, **hf_kwargs: Any) -> RoutedOutput:
+        """One HF forward under a routing the caller built and whose adapters the caller holds (the serving
+        engine pins adapters per request, not per forward, and writes its routing tables in place)."""
         if self._takes_cache and "past_key_values" in hf_kwargs:
             hf_kwargs["cache"] = hf_kwargs.pop("past_key_values")
-        with self.routing_scope(input_ids, routers) as plan:
+        token = set_routing(plan)
+        try:
             out = self.model(input_ids=input_ids, **hf_kwargs)
+        finally:
+            reset_routing(token)
         return self._output(out, input_ids, plan)
 
     def _output(self, out: Any, input_ids: torch.Tensor, plan: CallRouting | None) -> RoutedOutput:

@@ -1,4 +1,5 @@
-"""The interleaved decoder: span structure, masks, sampling, seeds, batching, CFG and routing records.
+"""Interleaved decoding through the serving engine: span structure, masks, sampling, seeds, batching, CFG and
+routing records.
 
 Runs on the tiny random model (tests/conftest.py) with a 4x4 image grid so spans are short.  A logit bias
 pushes the model towards the tokens the state machine must forbid, so the masks (not luck) keep spans valid.
@@ -11,13 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from models.generation import (
-    NO_TOKEN,
-    GenerationConfig,
-    InterleavedDecoder,
-    Request,
-    build_phase_masks,
-)
+from models.engine import Done, Engine
+from models.generation import GenerationConfig, Request, build_phase_masks
 from models.sampling import GenerationError, SamplingConfig, filter_logits, guide, sample
 from routing import SequenceRouter, VocabRangeRouter
 
@@ -59,22 +55,37 @@ def lm(tiny_pipeline):
     return tiny_pipeline.routed
 
 
+class Decoder:
+    """An engine over the tiny model for `vocab`, whose logits get `bias` added while it runs (a forward hook on
+    the LM head, so the captured/eager step itself is what is tested)."""
+
+    def __init__(self, lm, vocab, bias=None) -> None:
+        self.lm, self.bias = lm, bias
+        self.engine = Engine(lm, vocab, device="cpu", logits_size=lm.model.config.vocab_size)
+
+    def stream(self, requests, config):
+        hook = None
+        if self.bias is not None:
+            hook = self.lm.model.lm_head.register_forward_hook(lambda m, i, out: out.float() + self.bias)
+        try:
+            yield from self.engine.stream(requests, config)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+
 def make_decoder(lm, vocab, bias=None):
-    size = lm.model.config.vocab_size
-    model = lm if bias is None else Biased(lm, bias)
-    return InterleavedDecoder(model, vocab, device="cpu", max_positions=lm.model.config.max_position_embeddings,
-                              logits_size=size)
+    return Decoder(lm, vocab, bias)
 
 
 def run(decoder, prompts, config, routers=None):
     routers = routers or [None] * len(prompts)
     rows = [[] for _ in prompts]
     adapters = [[] for _ in prompts]
-    for step in decoder.generate([Request(p, r) for p, r in zip(prompts, routers)], config):
-        for b, (t, a) in enumerate(zip(step.tokens, step.adapters)):
-            if t != NO_TOKEN:
-                rows[b].append(t)
-                adapters[b].append(a)
+    for b, item in decoder.stream([Request(p, r) for p, r in zip(prompts, routers)], config):
+        if not isinstance(item, Done):
+            rows[b].append(item.token)
+            adapters[b].append(item.adapter)
     return rows, adapters
 
 
@@ -311,10 +322,11 @@ def test_sequence_and_no_routing_records(lm, tiny_pipeline, router, expected):
 
 def test_engine_rejects_bad_requests(lm, tiny_pipeline):
     vocab = small_vocab(tiny_pipeline.vocab)
-    decoder = make_decoder(lm, vocab)
-    with pytest.raises(GenerationError, match="at least one"):
-        list(decoder.generate([], GenerationConfig()))
+    engine = make_decoder(lm, vocab).engine
+    with pytest.raises(GenerationError, match="at least <bos>"):
+        engine.submit(Request([]), GenerationConfig())
     with pytest.raises(GenerationError, match="prompt ids"):
-        list(decoder.generate([Request([vocab.bos_id, 10 ** 6])], GenerationConfig()))
+        engine.submit(Request([vocab.bos_id, 10 ** 6]), GenerationConfig())
     with pytest.raises(GenerationError, match="positions"):
-        list(decoder.generate([Request([vocab.bos_id] * 600)], GenerationConfig(max_new_tokens=100)))
+        engine.submit(Request([vocab.bos_id] * 600), GenerationConfig(max_new_tokens=100))
+    assert engine.stats()["waiting"] == 0

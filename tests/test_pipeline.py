@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -221,13 +222,17 @@ def test_load_adapter_validates_and_changes_nothing_on_error(tiny_assets, tmp_pa
     assert {r.adapter for r in doc.routing if r.modality == "image"} == {"image_copy"}
     events = pipe.stream("x", image_adapter="image_copy", start_image=True, **FAST)
     next(events)
-    next(events)  # the first step ran; the adapter is not pinned between steps, so removal is allowed
+    next(events)  # the request runs: its adapter is pinned until it ends, so removal is refused
+    with pytest.raises(AdapterError, match="in use"):
+        pipe.remove_adapter("image_copy")
+    events.close()  # cancelled: the pin is released at the engine's next step boundary
+    deadline = time.monotonic() + 10
+    while "image_copy" in pipe.cache_stats()["pinned"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     pipe.remove_adapter("image_copy")
     assert "image_copy" not in pipe.adapters
     with pytest.raises(UnknownAdapterError, match="image_copy"):
         pipe.remove_adapter("image_copy")
-    with pytest.raises(UnknownAdapterError):
-        list(events)  # the running request fails cleanly at its next step
     assert pipe.generate("y", image_adapter="image_style", start_image=True, **FAST).images
 
 

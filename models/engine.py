@@ -1,0 +1,560 @@
+"""The serving engine: every live request, from any thread, decodes in ONE running batch.
+
+    engine = Engine(routed_model, vocab, device="cuda")
+    for index, item in engine.stream([Request(prompt_ids, router)], GenerationConfig(seed=0)):
+        ...                                     # item is a Token (token id, producing adapter) or a Done
+
+One background thread owns the model (gpt-fast's loop, vLLM's scheduler in miniature).  At every step boundary:
+
+    1. drop cancelled requests (a consumer that stopped iterating): row, KV row and adapter pins are freed;
+    2. admit waiting requests, first come first served, while rows (two with CFG), KV space and hot-set slots
+       allow: their adapters are pinned ONCE for the whole request (`HotSetCache.acquire_nowait`; a copy into a
+       slot runs on a side stream and only the request that needs it waits for it);
+    3. prefill each admitted request alone (batch 1, its own row of the static KV cache) and sample its first
+       token;
+    4. decode one token for every running row in one forward of fixed width (a bucket), captured as a CUDA
+       graph on the GPU and replayed; sampling is per row (own settings, own random generator), so a request's
+       tokens do not depend on what else runs beside it.
+
+Routing is device tables written in place (models/row_states.py): a row's (text, image) slots and the
+vocabulary's modality table; the captured step reads them, so no slot number is baked into a graph and adapters
+may come and go between replays.  Learned (MoLoRA) rows run the same step eagerly: their gates decide per block.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from models.generation import GenerationConfig, Request, open_image_span
+from models.kv_cache import RowKVCache
+from models.row_states import RowStates
+from models.sampling import GenerationError
+from models.vocab import IMAGE, TEXT, UnifiedVocab
+from routing import CacheFullError, LearnedRouter, MoLoRAError, SequenceRouter, VocabRangeRouter
+from routing.context import CallRouting
+from routing.routers import LearnedGroup
+
+log = logging.getLogger(__name__)
+
+CPU_MAX_ROWS = 8
+CUDA_MAX_ROWS = 64
+# Decode widths. On the CPU the narrowest is 4: a row's logits are bit-identical for every batch width >= 4 with
+# one torch thread (measured on the embedded model, 2026-11-30: widths 1-3 differ from 16 by up to 3e-5, widths
+# 4-15 by 0.0), so a request decodes exactly as alone whatever runs beside it.
+CPU_MIN_WIDTH = 4
+# Eager steps read only the KV columns the batch has written, rounded up to this many (shapes stay few; the masked
+# columns beyond a row's own length add exact zeros, so a row's result does not depend on its neighbours' lengths).
+KV_COLUMN_BLOCK = 64
+
+
+@dataclass
+class EngineConfig:
+    """max_rows: rows decoded together (a CFG request takes two); max_len: positions per row (prompt + new
+    tokens), default the model's; KV space is max_rows x max_len positions, allocated once.  cuda_graphs: capture
+    the decode step per width on CUDA.  queue_timeout_s: how long a request may wait for room."""
+
+    max_rows: int | None = None
+    max_len: int | None = None
+    cuda_graphs: bool = True
+    queue_timeout_s: float = 600.0
+
+
+@dataclass
+class Token:
+    """One generated token of a request: its index in the request, the adapter that produced it (None = base
+    model), the step's wall time and how many requests shared that step."""
+
+    index: int
+    token: int
+    adapter: str | None
+    ms: float
+    batch: int
+
+
+@dataclass
+class Done:
+    """A request ended: reason "eos", "length" or "cancelled"."""
+
+    reason: str
+
+
+class RequestHandle:
+    """A submitted request; `cancel()` (any thread) frees its row and adapters at the next step boundary."""
+
+    def __init__(self, engine: Engine, sink: queue.Queue, tag: Any) -> None:
+        self.engine, self.sink, self.tag = engine, sink, tag
+        self.cancelled = False
+        self.finished = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.engine.wake()
+
+
+@dataclass(eq=False)
+class _Job:
+    """A request inside the engine: what it asked for and the rows / adapters it holds once admitted."""
+
+    handle: RequestHandle
+    prompt: list[int]
+    config: GenerationConfig
+    text_adapter: str | None
+    image_adapter: str | None
+    learned: LearnedRouter | None
+    open_span: int | None
+    submitted: float
+    names: list[str] = field(default_factory=list)  # distinct adapters to pin
+    slot_of: dict[str, int] = field(default_factory=dict)
+    pending: list[Any] = field(default_factory=list)  # CUDA events of copies into its slots
+    row: int = -1
+    twin: int | None = None
+    generator: torch.Generator | None = None
+    emitted: int = 0
+
+    @property
+    def rows_needed(self) -> int:
+        return 2 if self.config.uses_cfg else 1
+
+    @property
+    def random(self) -> bool:
+        return self.config.text.temperature > 0 or self.config.image.temperature > 0
+
+
+def _route_of(router: Any, vocab: UnifiedVocab) -> tuple[str | None, str | None, LearnedRouter | None]:
+    """(text adapter, image adapter, learned router) of a request's router; the engine routes by tables."""
+    if router is None:
+        return None, None, None
+    if isinstance(router, SequenceRouter):
+        return router.adapter, router.adapter, None
+    if isinstance(router, VocabRangeRouter):
+        if router.vocab != vocab:
+            raise GenerationError("the VocabRangeRouter was built for another vocabulary than the engine's")
+        return router.text_adapter, router.image_adapter, None
+    if isinstance(router, LearnedRouter):
+        if router.vocab is not None and router.vocab != vocab:
+            raise GenerationError("the LearnedRouter was built for another vocabulary than the engine's")
+        return None, router.image_adapter, router
+    raise GenerationError(f"the engine routes with SequenceRouter, VocabRangeRouter or LearnedRouter; got {router!r}")
+
+
+class Engine:
+    """Continuous batching over one RoutedModel: submit from any thread, one forward per step for everyone."""
+
+    def __init__(self, routed: Any, vocab: UnifiedVocab, *, device: torch.device | str,
+                 logits_size: int | None = None, config: EngineConfig | None = None,
+                 max_positions: int | None = None) -> None:
+        self.routed, self.vocab = routed, vocab
+        self.device = torch.device(device)
+        self.config = config or EngineConfig()
+        on_cuda = self.device.type == "cuda"
+        self.max_rows = self.config.max_rows or (CUDA_MAX_ROWS if on_cuda else CPU_MAX_ROWS)
+        limit = max_positions or int(routed.model.config.get_text_config().max_position_embeddings)
+        self.max_len = min(self.config.max_len or limit, limit)
+        if self.max_rows < 1 or self.max_len < 2:
+            raise GenerationError(f"an engine needs max_rows >= 1 and max_len >= 2, got {self.max_rows}, "
+                                  f"{self.max_len}")
+        self.logits_size = logits_size or vocab.vocab_size
+        self.use_graphs = on_cuda and self.config.cuda_graphs
+        low = 1 if on_cuda else min(CPU_MIN_WIDTH, self.max_rows)
+        self.widths = sorted({min(low << i, self.max_rows) for i in range(self.max_rows.bit_length() + 1)})
+        self._lock = threading.Condition()
+        self._incoming: list[_Job] = []
+        self._waiting: deque[_Job] = deque()
+        self._starting: list[_Job] = []
+        self._running: dict[int, _Job] = {}  # prompt row -> job
+        self._free: list[int] = list(range(self.max_rows))
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._ready = False
+        self.steps = 0
+        self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._index_cache: tuple | None = None
+
+    # --- the public side (any thread) ----------------------------------------------------------------------
+    def submit(self, request: Request, config: GenerationConfig, *, sink: queue.Queue | None = None,
+               tag: Any = None) -> RequestHandle:
+        """Queue one request; its Tokens and final Done go to `sink` as (tag, item), errors as (tag, exception).
+        Bad requests raise here (GenerationError / CacheFullError / UnknownAdapterError), before queueing."""
+        prompt = list(request.prompt_ids)
+        vocab = self.vocab
+        if not prompt:
+            raise GenerationError("a prompt must hold at least <bos>")
+        if min(prompt) < 0 or max(prompt) >= vocab.vocab_size:
+            raise GenerationError(f"prompt ids must lie in [0, {vocab.vocab_size})")
+        if len(prompt) + config.max_new_tokens > self.max_len:
+            raise GenerationError(f"prompt of {len(prompt)} tokens + max_new_tokens={config.max_new_tokens} exceeds "
+                                  f"the {self.max_len} positions a row holds; shorten the prompt or max_new_tokens")
+        span = open_image_span(prompt, vocab)
+        if span is not None and span > vocab.tokens_per_image:
+            raise GenerationError(f"a prompt's open image span already holds {span} tokens, more than the "
+                                  f"{vocab.tokens_per_image} of one image")
+        if config.seed is None:
+            config = config.with_overrides(seed=random.SystemRandom().randrange(2 ** 63))
+        text, image, learned = _route_of(request.router, vocab)
+        names = list(dict.fromkeys(n for n in (text, image, *(learned.gates.adapters if learned else ()))
+                                   if n is not None))
+        cache = self.routed.cache
+        for name in names:
+            cache.adapter(name)  # raises UnknownAdapterError naming the loaded ones
+        if len(names) > cache.num_slots:
+            raise CacheFullError(f"this request routes over {len(names)} distinct adapters but the hot set has only "
+                                 f"{cache.num_slots} slots; choose fewer adapters")
+        job = _Job(RequestHandle(self, sink if sink is not None else queue.Queue(), tag), prompt, config, text, image,
+                   learned, span, time.monotonic(), names=names)
+        if job.rows_needed > self.max_rows:
+            raise GenerationError(f"classifier-free guidance needs two rows; this engine has {self.max_rows}")
+        with self._lock:
+            if self._closed:
+                raise GenerationError("the engine was closed")
+            self._incoming.append(job)
+            self._start_thread()
+            self._lock.notify_all()
+        return job.handle
+
+    def stream(self, requests: Sequence[Request], config: GenerationConfig | Sequence[GenerationConfig]
+               ) -> Iterator[tuple[int, Token | Done]]:
+        """Submit `requests` (one config, or one per request) and yield (request index, Token / Done) as they
+        come. Closing the iterator early cancels whatever has not finished."""
+        configs = list(config) if isinstance(config, (list, tuple)) else [config] * len(requests)
+        if len(configs) != len(requests):
+            raise GenerationError(f"{len(configs)} configs for {len(requests)} requests")
+        sink: queue.Queue = queue.Queue()
+        handles = []
+        try:
+            for index, (request, cfg) in enumerate(zip(requests, configs)):
+                handles.append(self.submit(request, cfg, sink=sink, tag=index))
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return self._drain(sink, handles)
+
+    def _drain(self, sink: queue.Queue, handles: list[RequestHandle]) -> Iterator[tuple[int, Token | Done]]:
+        open_ = len(handles)
+        try:
+            while open_:
+                tag, item = sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, Done):
+                    open_ -= 1
+                yield tag, item
+        finally:
+            for handle in handles:
+                if not handle.finished:
+                    handle.cancel()
+
+    def wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"running": len(self._running), "starting": len(self._starting),
+                    "waiting": len(self._waiting) + len(self._incoming), "free_rows": len(self._free),
+                    "max_rows": self.max_rows, "max_len": self.max_len, "steps": self.steps,
+                    "graphs": sorted(self._graphs)}
+
+    def close(self) -> None:
+        """Stop the loop; requests still queued or running end with an error."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # --- the loop (engine thread) ----------------------------------------------------------------------
+    def _start_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="molora-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        with torch.no_grad():
+            while True:
+                with self._lock:
+                    while not (self._closed or self._incoming or self._waiting or self._starting or self._running):
+                        self._lock.wait()
+                    if self._closed:
+                        break
+                    self._waiting.extend(self._incoming)
+                    self._incoming.clear()
+                try:
+                    self._setup()
+                    self._drop_cancelled()
+                    self._admit()
+                    if self._running:
+                        self._step()
+                    elif self._starting:
+                        time.sleep(0.0005)  # only copies in flight: poll their events
+                except Exception as err:  # a broken step fails the requests in it; the engine keeps serving
+                    log.exception("decode step failed")
+                    for job in [*self._starting, *self._running.values()]:
+                        self._end(job, error=GenerationError(f"generation failed: {type(err).__name__}: {err}"))
+        for job in [*self._waiting, *self._starting, *self._running.values()]:
+            self._end(job, error=GenerationError("the engine was closed"))
+
+    def _setup(self) -> None:
+        """Allocate the static KV cache and row tables in the engine thread, once."""
+        if self._ready:
+            return
+        model = self.routed.model
+        dtype = next(model.parameters()).dtype
+        self.kv = RowKVCache.for_model(model.config, self.max_rows, self.max_len, dtype=dtype, device=self.device)
+        self.states = RowStates(self.vocab, self.max_rows, self.device, self.logits_size)
+        self.columns = torch.arange(self.max_len, device=self.device)
+        self.all_rows = torch.arange(self.max_rows, device=self.device)
+        self.dtype = dtype
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._ready = True
+        log.info("engine: %d rows x %d positions (%.1f MiB of KV cache), widths %s, CUDA graphs %s",
+                 self.max_rows, self.max_len, self.kv.nbytes() / 2 ** 20, self.widths, self.use_graphs)
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._waiting if j.handle.cancelled]:
+            self._waiting.remove(job)
+            self._end(job, "cancelled")
+        for job in [j for j in [*self._starting, *self._running.values()] if j.handle.cancelled]:
+            self._end(job, "cancelled")
+
+    def _admit(self) -> None:
+        """First come first served: admit while rows and slots allow, then prefill those whose copies landed."""
+        cache = self.routed.cache
+        now = time.monotonic()
+        while self._waiting:
+            job = self._waiting[0]
+            if now - job.submitted > self.config.queue_timeout_s:
+                self._waiting.popleft()
+                self._end(job, error=CacheFullError(f"no room for this request after waiting "
+                                                    f"{self.config.queue_timeout_s:.0f} s; try again later"))
+                continue
+            if len(self._free) < job.rows_needed:
+                break
+            try:
+                slots, job.pending = cache.acquire_nowait(job.names) if job.names else ([], [])
+            except CacheFullError:
+                break  # slots held by running requests: wait for them
+            except MoLoRAError as err:  # e.g. the adapter was removed while the request waited
+                self._waiting.popleft()
+                self._end(job, error=err)
+                continue
+            self._waiting.popleft()
+            job.slot_of = dict(zip(job.names, slots))
+            self._free.sort()
+            job.row = self._free.pop(0)
+            job.twin = self._free.pop(0) if job.rows_needed == 2 else None
+            self._starting.append(job)
+        for job in list(self._starting):
+            if all(event.query() for event in job.pending):
+                self._starting.remove(job)
+                self._prefill(job)
+
+    def _end(self, job: _Job, reason: str | None = None, error: BaseException | None = None) -> None:
+        """Free the job's rows and pins (if any) and tell its consumer."""
+        if job.row >= 0:
+            rows = [job.row] + ([job.twin] if job.twin is not None else [])
+            self.states.clear(rows)
+            self._free.extend(rows)
+            self._running.pop(job.row, None)
+            if job in self._starting:
+                self._starting.remove(job)
+            if job.names:
+                self.routed.cache.release(job.names)
+            job.row = -1
+            self._index_cache = None
+        job.handle.finished = True
+        job.handle.sink.put((job.handle.tag, error if error is not None else Done(reason or "cancelled")))
+
+    # --- prefill --------------------------------------------------------------------------------------------
+    def _slot(self, job: _Job, name: str | None) -> int:
+        return -1 if name is None else job.slot_of[name]
+
+    def _plan(self, ids: torch.Tensor, slots: torch.Tensor, groups: list[tuple[LearnedRouter, torch.Tensor | None,
+              dict[str, int]]], routed: bool = True) -> CallRouting | None:
+        """The CallRouting of one forward: static slots [N], plus one learned group per learned router; None
+        (plain base linears, no LoRA work) when `routed` is False: no request in the call holds an adapter."""
+        if not routed:
+            return None
+        batch, length = ids.shape
+        learned = []
+        for router, rows, slot_of in groups:
+            expert = torch.tensor([slot_of[n] for n in router.gates.adapters], dtype=torch.long, device=self.device)
+            learned.append(LearnedGroup(router, rows, expert, router.gated(ids if rows is None else ids[rows])))
+        k = max((g.router.top_k for g in learned), default=1)
+        return CallRouting(batch, length, slots, self.routed.cache.num_slots, learned=learned, k=k)
+
+    def _columns(self, needed: int | None) -> int | None:
+        """KV columns an eager call reads (None = all: the captured step's fixed shape)."""
+        if needed is None:
+            return None
+        return min(self.max_len, -(-needed // KV_COLUMN_BLOCK) * KV_COLUMN_BLOCK)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
+                 plan: CallRouting | None, leading: int = 0, length: int | None = None) -> Any:
+        self.kv.address(rows, positions, leading=leading, length=length)
+        return self.routed.run(ids, plan, attention_mask=mask, position_ids=positions, past_key_values=self.kv,
+                               use_cache=True, logits_to_keep=1)
+
+    def _prefill_one(self, job: _Job, row: int, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write `prompt` into cache row `row` (positions from 0); returns (last logits [1, V], producing slot [1])."""
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        length = ids.shape[1]
+        positions = self.columns[None, :length]
+        columns = self.columns[:self._columns(length)]
+        mask = torch.where(columns[None, :] <= positions[0, :, None], 0.0, float("-inf"))
+        mask = mask.to(self.dtype)[None, None]
+        table = torch.tensor([self._slot(job, job.text_adapter), self._slot(job, job.image_adapter)],
+                             dtype=torch.long, device=self.device)
+        slots = table[self.states.modality[ids]].view(-1)
+        groups = [(job.learned, None, job.slot_of)] if job.learned is not None else []
+        plan = self._plan(ids, slots, groups, routed=bool(job.names))
+        out = self._forward(ids, positions, self.all_rows[row:row + 1], mask, plan, length=columns.shape[0])
+        return out.logits[:, -1], _producing(out.routing, slots[-1:])
+
+    def _prefill(self, job: _Job) -> None:
+        """Prefill the job's rows alone, sample its first token, and let it join the running batch."""
+        started = time.perf_counter()
+        vocab = self.vocab
+        try:
+            logits, producing = self._prefill_one(job, job.row, job.prompt)
+            uncond = None
+            twin_prompt: list[int] = []
+            if job.twin is not None:
+                tail = [] if job.open_span is None else job.prompt[len(job.prompt) - job.open_span - 1:]
+                twin_prompt = [vocab.bos_id, *tail]
+                uncond, _ = self._prefill_one(job, job.twin, twin_prompt)
+        except torch.OutOfMemoryError as err:
+            self._end(job, error=GenerationError(f"this request does not fit in the GPU's memory ({err}); "
+                                                 "shorten the prompt or lower max_new_tokens"))
+            torch.cuda.empty_cache()
+            return
+        states = self.states
+        states.start(job.row, job.config, last_pos=len(job.prompt) - 1, open_span=job.open_span,
+                     slots=(self._slot(job, job.text_adapter), self._slot(job, job.image_adapter)),
+                     twin=job.twin, twin_last_pos=len(twin_prompt) - 1)
+        job.generator = torch.Generator(device=self.device).manual_seed(job.config.seed) if job.random else None
+        self._running[job.row] = job
+        self._index_cache = None
+        row = self.all_rows[job.row:job.row + 1]
+        twin_of = twin_rows = None
+        if job.twin is not None:
+            twin_of, twin_rows = self.all_rows[:1], self.all_rows[job.twin:job.twin + 1]
+        filters = job.config.text.filters or job.config.image.filters
+        token = states.choose(row, logits, uncond, self._noise([job], logits.shape[-1]), filters)
+        done = states.advance(row, token, twin_of, twin_rows)
+        self._emit([job], token, producing, done, (time.perf_counter() - started) * 1000.0, len(self._running))
+
+    # --- one decode step ------------------------------------------------------------------------------------
+    def _indices(self) -> tuple:
+        """Index tensors of the running batch, rebuilt only when a request joins or leaves."""
+        if self._index_cache is None:
+            jobs = [self._running[r] for r in sorted(self._running)]
+            rows = torch.tensor([j.row for j in jobs], dtype=torch.long, device=self.device)
+            pairs = [(i, j.twin) for i, j in enumerate(jobs) if j.twin is not None]
+            twin_of = twin_rows = None
+            if pairs:
+                twin_of = torch.tensor([i for i, _ in pairs], dtype=torch.long, device=self.device)
+                twin_rows = torch.tensor([t for _, t in pairs], dtype=torch.long, device=self.device)
+            highest = max(max(j.row, j.twin if j.twin is not None else -1) for j in jobs)
+            width = next(w for w in self.widths if w > highest)
+            learned = any(j.learned is not None for j in jobs)
+            filters = any(j.config.text.filters or j.config.image.filters for j in jobs)
+            self._index_cache = (jobs, rows, twin_of, twin_rows, width, learned, filters)
+        return self._index_cache
+
+    def _decode(self, width: int, jobs: list[_Job], learned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [W, V] and producing slots [W] of one decode step over rows [0, W)."""
+        if self.use_graphs and not learned:
+            return self._replay(width)
+        needed = max(len(j.prompt) + j.emitted for j in jobs)
+        return self._decode_body(width, jobs, self._columns(needed), routed=any(j.names for j in jobs))
+
+    def _decode_body(self, width: int, jobs: list[_Job], length: int | None = None, routed: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        columns = self.columns if length is None else self.columns[:length]
+        ids, positions, mask, slots = self.states.decode_inputs(width, columns, self.dtype)
+        groups: dict[int, tuple[LearnedRouter, list[int], dict[str, int]]] = {}
+        for job in jobs:
+            if job.learned is not None:
+                _, rows, slot_of = groups.setdefault(id(job.learned), (job.learned, [], {}))
+                rows += [job.row] + ([job.twin] if job.twin is not None else [])
+                slot_of.update(job.slot_of)
+        plan = self._plan(ids, slots, [(r, torch.tensor(rows, device=self.device), s) for r, rows, s in
+                                       groups.values()], routed)
+        out = self._forward(ids, positions, self.all_rows[:width], mask, plan, leading=width, length=length)
+        return out.logits[:, -1], _producing(out.routing, slots)
+
+    def _replay(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the captured step of this width (capturing it on first use). Replaying it again is harmless:
+        the step recomputes and rewrites the same KV entries from the same inputs."""
+        if width not in self._graphs:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: Triton compiles, the allocator settles
+                    self._decode_body(width, [])
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                logits, slots = self._decode_body(width, [])
+            self._graphs[width] = (graph, logits, slots)
+            log.info("engine: captured the decode step for width %d", width)
+        graph, logits, slots = self._graphs[width]
+        graph.replay()
+        return logits, slots
+
+    def _noise(self, jobs: list[_Job], vocab: int) -> torch.Tensor:
+        """Exp(1) noise [n, V]: each sampling row draws from its own generator, so its draws never depend on
+        its neighbours (greedy rows need none)."""
+        noise = torch.ones(len(jobs), vocab, device=self.device)
+        for i, job in enumerate(jobs):
+            if job.generator is not None:
+                noise[i].exponential_(1.0, generator=job.generator)
+        return noise
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        jobs, rows, twin_of, twin_rows, width, learned, filters = self._indices()
+        logits, producing = self._decode(width, jobs, learned)
+        uncond = logits[self.states.twin[rows]] if twin_rows is not None else None
+        tokens = self.states.choose(rows, logits[rows], uncond, self._noise(jobs, logits.shape[-1]), filters)
+        done = self.states.advance(rows, tokens, twin_of, twin_rows)
+        self.steps += 1
+        self._emit(jobs, tokens, producing[rows], done, (time.perf_counter() - started) * 1000.0, len(jobs))
+
+    def _emit(self, jobs: list[_Job], tokens: torch.Tensor, producing: torch.Tensor, done: torch.Tensor,
+              ms: float, batch: int) -> None:
+        """One host transfer for the step: tokens, producing slots, done flags; then tell every consumer."""
+        host = torch.cat([tokens, producing.long(), done.long()]).tolist()
+        n = len(jobs)
+        names = self.routed.cache.slots
+        eos = self.vocab.eos_id
+        for i, job in enumerate(jobs):
+            token, slot = host[i], host[n + i]
+            adapter = names[slot] if 0 <= slot < len(names) else None
+            job.handle.sink.put((job.handle.tag, Token(job.emitted, token, adapter, ms, batch)))
+            job.emitted += 1
+            if host[2 * n + i]:
+                self._end(job, "eos" if token == eos else "length")
+
+
+def _producing(routing: Any, slots: torch.Tensor) -> torch.Tensor:
+    """Slot [N] that produced each position's output: the static slot, or for learned routing the top-1 of the
+    routing weight averaged over blocks."""
+    if routing is None or routing.weights is None:
+        return slots
+    best = routing.weights[:, -1].argmax(dim=-1, keepdim=True)
+    return routing.slots[:, -1].gather(1, best).squeeze(1)
+
+
+__all__ = ["Engine", "EngineConfig", "Token", "Done", "RequestHandle", "TEXT", "IMAGE"]

@@ -1,0 +1,83 @@
+"""RowKVCache: a static KV cache addressed by (row, position), for the serving engine.
+
+Every row of the engine's batch owns one row of preallocated key/value tensors [rows, kv_heads, max_len,
+head_dim] per layer, allocated once, so their addresses never change (a captured decode step stays valid).
+Unlike transformers' StaticCache, which writes the whole batch at one shared `cache_position`, each row here
+writes at its OWN positions: rows join and leave the running batch at any step, each at its own length.
+
+Before each forward the engine says which rows the call covers and at which positions each token lands
+(`address`); attention then reads those rows' whole buffers and the engine's 4-D mask hides every column a row
+has not written (or wrote for an earlier request).  Row r's tokens are written with one `index_put_`, so the
+update is a fixed-shape device op (no host sync, CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+
+class RowKVCache(Cache):
+    """Preallocated K/V for `max_rows` rows of `max_len` positions in each of `num_layers` attention layers."""
+
+    def __init__(self, num_layers: int, max_rows: int, max_len: int, kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__(layers=[])
+        shape = (max_rows, kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_rows, self.max_len = max_rows, max_len
+        self._rows: torch.Tensor | None = None  # [n] long: the cache row of each batch row
+        self._positions: torch.Tensor | None = None  # [n, T] long: where each new token is written
+        self._leading = 0  # > 0: the call covers rows [0, leading) in order, so reads need no gather
+        self._length = max_len  # columns attention reads (every written position of the call's rows is below)
+
+    @classmethod
+    def for_model(cls, config: Any, max_rows: int, max_len: int, *, dtype: torch.dtype,
+                  device: torch.device | str) -> RowKVCache:
+        """Sized from a transformers config (its text config for multimodal models)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = int(text.num_attention_heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        return cls(int(text.num_hidden_layers), max_rows, max_len, kv_heads, head_dim, dtype=dtype, device=device)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
+
+    def address(self, rows: torch.Tensor, positions: torch.Tensor, *, leading: int = 0,
+                length: int | None = None) -> None:
+        """The next forward writes token t of batch row i at cache row rows[i], position positions[i, t].
+        `leading=n` promises rows == arange(n) (the decode step), so attention reads a view, not a gather;
+        `length` promises every position the rows hold is below it, so attention reads only those columns."""
+        self._rows, self._positions, self._leading = rows, positions, leading
+        self._length = length or self.max_len
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write [n, H, T, D] new keys/values at the addressed places; return the rows' whole buffers."""
+        if self._rows is None:
+            raise RuntimeError("RowKVCache.address(rows, positions) must be called before each forward")
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        index = (self._rows[:, None], slice(None), self._positions)  # advanced dims first: [n, T, H, D]
+        keys[index] = key_states.transpose(1, 2).to(keys.dtype)
+        values[index] = value_states.transpose(1, 2).to(values.dtype)
+        if self._leading:
+            return keys[:self._leading, :, :self._length], values[:self._leading, :, :self._length]
+        return keys[self._rows, :, :self._length], values[self._rows, :, :self._length]
+
+    # --- what transformers' models ask of a cache -----------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions come from the engine's position_ids, never from the cache
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.max_len
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return len(self.keys)
