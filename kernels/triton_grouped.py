@@ -13,6 +13,8 @@ slot -1 costs nothing), 2 float32 atomic add (top-k: the k rows of a token live 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels.metadata import RoutingMeta, build_routing_meta
@@ -94,6 +96,7 @@ if HAS_TRITON:
                     tl.store(out_ptr + tok[:, None] * so0 + offs_o[None, :] * so1, zero, mask=m2)
 
 
+@functools.lru_cache(maxsize=1024)  # pure in its int arguments; saves host time per call
 def grouped_config(m_rows: int, d_in: int, d_out: int, num_slots: int) -> dict:
     """Tile sizes and output split.
 

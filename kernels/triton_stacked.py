@@ -13,10 +13,14 @@ kernels/dispatch.py bounds S*r with the width up to which this path was measured
           P[ks, rows, cols] = coef[rows, cols] * x[rows, chunk_ks] @ Af[cols, chunk_ks]^T    (float32 partials)
   expand  grid (cdiv(N, EXPAND_M), OUT_SPLIT):
           out[rows, slice] (+)= (sum_ks P[ks, rows, :]) @ Bf[:, slice]
+  fused   grid (cdiv(N, BLOCK_M), OUT_SPLIT), N <= FUSED_MAX_TOKENS: both phases in one launch, each output
+          slice recomputing the (tiny) shrink, for decode steps, where an eager caller pays per launch
 Grids depend on shapes only, so a call can be captured in a CUDA graph and replayed with new slot values.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -24,21 +28,14 @@ from kernels.triton_common import HAS_TRITON, dot_config, interpreting, next_pow
 
 if HAS_TRITON:
     @triton.jit
-    def _stacked_shrink_kernel(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, part_ptr,
-                               N, IN, R, S, K_PER,
-                               sx0, sx1, sa0, sa1, sa2,
-                               K: tl.constexpr, HAS_W: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                               PRECISION: tl.constexpr, SR_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mm = offs_m < N
-        offs_m64 = offs_m.to(tl.int64)
-        offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    def _shrink_tile(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, offs_m64, mm, offs_c, k_lo, k_hi, R, S,
+                     sx0, sx1, sa0, sa1, sa2,
+                     K: tl.constexpr, HAS_W: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+        """coef * (x[rows, k_lo:k_hi] @ Af[cols, k_lo:k_hi]^T), float32 [BLOCK_M, BLOCK_C]."""
         mc = offs_c < S * R
         c_slot = offs_c // R
         a_col = c_slot.to(tl.int64) * sa0 + (offs_c % R) * sa1
-        k_lo = tl.program_id(2) * K_PER
-        k_hi = tl.minimum(k_lo + K_PER, IN)
         acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -57,28 +54,16 @@ if HAS_TRITON:
                 w = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
             coef += tl.where(s[:, None] == c_slot[None, :], w[:, None], 0.0)
         sc = tl.load(scale_ptr + c_slot, mask=mc, other=0.0).to(tl.float32)
-        acc = acc * coef * sc[None, :]
-        ptrs = part_ptr + (tl.program_id(2) * N + offs_m64[:, None]) * SR_PAD + offs_c[None, :]
-        tl.store(ptrs, acc, mask=mm[:, None])  # padded columns (c >= S*r) get zeros: the expand reads them unmasked
+        return acc * coef * sc[None, :]  # padded columns (c >= S*r) are zeros
 
     @triton.jit
-    def _stacked_expand_kernel(b_ptr, part_ptr, out_ptr, N, OUT, R, S, OUT_PER, SPLIT_K,
-                               sb0, sb1, sb2, so0, so1,
-                               ACCUMULATE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                               SR_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mm = offs_m < N
-        offs_m64 = offs_m.to(tl.int64)
+    def _expand_tile(t16, b_ptr, out_ptr, offs_m64, mm, o_lo, o_hi, R, S, sb0, sb1, sb2, so0, so1,
+                     ACCUMULATE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                     SR_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+        """out[rows, o_lo:o_hi] (+)= t16 [BLOCK_M, SR_PAD] @ Bf[:, o_lo:o_hi]."""
         offs_c = tl.arange(0, SR_PAD)
         mc = offs_c < S * R
         b_col = (offs_c // R).to(tl.int64) * sb0 + (offs_c % R) * sb2
-        t = tl.zeros([BLOCK_M, SR_PAD], dtype=tl.float32)
-        for ks in range(0, SPLIT_K):
-            t += tl.load(part_ptr + (ks * N + offs_m64[:, None]) * SR_PAD + offs_c[None, :],
-                         mask=mm[:, None], other=0.0)
-        t16 = t.to(DOT_DTYPE)
-        o_lo = tl.program_id(1) * OUT_PER
-        o_hi = tl.minimum(o_lo + OUT_PER, OUT)
         for o0 in range(o_lo, o_hi, BLOCK_N):
             offs_o = o0 + tl.arange(0, BLOCK_N)
             mo = offs_o < o_hi
@@ -90,21 +75,87 @@ if HAS_TRITON:
                 y += tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
             tl.store(ptrs, y, mask=m2)
 
+    @triton.jit
+    def _stacked_shrink_kernel(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, part_ptr,
+                               N, IN, R, S, K_PER,
+                               sx0, sx1, sa0, sa1, sa2,
+                               K: tl.constexpr, HAS_W: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                               PRECISION: tl.constexpr, SR_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mm = offs_m < N
+        offs_m64 = offs_m.to(tl.int64)
+        offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        k_lo = tl.program_id(2) * K_PER
+        acc = _shrink_tile(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, offs_m64, mm, offs_c, k_lo,
+                           tl.minimum(k_lo + K_PER, IN), R, S, sx0, sx1, sa0, sa1, sa2,
+                           K, HAS_W, DOT_DTYPE, PRECISION, BLOCK_M, BLOCK_C, BLOCK_K)
+        ptrs = part_ptr + (tl.program_id(2) * N + offs_m64[:, None]) * SR_PAD + offs_c[None, :]
+        tl.store(ptrs, acc, mask=mm[:, None])  # padded columns stored as zeros: the expand reads them unmasked
+
+    @triton.jit
+    def _stacked_expand_kernel(b_ptr, part_ptr, out_ptr, N, OUT, R, S, OUT_PER, SPLIT_K,
+                               sb0, sb1, sb2, so0, so1,
+                               ACCUMULATE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                               SR_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mm = offs_m < N
+        offs_m64 = offs_m.to(tl.int64)
+        offs_c = tl.arange(0, SR_PAD)
+        t = tl.zeros([BLOCK_M, SR_PAD], dtype=tl.float32)
+        for ks in range(0, SPLIT_K):
+            t += tl.load(part_ptr + (ks * N + offs_m64[:, None]) * SR_PAD + offs_c[None, :],
+                         mask=mm[:, None], other=0.0)
+        o_lo = tl.program_id(1) * OUT_PER
+        _expand_tile(t.to(DOT_DTYPE), b_ptr, out_ptr, offs_m64, mm, o_lo, tl.minimum(o_lo + OUT_PER, OUT), R, S,
+                     sb0, sb1, sb2, so0, so1, ACCUMULATE, DOT_DTYPE, PRECISION, SR_PAD, BLOCK_N)
+
+    @triton.jit
+    def _stacked_fused_kernel(x_ptr, a_ptr, b_ptr, slot_ptr, w_ptr, scale_ptr, out_ptr,
+                              N, IN, OUT, R, S, OUT_PER,
+                              sx0, sx1, sa0, sa1, sa2, sb0, sb1, sb2, so0, so1,
+                              K: tl.constexpr, HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr,
+                              DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SR_PAD: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Both phases in one launch (decode sizes): every output slice recomputes its row tile's shrink."""
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mm = offs_m < N
+        offs_m64 = offs_m.to(tl.int64)
+        t = _shrink_tile(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, offs_m64, mm, tl.arange(0, SR_PAD), 0, IN,
+                         R, S, sx0, sx1, sa0, sa1, sa2, K, HAS_W, DOT_DTYPE, PRECISION, BLOCK_M, SR_PAD, BLOCK_K)
+        o_lo = tl.program_id(1) * OUT_PER
+        _expand_tile(t.to(DOT_DTYPE), b_ptr, out_ptr, offs_m64, mm, o_lo, tl.minimum(o_lo + OUT_PER, OUT), R, S,
+                     sb0, sb1, sb2, so0, so1, ACCUMULATE, DOT_DTYPE, PRECISION, SR_PAD, BLOCK_N)
+
 
 # Programs per launch that keep all 132 SMs of an H200 busy (2 per SM), the same aim as triton_grouped.py.
 TARGET_PROGRAMS = 264
+# Tokens up to which one launch does both phases (one row tile; every output slice recomputes the shrink from
+# L2): half the launches of the two-phase schedule, which is what an eager decode step pays for (provisional
+# until measured by benchmarks/kernels.py).
+FUSED_MAX_TOKENS = 16
 
 
+@functools.lru_cache(maxsize=1024)
 def stacked_config(n: int, d_in: int, d_out: int, width: int) -> dict:
-    """Tiles for N tokens, `width` = S*r stacked columns (see the module doc for the two grids).
+    """Tiles for N tokens, `width` = S*r stacked columns (see the module doc for the grids).
 
     SHRINK_M grows with N because every shrink row tile re-reads the whole stacked A (S*r*in*2 bytes, from L2);
     SPLIT_K and OUT_SPLIT then spread each phase over ~TARGET_PROGRAMS programs.
     """
     sr_pad = max(16, next_pow2(width))
     if interpreting():  # tiny tiles so interpreter tests walk every split, column tile and mask
-        return dict(SHRINK_M=16, EXPAND_M=16, BLOCK_C=16, BLOCK_K=16, BLOCK_N=16, SPLIT_K=2 if d_in > 16 else 1,
-                    OUT_SPLIT=2 if d_out > 16 else 1, num_warps=1, SR_PAD=sr_pad)
+        return dict(FUSED=n <= FUSED_MAX_TOKENS, SHRINK_M=16, EXPAND_M=16, BLOCK_C=16, BLOCK_K=16, BLOCK_N=16,
+                    SPLIT_K=2 if d_in > 16 else 1, OUT_SPLIT=2 if d_out > 16 else 1, num_warps=1, SR_PAD=sr_pad)
+    # A [BLOCK_K, S*r] and B [S*r, BLOCK_N] tiles stay <= 32 KB each (x3 pipeline stages in 228 KB of smem)
+    tile_cols = 128 if sr_pad <= 128 else (64 if sr_pad <= 256 else 32)
+    if n <= FUSED_MAX_TOKENS:
+        block_n = min(64, tile_cols)
+        out_split = 1
+        while out_split * 2 * block_n <= d_out and out_split < 32:
+            out_split *= 2
+        return dict(FUSED=True, SHRINK_M=16, EXPAND_M=16, BLOCK_C=sr_pad, BLOCK_K=tile_cols,
+                    BLOCK_N=block_n, SPLIT_K=1, OUT_SPLIT=out_split, num_warps=4, SR_PAD=sr_pad)
     shrink_m = 16 if n <= 256 else (32 if n <= 2048 else 64)
     block_c = min(sr_pad, 128)
     block_k = 128 if shrink_m <= 32 else 64
@@ -113,13 +164,13 @@ def stacked_config(n: int, d_in: int, d_out: int, width: int) -> dict:
     while split_k * 2 * block_k * 2 <= d_in and tiles * split_k < TARGET_PROGRAMS:
         split_k *= 2
     expand_m = 16 if n <= 256 or sr_pad > 128 else 32
-    block_n = 128 if sr_pad <= 128 else 64
+    block_n = tile_cols
     rows = triton.cdiv(n, expand_m)
     out_split = 1
     while out_split * 2 * block_n <= d_out and rows * out_split < TARGET_PROGRAMS:
         out_split *= 2
-    return dict(SHRINK_M=shrink_m, EXPAND_M=expand_m, BLOCK_C=block_c, BLOCK_K=block_k, BLOCK_N=block_n,
-                SPLIT_K=split_k, OUT_SPLIT=out_split, num_warps=4, SR_PAD=sr_pad)
+    return dict(FUSED=False, SHRINK_M=shrink_m, EXPAND_M=expand_m, BLOCK_C=block_c, BLOCK_K=block_k,
+                BLOCK_N=block_n, SPLIT_K=split_k, OUT_SPLIT=out_split, num_warps=4, SR_PAD=sr_pad)
 
 
 def stacked_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
@@ -140,6 +191,16 @@ def stacked_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch
     cfg = config or stacked_config(n, d_in, d_out, s_count * r)
     sr_pad = cfg["SR_PAD"]
     dot_dtype, precision = dot_config(x.dtype)
+    out_per = triton.cdiv(triton.cdiv(d_out, cfg["OUT_SPLIT"]), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    if cfg["FUSED"]:
+        grid = (triton.cdiv(n, cfg["SHRINK_M"]), triton.cdiv(d_out, out_per))
+        _stacked_fused_kernel[grid](x, A, B, slots, w, scale, out, n, d_in, d_out, r, s_count, out_per,
+                                    x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
+                                    B.stride(0), B.stride(1), B.stride(2), out.stride(0), out.stride(1),
+                                    K=k, HAS_W=weights is not None, ACCUMULATE=accumulate, DOT_DTYPE=dot_dtype,
+                                    PRECISION=precision, SR_PAD=sr_pad, BLOCK_M=cfg["SHRINK_M"],
+                                    BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+        return out
     k_per = triton.cdiv(triton.cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split_k = triton.cdiv(d_in, k_per)
     part = torch.empty(split_k, n, sr_pad, dtype=torch.float32, device=x.device)
@@ -149,7 +210,6 @@ def stacked_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch
                                  K=k, HAS_W=weights is not None, DOT_DTYPE=dot_dtype, PRECISION=precision,
                                  SR_PAD=sr_pad, BLOCK_M=cfg["SHRINK_M"], BLOCK_C=cfg["BLOCK_C"],
                                  BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
-    out_per = triton.cdiv(triton.cdiv(d_out, cfg["OUT_SPLIT"]), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     grid = (triton.cdiv(n, cfg["EXPAND_M"]), triton.cdiv(d_out, out_per))
     _stacked_expand_kernel[grid](B, part, out, n, d_out, r, s_count, out_per, split_k,
                                  B.stride(0), B.stride(1), B.stride(2), out.stride(0), out.stride(1),
