@@ -11,6 +11,7 @@ from routing.errors import AdapterError, CacheFullError, MoLoRAError, RoutingErr
 from routing.lora import RoutedLoRALinear
 from routing.model import RoutedModel, RoutedOutput, TokenRouting, attach_routed_lora
 from routing.routers import (
+    LabelRouter,
     LearnedGates,
     LearnedRouter,
     Router,
@@ -24,6 +25,6 @@ __all__ = [
     "MoLoRAError", "AdapterError", "UnknownAdapterError", "CacheFullError", "RoutingError",
     "LoraAdapter", "load_peft_adapter", "merge_adapters", "save_peft_adapter",
     "attach_routed_lora", "RoutedModel", "RoutedOutput", "HotSetCache", "RoutedLoRALinear",
-    "VocabRangeRouter", "SequenceRouter", "LearnedRouter", "LearnedGates", "Router", "TokenRouting",
+    "VocabRangeRouter", "SequenceRouter", "LabelRouter", "LearnedRouter", "LearnedGates", "Router", "TokenRouting",
     "load_balance_loss", "router_z_loss",
 ]

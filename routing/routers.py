@@ -5,6 +5,7 @@ cached on the router instance (reuse one router object across decode steps to bu
     VocabRangeRouter  vocabulary range: a position is routed by the modality of the token it predicts
                       (vocab.modality_table: `<boi>`, image codes and row markers -> image adapter, the rest -> text adapter).
     SequenceRouter    one adapter for the whole sequence: the S-LoRA / PEFT baseline.
+    LabelRouter       known per-position adapters (an evaluation's oracle: the true domain of each span).
     LearnedRouter     MoLoRA: per transformer block a gate Linear(d_model, E) on the block input picks top-k of
                       E named adapters, softmax over the k kept logits; optionally hierarchical (a vocabulary
                       decides the modality first, image positions go to `image_adapter`, the gate routes text).
@@ -85,6 +86,31 @@ class VocabRangeRouter:
         is_image = self.modality(input_ids) == IMAGE
         text, image = _slot(slot_of, self.text_adapter), _slot(slot_of, self.image_adapter)
         return torch.where(is_image, image, text).long()
+
+
+@dataclass(eq=False)
+class LabelRouter:
+    """Known per-position adapters: `labels` [b, T] index into `names` (-1 = base model).
+
+    The oracle of an evaluation (each position routed to the true domain of the span it predicts), or any fixed
+    routing replayed exactly.  Only for a forward over exactly these positions (prefill / teacher forcing).
+    """
+
+    names: Sequence[str]
+    labels: torch.Tensor
+
+    def adapters(self) -> list[str]:
+        return list(dict.fromkeys(self.names))
+
+    def route(self, input_ids: torch.Tensor, slot_of: Mapping[str, int]) -> torch.Tensor:
+        if tuple(self.labels.shape) != tuple(input_ids.shape):
+            raise RoutingError(f"LabelRouter holds labels of shape {tuple(self.labels.shape)} but the input is "
+                               f"{tuple(input_ids.shape)}; give one label per input position")
+        table = torch.tensor([slot_of[n] for n in self.names] + [-1], dtype=torch.long, device=input_ids.device)
+        labels = self.labels.to(input_ids.device).long()
+        if bool(((labels < -1) | (labels >= len(self.names))).any()):
+            raise RoutingError(f"labels must lie in [-1, {len(self.names) - 1}] (indices into {list(self.names)})")
+        return table[torch.where(labels < 0, len(self.names), labels)]
 
 
 # --- learned (MoLoRA) -------------------------------------------------------------------------------------

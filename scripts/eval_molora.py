@@ -1,0 +1,252 @@
+"""Evaluate learned MoLoRA routing against the oracle and what a user can already do with `peft` alone.
+
+Same held-out items for every row (models/shapes/domains.py, split "heldout", seed "eval"): --n per domain
+(one question each) and --n mixed requests (two questions of two domains). Exact match of greedy decoding, scored
+from one teacher-forced forward per batch (models/shapes/domain_batches.py: identical to greedy exact match for
+every causal routing). Rows:
+
+    base              no adapter
+    single:<name>     one adapter on every position (RoutedModel + SequenceRouter)
+    oracle_request    per request, the best of the adapters of its true domains (max over them, per item)
+    peft_cat / peft_ties / peft_dare_ties   peft add_weighted_adapter of all domain adapters (weights 1,
+                      density 0.5 for ties / dare_ties; dare is seeded)
+    peft_arrow        peft create_arrow_model (ArrowConfig top_k = 2): training-free per-token top-k
+    peft_xlora        peft X-LoRA, its classifier trained on the router's data and steps budget (--xlora-steps)
+    ours_top1 / ours_top2   learned gates (--router) at k = 1 / 2
+    oracle_span       every position routed to the true domain of the span it predicts (LabelRouter)
+
+Reports per row: accuracy per domain and on mixed requests; oracle recovery on mixed requests
+(ours - base) / (oracle_span - base); routing agreement of the gates' top-1 with the span labels per block.
+
+    python scripts/eval_molora.py --json benchmarks/molora_eval.json
+    python scripts/eval_molora.py --rows base ours oracle_span --n 50     # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train_router import load_routed  # noqa: E402
+
+from models.shapes.domain_batches import EncodedItem, encode_item, exact_matches, make_batch  # noqa: E402
+from models.shapes.domains import DOMAINS, domain_items, mixed_items  # noqa: E402
+from routing import LabelRouter, LearnedGates, LearnedRouter, SequenceRouter  # noqa: E402
+
+log = logging.getLogger("eval_molora")
+REPO = Path(__file__).resolve().parents[1]
+ROWS = ("base", "single", "oracle_request", "peft_cat", "peft_ties", "peft_dare_ties", "peft_arrow", "peft_xlora",
+        "ours", "oracle_span")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, default=REPO / "assets" / "model")
+    p.add_argument("--adapters-dir", type=Path, default=REPO / "assets" / "adapters")
+    p.add_argument("--adapters", nargs="+", default=list(DOMAINS))
+    p.add_argument("--router", type=Path, default=REPO / "assets" / "router" / "gates.safetensors")
+    p.add_argument("--n", type=int, default=200, help="held-out items per domain, and mixed requests")
+    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    p.add_argument("--batch-size", type=int, default=50)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--xlora-steps", type=int, default=0, help="0: the router's steps (its config.json)")
+    p.add_argument("--json", type=Path, default=None, help="write (and merge into) this results file")
+    return p.parse_args(argv)
+
+
+def eval_items(tok, adapters: list[str], n: int) -> list[EncodedItem]:
+    items = [it for d in adapters for it in domain_items(d, n, seed="eval", split="heldout", two_questions=0.0)]
+    items += mixed_items(n, seed="eval", split="heldout", domains=adapters)
+    return [encode_item(tok, it) for it in items]
+
+
+def batch_rows(encoded: list[EncodedItem], size: int) -> list[list[int]]:
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+@torch.no_grad()
+def score(logits_of: Callable, encoded: list[EncodedItem], pad: int, adapters: list[str], size: int,
+          on_output: Callable | None = None) -> list[bool]:
+    """Per item: greedy exact match. logits_of(batch) -> logits [B, T, V] (or an output with .logits)."""
+    hits = [False] * len(encoded)
+    for rows in batch_rows(encoded, size):
+        batch = make_batch(encoded, rows, pad, adapters)
+        out = logits_of(batch)
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        if on_output is not None:
+            on_output(batch, out)
+        for r, ok in zip(rows, exact_matches(logits, batch, encoded)[0]):
+            hits[r] = ok
+    return hits
+
+
+def summarise(hits: list[bool], encoded: list[EncodedItem]) -> dict:
+    by: dict[str, list[bool]] = {}
+    for h, e in zip(hits, encoded):
+        by.setdefault(e.kind, []).append(h)
+    out = {k: round(sum(v) / len(v), 4) for k, v in by.items()}
+    out["all"] = round(sum(hits) / len(hits), 4)
+    return out
+
+
+# --- peft baselines ----------------------------------------------------------------------------------------
+
+def fresh_lm(model_dir: Path):
+    from transformers import LlamaForCausalLM
+
+    from models.testing import set_base_model_name
+    lm = LlamaForCausalLM.from_pretrained(model_dir / "lm", dtype=torch.float32)
+    set_base_model_name(lm)
+    return lm.eval().requires_grad_(False)
+
+
+def peft_merges(args, adapters: list[str]) -> dict[str, Callable]:
+    """One peft model with every domain adapter, and the three weighted merges built from them."""
+    from peft import PeftModel
+    model = PeftModel.from_pretrained(fresh_lm(args.model_dir), str(args.adapters_dir / adapters[0]),
+                                      adapter_name=adapters[0])
+    for name in adapters[1:]:
+        model.load_adapter(str(args.adapters_dir / name), adapter_name=name)
+    torch.manual_seed(0)  # dare drops at random
+    out = {}
+    for kind in ("cat", "ties", "dare_ties"):
+        kw = {} if kind == "cat" else {"density": 0.5}
+        model.add_weighted_adapter(adapters, [1.0] * len(adapters), f"merge_{kind}", combination_type=kind, **kw)
+
+        def run(batch, name=f"merge_{kind}"):
+            model.set_adapter(name)
+            return model(input_ids=batch.ids, use_cache=False).logits
+        out[f"peft_{kind}"] = run
+    return out
+
+
+def peft_arrow(args, adapters: list[str]) -> Callable:
+    from peft import ArrowConfig, create_arrow_model
+    model = create_arrow_model(fresh_lm(args.model_dir), [str(args.adapters_dir / a) for a in adapters],
+                               ArrowConfig(top_k=2, router_temperature=1.0, rng_seed=0))
+    model.eval()
+    return lambda batch: model(input_ids=batch.ids, use_cache=False).logits
+
+
+# --- main --------------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(args.threads)
+    adapters = list(dict.fromkeys(args.adapters))
+    routed, tok = load_routed(args.model_dir, args.adapters_dir, adapters)
+    routed.eval()
+    pad = tok.vocab.pad_id
+    encoded = eval_items(tok, adapters, args.n)
+    results: dict = json.loads(args.json.read_text()) if args.json and args.json.is_file() else {}
+    rows: dict = results.setdefault("rows", {})
+    per_item: dict[str, list[bool]] = {}
+
+    def record(name: str, hits: list[bool], seconds: float, **extra) -> None:
+        per_item[name] = hits
+        rows[name] = {**summarise(hits, encoded), "seconds": round(seconds, 1), **extra}
+        log.info("%s: %s", name, rows[name])
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2))
+
+    def routed_row(name: str, make_router: Callable, on_output: Callable | None = None, **extra) -> None:
+        t0 = time.time()
+        hits = score(lambda b: routed(b.ids, routers=make_router(b), use_cache=False), encoded, pad, adapters,
+                     args.batch_size, on_output)
+        record(name, hits, time.time() - t0, **extra)
+
+    want = set(args.rows)
+    if "base" in want:
+        routed_row("base", lambda b: None)
+    if "single" in want or "oracle_request" in want:
+        for a in adapters:
+            routed_row(f"single:{a}", lambda b, a=a: SequenceRouter(a))
+    if "oracle_request" in want:
+        hits = [max(per_item[f"single:{d}"][i] for d in set(e.span_domain)) for i, e in enumerate(encoded)]
+        record("oracle_request", hits, 0.0)
+    if "oracle_span" in want:
+        routed_row("oracle_span", lambda b: LabelRouter(adapters, b.labels))
+    if "ours" in want:
+        gates = LearnedGates.load(args.router)
+        if gates.adapters != adapters:
+            raise SystemExit(f"{args.router} routes over {gates.adapters}, not the evaluated adapters {adapters}")
+        for k in (1, 2):
+            agree = torch.zeros(routed.num_blocks)
+            counted = [0]
+
+            def on_output(batch, out, agree=agree, counted=counted):
+                sel = torch.zeros_like(batch.target)
+                sel[:, :-1] = batch.target[:, 1:]
+                sel &= batch.labels >= 0
+                flat = sel.reshape(-1)
+                for block, ds in out.decisions.items():
+                    agree[block] += float((ds[0].topk[:, 0][flat] == batch.labels.reshape(-1)[flat]).sum())
+                counted[0] += int(flat.sum())
+            routed_row(f"ours_top{k}", lambda b, k=k: LearnedRouter(gates, top_k=k, vocab=tok.vocab), on_output)
+            per_block = (agree / max(1, counted[0])).tolist()
+            rows[f"ours_top{k}"]["agreement_per_block"] = [round(a, 4) for a in per_block]
+            rows[f"ours_top{k}"]["agreement"] = round(sum(per_block) / len(per_block), 4)
+    for kind in ("cat", "ties", "dare_ties"):
+        if f"peft_{kind}" in want:
+            merges = peft_merges(args, adapters)
+            for name, fn in merges.items():
+                if name in want:
+                    t0 = time.time()
+                    record(name, score(fn, encoded, pad, adapters, args.batch_size), time.time() - t0)
+            break
+    if "peft_arrow" in want:
+        t0 = time.time()
+        fn = peft_arrow(args, adapters)
+        record("peft_arrow", score(fn, encoded, pad, adapters, args.batch_size), time.time() - t0)
+    if "peft_xlora" in want:
+        from molora_xlora import xlora_row
+        xlora_row(args, adapters, tok, encoded, pad, record)
+
+    base = rows.get("base", {}).get("mixed")
+    span = rows.get("oracle_span", {}).get("mixed")
+    if base is not None and span is not None and span > base:
+        for k in (1, 2):
+            if f"ours_top{k}" in rows:
+                rows[f"ours_top{k}"]["oracle_recovery_mixed"] = round((rows[f"ours_top{k}"]["mixed"] - base)
+                                                                      / (span - base), 4)
+    import peft
+    import transformers
+    results["setup"] = {"n_per_domain": args.n, "n_mixed": args.n, "adapters": adapters, "router": str(args.router),
+                        "split": "heldout", "seed": "eval", "device": "cpu", "threads": args.threads,
+                        "torch": torch.__version__, "transformers": transformers.__version__,
+                        "peft": peft.__version__, "python": platform.python_version()}
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    print(table(results, adapters))
+    return results
+
+
+def table(results: dict, adapters: list[str]) -> str:
+    cols = [*adapters, "mixed", "all"]
+    lines = ["| row | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for name, r in results["rows"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{r[c]:.3f}" if c in r else "–" for c in cols) + " |")
+    for k in (1, 2):
+        r = results["rows"].get(f"ours_top{k}", {})
+        if "oracle_recovery_mixed" in r:
+            lines.append(f"\nours top-{k}: oracle recovery on mixed {r['oracle_recovery_mixed']:.3f}, routing "
+                         f"agreement {r.get('agreement', float('nan')):.3f} (per block {r.get('agreement_per_block')})")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

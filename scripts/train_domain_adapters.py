@@ -1,0 +1,182 @@
+"""Train one LoRA per question domain (models/shapes/domains.py), each independently on its own domain only,
+through the project's routed path: RoutedModel + SequenceRouter, the LoRA living in the hot-set slot and trained
+through the kernels' autograd (kernels/autograd.py). The base stays frozen; the routing rule exists once.
+
+Per domain: a fresh PEFT-initialised LoRA (A kaiming-uniform, B zero, scale alpha / r) on every routed linear,
+AdamW on the answer ids (prompt = context), warmup + cosine, then exact-match accuracy (greedy, teacher-forced:
+models/shapes/domain_batches.py) on held-out items. Writes OUT/<domain>/adapter_config.json +
+adapter_model.safetensors (PEFT format, routing.adapters.save_peft_adapter) + molora.json, and
+OUT/domain_metrics.json (one entry per domain, merged with what is already there).
+
+    python scripts/train_domain_adapters.py --out assets/adapters --domains count arith spatial size
+    python scripts/train_domain_adapters.py --out /tmp/ad --domains count --steps 3 --n-train 64 --n-val 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.data import Schedule  # noqa: E402
+from models.shapes.domain_batches import answer_loss, encode_item, exact_matches, make_batch  # noqa: E402
+from models.shapes.domains import ALL_DOMAINS, DESCRIPTIONS, domain_items  # noqa: E402
+from models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
+from models.tokenizer import UnifiedTokenizer  # noqa: E402
+from routing import SequenceRouter  # noqa: E402
+from routing.adapters import LoraAdapter, save_peft_adapter  # noqa: E402
+from routing.lora import RoutedLoRALinear  # noqa: E402
+from routing.model import RoutedModel, attach_routed_lora  # noqa: E402
+
+log = logging.getLogger("train_domain_adapters")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, default=REPO / "assets" / "model")
+    p.add_argument("--out", type=Path, required=True, help="adapters directory (one folder per domain)")
+    p.add_argument("--domains", nargs="+", default=["count", "arith", "spatial", "size"], choices=ALL_DOMAINS)
+    p.add_argument("--n-train", type=int, default=12_000, help="training items per domain (train split)")
+    p.add_argument("--n-val", type=int, default=200, help="held-out items per domain scored at the end")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--alpha", type=float, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 keeps a shared machine usable)")
+    p.add_argument("--max-minutes", type=float, default=0.0, help="per domain; 0 = no time limit")
+    return p.parse_args(argv)
+
+
+def fresh_adapter(routed: RoutedModel, name: str, rank: int, alpha: float, gen: torch.Generator) -> LoraAdapter:
+    """PEFT's default LoRA init on every routed layer: A kaiming-uniform(a=sqrt 5), B = 0, scale alpha / r."""
+    weights, scales = {}, {}
+    for module, layer in routed.cache.layers.items():
+        bound = 1.0 / math.sqrt(layer.in_features)  # kaiming_uniform_(a=sqrt(5)) on [r, in]
+        a = (torch.rand(rank, layer.in_features, generator=gen) * 2 - 1) * bound
+        weights[module] = (a, torch.zeros(layer.out_features, rank))
+        scales[module] = alpha / rank
+    targets = sorted({m.rsplit(".", 1)[-1] for m in weights})
+    config = {"r": rank, "lora_alpha": alpha, "target_modules": targets,
+              "base_model_name_or_path": routed.name_or_path}
+    return LoraAdapter(name, weights, scales, config)
+
+
+def trainable_slot(routed: RoutedModel, name: str) -> tuple[int, list[torch.Tensor]]:
+    """Pin `name` in the hot set once (its weights are copied into a slot) and make the slot buffers the
+    trainable tensors: every later forward is a cache hit, so training updates them in place."""
+    slot = routed.cache.acquire([name])[0]
+    routed.cache.release([name])
+    params = []
+    for layer in routed.cache.layers.values():
+        assert isinstance(layer, RoutedLoRALinear)
+        params += [layer.lora_A.requires_grad_(True), layer.lora_B.requires_grad_(True)]
+    return slot, params
+
+
+def read_slot(routed: RoutedModel, adapter: LoraAdapter, slot: int) -> LoraAdapter:
+    rank = adapter.rank
+    weights = {m: (layer.lora_A[slot, :rank].detach().clone().cpu(), layer.lora_B[slot, :, :rank].detach().clone().cpu())
+               for m, layer in routed.cache.layers.items()}
+    return LoraAdapter(adapter.name, weights, dict(adapter.scales), dict(adapter.config))
+
+
+@torch.no_grad()
+def accuracy(routed: RoutedModel, router, encoded, pad_id: int, batch_size: int = 64) -> float:
+    hits = []
+    for i in range(0, len(encoded), batch_size):
+        batch = make_batch(encoded, range(i, min(i + batch_size, len(encoded))), pad_id, [])
+        logits = routed(batch.ids, routers=router, use_cache=False).logits
+        hits += exact_matches(logits, batch, encoded)[0]
+    return sum(hits) / max(1, len(hits))
+
+
+def train_domain(args: argparse.Namespace, tok: UnifiedTokenizer, domain: str) -> dict:
+    t0 = time.time()
+    torch.manual_seed(args.seed)
+    lm = LlamaForCausalLM.from_pretrained(args.model_dir / "lm", dtype=torch.float32)
+    set_base_model_name(lm)
+    lm.requires_grad_(False).train()  # dropout is 0: train mode only avoids building a KV cache
+    routed = attach_routed_lora(lm, target_modules=LORA_TARGETS, num_slots=1, r_max=args.rank)
+    gen = torch.Generator().manual_seed(args.seed)
+    adapter = fresh_adapter(routed, domain, args.rank, args.alpha, gen)
+    routed.add_adapter(adapter)
+    slot, params = trainable_slot(routed, domain)
+    router = SequenceRouter(domain)
+    pad = tok.vocab.pad_id
+
+    train = [encode_item(tok, it) for it in domain_items(domain, args.n_train, seed=f"{args.seed}", split="train")]
+    val = [encode_item(tok, it) for it in domain_items(domain, args.n_val, seed=f"val{args.seed}", split="heldout")]
+    base_acc = accuracy(routed, None, val, pad)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = Schedule(args.steps, max(1, args.steps // 10), args.max_minutes)
+    rng = random.Random(f"{args.seed}:{domain}:order")
+    order: list[int] = []
+    step, curve = 0, []
+    bar = tqdm(total=args.steps, desc=f"adapter {domain}", mininterval=5)
+    while not sched.done(step):
+        if len(order) < args.batch_size:
+            order += rng.sample(range(len(train)), len(train))
+        rows, order = order[:args.batch_size], order[args.batch_size:]
+        batch = make_batch(train, rows, pad, [])
+        for group in opt.param_groups:
+            group["lr"] = args.lr * sched.factor(step)
+        logits = routed(batch.ids, routers=router, use_cache=False).logits
+        loss = answer_loss(logits, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        bar.update(1)
+        if step % 10 == 0 or step == args.steps:
+            curve.append((step, round(loss.item(), 4)))
+            bar.set_postfix(loss=f"{curve[-1][1]:.3f}")
+    bar.close()
+    for p in params:
+        p.requires_grad_(False)
+    acc = accuracy(routed, router, val, pad)
+    trained = read_slot(routed, adapter, slot)
+    folder = args.out / domain
+    save_peft_adapter(trained, folder)
+    (folder / "molora.json").write_text(json.dumps(
+        {"modality": "text", "domain": domain, "description": DESCRIPTIONS[domain]}, indent=2))
+    metrics = {"val_exact_match": round(acc, 4), "val_exact_match_base": round(base_acc, 4), "val_items": len(val),
+               "train_items": len(train), "steps": step, "planned_steps": args.steps, "batch_size": args.batch_size,
+               "lr": args.lr, "rank": args.rank, "alpha": args.alpha, "seed": args.seed, "threads": args.threads,
+               "train_loss": curve[-1][1] if curve else None, "loss_curve": curve,
+               "seconds": round(time.time() - t0, 1), "device": "cpu"}
+    log.info("%s: held-out exact match %.3f (base %.3f) after %d steps, %.0f s", domain, acc, base_acc, step,
+             metrics["seconds"])
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(args.threads)
+    tok = UnifiedTokenizer.load(args.model_dir)
+    args.out.mkdir(parents=True, exist_ok=True)
+    metrics_path = args.out / "domain_metrics.json"
+    results = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
+    for domain in args.domains:
+        results[domain] = train_domain(args, tok, domain)
+        metrics_path.write_text(json.dumps(results, indent=2))  # after every domain: a stopped run keeps them
+    return results
+
+
+if __name__ == "__main__":
+    main()

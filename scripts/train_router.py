@@ -1,0 +1,275 @@
+"""Train MoLoRA learned gates over frozen adapters: base and adapters frozen, only the gates train.
+
+Per transformer block a gate Linear(d_model, E) on the block input picks the top-k of E adapters per token
+(routing/routers.py LearnedGates / LearnedRouter, hierarchical: image positions never reach the gate). The loss
+is the next-token loss on the answer ids (the whole text when a record has no prompt) + lb * Switch load-balance
+loss + z * router z-loss (both from RoutedModel.forward, averaged over blocks; computed in training only), and,
+when records carry domain labels and --label-coef > 0, a cross-entropy of the gate logits against the labels.
+Top-k is the k of training; the gates are trained at k = 2 (softmax over the two kept logits: at k = 1 the kept
+weight is always 1 and the next-token loss gives the gate no gradient) and serve at k = 1 or 2.
+
+Data: by default the shapes question domains (models/shapes/domains.py, train split): --n-per-domain items of each
+adapter's domain and as many mixed requests; validation on held-out items. Or your own adapters and texts:
+
+    --data my.jsonl  one JSON object a line: {"text": "..."} (loss on every id), or {"prompt": "...",
+                     "answer": "..."} (loss on the answer), optional "domain": "<adapter name>" (routing
+                     agreement, and the label loss with --label-coef)
+    --val-data v.jsonl   same format (default: 10% of --data, held apart)
+
+Writes OUT/gates.safetensors (LearnedGates.save: names in its metadata) and OUT/config.json (adapters, top_k,
+coefficients, steps, seed, validation metrics, the adapters' file hashes). InterleavedPipeline.from_pretrained
+loads <model>/../router/gates.safetensors by default (models/loading.py).
+
+    python scripts/train_router.py --out assets/router --adapters count arith spatial size
+    python scripts/train_router.py --adapters-dir my_adapters --adapters a b c --data my.jsonl --out my_router
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.data import Schedule  # noqa: E402
+from models.loading import ModelDirError, adapter_rank  # noqa: E402
+from models.shapes.domain_batches import (  # noqa: E402
+    EncodedItem,
+    answer_loss,
+    encode_item,
+    encode_prompt_answer,
+    exact_matches,
+    make_batch,
+)
+from models.shapes.domains import DOMAINS, domain_items, mixed_items  # noqa: E402
+from models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
+from models.tokenizer import UnifiedTokenizer  # noqa: E402
+from routing import LearnedGates, LearnedRouter, RoutedModel, attach_routed_lora  # noqa: E402
+
+log = logging.getLogger("train_router")
+REPO = Path(__file__).resolve().parents[1]
+
+
+class RouterDataError(ValueError):
+    """A --data file that cannot be used: says which line and what to fix."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, default=REPO / "assets" / "model")
+    p.add_argument("--adapters-dir", type=Path, default=REPO / "assets" / "adapters")
+    p.add_argument("--adapters", nargs="+", default=list(DOMAINS), help="adapter folder names the gates route over")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--data", type=Path, default=None, help="jsonl of texts (default: the shapes question domains)")
+    p.add_argument("--val-data", type=Path, default=None)
+    p.add_argument("--n-per-domain", type=int, default=1500, help="generated data: train items per domain (+ mixed)")
+    p.add_argument("--n-val", type=int, default=100, help="generated data: held-out items per domain (+ mixed)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--lb-coef", type=float, default=0.01, help="Switch load-balance loss coefficient")
+    p.add_argument("--z-coef", type=float, default=1e-3, help="router z-loss coefficient")
+    p.add_argument("--label-coef", type=float, default=0.0, help="gate cross-entropy on domain labels (if given)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--max-minutes", type=float, default=0.0)
+    p.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: at the end only)")
+    return p.parse_args(argv)
+
+
+# --- model and adapters ------------------------------------------------------------------------------------
+
+def load_routed(model_dir: Path, adapters_dir: Path, names: list[str]) -> tuple[RoutedModel, UnifiedTokenizer]:
+    """The frozen base (fp32, CPU) with the named adapter folders loaded into a hot set that holds them all."""
+    missing = [n for n in names if not (adapters_dir / n / "adapter_config.json").is_file()]
+    if missing:
+        raise ModelDirError(f"no adapter folder for {missing} under {adapters_dir} (each needs adapter_config.json "
+                            "and adapter_model.safetensors)")
+    tok = UnifiedTokenizer.load(model_dir)
+    lm = LlamaForCausalLM.from_pretrained(model_dir / "lm", dtype=torch.float32)
+    set_base_model_name(lm)
+    lm.requires_grad_(False).train()  # no dropout in this model; train mode skips building a KV cache
+    r_max = max([8, *(adapter_rank(adapters_dir / n) for n in names)])
+    routed = attach_routed_lora(lm, target_modules=LORA_TARGETS, num_slots=max(1, len(names)), r_max=r_max)
+    for n in names:
+        routed.load_adapter(adapters_dir / n, name=n)
+    return routed, tok
+
+
+def file_hashes(adapters_dir: Path, names: list[str]) -> dict[str, str]:
+    return {n: hashlib.sha256((adapters_dir / n / "adapter_model.safetensors").read_bytes()).hexdigest()[:16]
+            for n in names}
+
+
+# --- data --------------------------------------------------------------------------------------------------
+
+def read_jsonl(path: Path, tok: UnifiedTokenizer, adapters: list[str]) -> list[EncodedItem]:
+    records = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RouterDataError(f"{path}:{lineno}: not JSON ({exc})") from exc
+        if not isinstance(rec, dict) or not (isinstance(rec.get("text"), str) or (
+                isinstance(rec.get("prompt"), str) and isinstance(rec.get("answer"), str))):
+            raise RouterDataError(f"{path}:{lineno}: need {{\"text\": str}} or {{\"prompt\": str, \"answer\": str}}")
+        domain = rec.get("domain")
+        if domain is not None and domain not in adapters:
+            raise RouterDataError(f"{path}:{lineno}: domain {domain!r} is not one of the adapters {adapters}")
+        if "text" in rec:
+            records.append(encode_prompt_answer(tok, rec["text"], None, domain))
+        else:
+            records.append(encode_prompt_answer(tok, rec["prompt"], rec["answer"], domain))
+    if not records:
+        raise RouterDataError(f"{path} holds no records")
+    return records
+
+
+def shapes_data(tok: UnifiedTokenizer, adapters: list[str], n: int, seed: str, split: str) -> list[EncodedItem]:
+    unknown = [a for a in adapters if a not in ("count", "arith", "spatial", "size", "mix")]
+    if unknown:
+        raise RouterDataError(f"adapters {unknown} are not shapes question domains: pass --data with your texts")
+    items = [it for d in adapters for it in domain_items(d, n, seed=seed, split=split)]
+    if len(adapters) >= 2:
+        items += mixed_items(n, seed=seed, split=split, domains=adapters)
+    return [encode_item(tok, it) for it in items]
+
+
+# --- validation --------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def validate(routed: RoutedModel, router: LearnedRouter | None, data: list[EncodedItem], pad: int,
+             adapters: list[str], batch_size: int = 64) -> dict:
+    """Exact match per kind (domain / mixed) and routing agreement of every block's top-1 with the labels on the
+    positions that predict an answer id."""
+    hits: dict[str, list[bool]] = {}
+    agree = torch.zeros(routed.num_blocks)
+    counted = 0
+    for i in range(0, len(data), batch_size):
+        batch = make_batch(data, range(i, min(i + batch_size, len(data))), pad, adapters)
+        out = routed(batch.ids, routers=router, use_cache=False)
+        whole, _ = exact_matches(out.logits, batch, data)
+        for r, ok in zip(batch.rows, whole):
+            hits.setdefault(data[r].kind, []).append(ok)
+        if out.decisions:
+            sel = torch.zeros_like(batch.target)
+            sel[:, :-1] = batch.target[:, 1:]
+            sel &= batch.labels >= 0
+            flat = sel.reshape(-1)
+            for block, ds in out.decisions.items():
+                agree[block] += float((ds[0].topk[:, 0][flat] == batch.labels.reshape(-1)[flat]).sum())
+            counted += int(flat.sum())
+    metrics = {f"exact_{k}": round(sum(v) / len(v), 4) for k, v in sorted(hits.items())}
+    every = [x for v in hits.values() for x in v]
+    metrics["exact_all"] = round(sum(every) / max(1, len(every)), 4)
+    if counted:
+        per_block = (agree / counted).tolist()
+        metrics["agreement_per_block"] = [round(a, 4) for a in per_block]
+        metrics["agreement"] = round(sum(per_block) / len(per_block), 4)
+    return metrics
+
+
+# --- training ----------------------------------------------------------------------------------------------
+
+def label_loss(decisions: dict, labels: torch.Tensor) -> torch.Tensor:
+    flat = labels.reshape(-1)
+    keep = flat >= 0
+    losses = [F.cross_entropy(d.logits[keep], flat[keep]) for ds in decisions.values() for d in ds]
+    return torch.stack(losses).mean()
+
+
+def train_gates(routed: RoutedModel, tok: UnifiedTokenizer, adapters: list[str], train: list[EncodedItem],
+                val: list[EncodedItem], args: argparse.Namespace) -> tuple[LearnedGates, dict]:
+    torch.manual_seed(args.seed)
+    gates = LearnedGates.for_model(routed, adapters)
+    router = LearnedRouter(gates, top_k=min(args.top_k, len(adapters)), vocab=tok.vocab)
+    opt = torch.optim.AdamW(gates.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = Schedule(args.steps, max(1, args.steps // 10), args.max_minutes)
+    rng = random.Random(f"{args.seed}:router-order")
+    pad = tok.vocab.pad_id
+    order: list[int] = []
+    step, curve, history = 0, [], []
+    bar = tqdm(total=args.steps, desc="router", mininterval=5)
+    while not sched.done(step):
+        if len(order) < args.batch_size:
+            order += rng.sample(range(len(train)), len(train))
+        rows, order = order[:args.batch_size], order[args.batch_size:]
+        batch = make_batch(train, rows, pad, adapters)
+        for group in opt.param_groups:
+            group["lr"] = args.lr * sched.factor(step)
+        out = routed(batch.ids, routers=router, use_cache=False)
+        nll = answer_loss(out.logits, batch)
+        loss = nll + args.lb_coef * out.load_balance_loss + args.z_coef * out.z_loss
+        if args.label_coef > 0 and bool((batch.labels >= 0).any()):
+            loss = loss + args.label_coef * label_loss(out.decisions, batch.labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        bar.update(1)
+        if step % 10 == 0 or step == args.steps:
+            curve.append((step, round(nll.item(), 4), round(out.load_balance_loss.item(), 4),
+                          round(out.z_loss.item(), 3)))
+            bar.set_postfix(nll=f"{curve[-1][1]:.3f}", lb=f"{curve[-1][2]:.3f}")
+        if args.val_every and step % args.val_every == 0 and not sched.done(step):
+            history.append({"step": step, **validate(routed, router, val, pad, adapters)})
+            log.info("step %d: %s", step, history[-1])
+    bar.close()
+    metrics = {}
+    for k in sorted({1, min(2, len(adapters))}):
+        m = validate(routed, LearnedRouter(gates, top_k=k, vocab=tok.vocab), val, pad, adapters)
+        metrics[f"top{k}"] = m
+    log.info("validation: %s", metrics)
+    return gates, {"steps": step, "curve": curve, "history": history, "val": metrics}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    adapters = list(dict.fromkeys(args.adapters))
+    routed, tok = load_routed(args.model_dir, args.adapters_dir, adapters)
+    if args.data is not None:
+        data = read_jsonl(args.data, tok, adapters)
+        if args.val_data is not None:
+            train, val = data, read_jsonl(args.val_data, tok, adapters)
+        else:
+            order = random.Random(f"{args.seed}:split").sample(range(len(data)), len(data))
+            cut = max(1, len(data) // 10)
+            val, train = [data[i] for i in order[:cut]], [data[i] for i in order[cut:]] or [data[order[0]]]
+        source = {"data": str(args.data), "val_data": str(args.val_data) if args.val_data else "10% of data"}
+    else:
+        train = shapes_data(tok, adapters, args.n_per_domain, f"router{args.seed}", "train")
+        val = shapes_data(tok, adapters, args.n_val, f"router-val{args.seed}", "heldout")
+        source = {"data": "models/shapes/domains.py", "n_per_domain": args.n_per_domain, "n_val": args.n_val}
+    log.info("router over %s: %d train, %d val records", adapters, len(train), len(val))
+    gates, result = train_gates(routed, tok, adapters, train, val, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    gates.save(args.out / "gates.safetensors")
+    config = {"format": "molora-router", "adapters": adapters, "top_k": args.top_k, "d_model": gates.d_model,
+              "num_blocks": gates.num_blocks, "hierarchical": "text positions gated; image positions by vocabulary",
+              "loss": {"next_token": 1.0, "load_balance": args.lb_coef, "z": args.z_coef, "label": args.label_coef},
+              "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed, "train_records": len(train),
+              "val_records": len(val), **source, "adapter_sha256_16": file_hashes(args.adapters_dir, adapters),
+              "seconds": round(time.time() - t0, 1), "device": "cpu", "threads": args.threads, **result}
+    (args.out / "config.json").write_text(json.dumps(config, indent=2))
+    return config
+
+
+if __name__ == "__main__":
+    main()

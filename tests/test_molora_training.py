@@ -1,0 +1,166 @@
+"""Domain adapters trained through the routed path, the router trained over them, saved, loaded and refused."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.loading import load_model_dir
+from models.shapes.domain_batches import encode_item, exact_matches, make_batch
+from models.shapes.domains import domain_items, mixed_items
+from models.testing import write_tiny_model_dir
+from routing import LabelRouter, LearnedGates, LearnedRouter, RoutingError, SequenceRouter
+from routing.errors import UnknownAdapterError
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _script(name: str):
+    sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("molora")
+    model = write_tiny_model_dir(root / "model")
+    adapters = root / "adapters"
+    metrics = _script("train_domain_adapters").main(
+        ["--model-dir", str(model), "--out", str(adapters), "--domains", "count", "spatial", "--steps", "3",
+         "--n-train", "48", "--n-val", "8", "--batch-size", "8", "--rank", "4", "--alpha", "8"])
+    router = _script("train_router").main(
+        ["--model-dir", str(model), "--adapters-dir", str(adapters), "--adapters", "count", "spatial",
+         "--out", str(root / "router"), "--steps", "2", "--n-per-domain", "8", "--n-val", "4", "--batch-size", "8"])
+    return root, model, adapters, metrics, router
+
+
+def test_domain_adapters_are_peft_files_that_peft_and_the_routed_model_apply_alike(trained):
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from models.testing import set_base_model_name
+    from routing import attach_routed_lora
+    root, model, adapters, metrics, _ = trained
+    assert set(metrics) == {"count", "spatial"} and metrics["count"]["steps"] == 3
+    assert json.loads((adapters / "domain_metrics.json").read_text())["spatial"]["val_items"] == 8
+    meta = json.loads((adapters / "count" / "molora.json").read_text())
+    assert meta["modality"] == "text" and meta["domain"] == "count"
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 2]])
+    lm = set_base_model_name(LlamaForCausalLM.from_pretrained(model / "lm", dtype=torch.float32)).eval()
+    peft_model = PeftModel.from_pretrained(lm, str(adapters / "count"))
+    assert any(float(p.abs().sum()) > 0 for n, p in peft_model.named_parameters() if "lora_B" in n)  # it trained
+    with torch.no_grad():
+        want = peft_model(input_ids=ids).logits
+    lm2 = set_base_model_name(LlamaForCausalLM.from_pretrained(model / "lm", dtype=torch.float32)).eval()
+    routed = attach_routed_lora(lm2, num_slots=2, r_max=4)
+    routed.load_adapter(adapters / "count")
+    with torch.no_grad():
+        got = routed(ids, routers=SequenceRouter("count")).logits
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_router_trains_only_the_gates_and_writes_gates_and_config(trained):
+    root, _, adapters, _, config = trained
+    saved = json.loads((root / "router" / "config.json").read_text())
+    assert saved["adapters"] == ["count", "spatial"] and saved["top_k"] == 2 and saved["steps"] == 2
+    assert set(saved["loss"]) == {"next_token", "load_balance", "z", "label"}
+    assert {"top1", "top2"} <= set(saved["val"]) and "agreement_per_block" in saved["val"]["top2"]
+    for name, digest in saved["adapter_sha256_16"].items():  # adapters untouched by router training
+        data = (adapters / name / "adapter_model.safetensors").read_bytes()
+        assert hashlib.sha256(data).hexdigest()[:16] == digest
+    gates = LearnedGates.load(root / "router" / "gates.safetensors")
+    assert gates.adapters == ["count", "spatial"] and gates.num_blocks == 2
+
+
+def test_from_pretrained_loads_the_router_beside_the_adapters_and_generates_with_it(trained):
+    from models.pipeline import InterleavedPipeline
+    root, model, _, _, _ = trained
+    pipe = InterleavedPipeline.from_pretrained(root)
+    assert pipe.gates is not None and pipe.gates.adapters == ["count", "spatial"]
+    doc = pipe.generate("A red circle on the left. How many circles are there? A:", routing="learned",
+                        max_new_tokens=4, max_images=0)
+    assert doc is not None
+
+
+def test_gates_over_adapters_that_are_not_loaded_are_refused_and_nothing_changes(trained, tmp_path):
+    from models.pipeline import InterleavedPipeline
+    root, model, adapters, _, _ = trained
+    pipe = InterleavedPipeline.from_pretrained(model, adapters_dir=adapters)
+    before = pipe.gates
+    other = LearnedGates(pipe.routed.hidden_size, ["count", "poetry"], pipe.routed.num_blocks)
+    other.save(tmp_path / "gates.safetensors")
+    with pytest.raises(UnknownAdapterError, match="poetry"):
+        pipe.load_learned_router(tmp_path / "gates.safetensors")
+    assert pipe.gates is before
+    with pytest.raises(RoutingError, match="not a gate file"):
+        LearnedGates.load(tmp_path / "missing.safetensors")
+
+
+def test_router_data_jsonl_bad_lines_name_the_line(trained, tmp_path):
+    root, model, adapters, _, _ = trained
+    train_router = _script("train_router")
+    tok = load_model_dir(model, adapters_dir=adapters).tokenizer
+    good = tmp_path / "ok.jsonl"
+    good.write_text('{"text": "a red circle"}\n{"prompt": "How many?", "answer": " two.", "domain": "count"}\n')
+    records = train_router.read_jsonl(good, tok, ["count", "spatial"])
+    assert len(records) == 2 and records[1].span_domain[0] == "count" and records[0].answer_start == 1
+    for body, match in (('{"text": 3}\n', "ok.jsonl:1"), ('{"text": "x"}\nnot json\n', "ok.jsonl:2"),
+                        ('{"text": "x", "domain": "poetry"}\n', "poetry"), ("\n", "no records")):
+        good.write_text(body)
+        with pytest.raises(train_router.RouterDataError, match=match):
+            train_router.read_jsonl(good, tok, ["count", "spatial"])
+    with pytest.raises(train_router.RouterDataError, match="not shapes question domains"):
+        train_router.shapes_data(tok, ["pirate"], 2, "s", "train")
+
+
+def test_router_trains_from_a_users_jsonl(trained, tmp_path):
+    root, model, adapters, _, _ = trained
+    data = tmp_path / "mine.jsonl"
+    items = domain_items("count", 6, seed=0) + domain_items("spatial", 6, seed=0)
+    data.write_text("".join(json.dumps({"prompt": i.prompt, "answer": i.answer, "domain": i.kind}) + "\n"
+                            for i in items))
+    config = _script("train_router").main(
+        ["--model-dir", str(model), "--adapters-dir", str(adapters), "--adapters", "count", "spatial",
+         "--out", str(tmp_path / "r"), "--data", str(data), "--steps", "2", "--batch-size", "4",
+         "--label-coef", "0.5"])
+    assert config["train_records"] == 11 and config["val_records"] == 1 and config["loss"]["label"] == 0.5
+    assert (tmp_path / "r" / "gates.safetensors").is_file()
+
+
+def test_label_router_routes_each_position_to_its_label_and_checks_shapes(trained):
+    root, model, adapters, _, _ = trained
+    train_router = _script("train_router")
+    routed, tok = train_router.load_routed(model, adapters, ["count", "spatial"])
+    items = [encode_item(tok, it) for it in mixed_items(4, seed=0, domains=["count", "spatial"])]
+    batch = make_batch(items, range(4), tok.vocab.pad_id, ["count", "spatial"])
+    with torch.no_grad():
+        out = routed(batch.ids, routers=LabelRouter(["count", "spatial"], batch.labels))
+    names = {0: "count", 1: "spatial", -1: None}
+    for b in range(4):
+        assert out.routing.adapter_names(b) == [names[int(x)] for x in batch.labels[b]]
+    whole, spans = exact_matches(out.logits, batch, items)
+    assert len(whole) == 4 and all(len(s) == 2 for s in spans)
+    with pytest.raises(RoutingError, match="one label per input position"):
+        routed(batch.ids[:, :3], routers=LabelRouter(["count", "spatial"], batch.labels))
+
+
+def test_learned_routing_is_hierarchical_in_one_pass(trained):
+    root, model, adapters, _, _ = trained
+    train_router = _script("train_router")
+    routed, tok = train_router.load_routed(model, adapters, ["count", "spatial"])
+    gates = LearnedGates.for_model(routed, ["count"])
+    vocab = tok.vocab
+    ids = torch.tensor([[vocab.bos_id, 40, 41, vocab.boi_id, vocab.image_start, vocab.image_start + 1, 42]])
+    router = LearnedRouter(gates, top_k=1, vocab=vocab, image_adapter="spatial")
+    with torch.no_grad():
+        out = routed(ids, routers=router)
+    assert out.routing.adapter_names(0) == ["count", "count", "count", "spatial", "spatial", "spatial", "count"]
