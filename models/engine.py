@@ -23,11 +23,13 @@ may come and go between replays.  Learned (MoLoRA) rows run the same step eagerl
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import random
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -57,16 +59,29 @@ CPU_MIN_WIDTH = 4
 KV_COLUMN_BLOCK = 64
 
 
+_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_engines() -> None:
+    """Stop every engine loop before the interpreter tears down torch (a loop thread still alive then aborts
+    the process with 'terminate called without an active exception' when torch runs one thread)."""
+    for engine in list(_ENGINES):
+        engine.close()
+
+
 @dataclass
 class EngineConfig:
     """max_rows: rows decoded together (a CFG request takes two); max_len: positions per row (prompt + new
     tokens), default the model's; KV space is max_rows x max_len positions, allocated once.  cuda_graphs: capture
-    the decode step per width on CUDA.  queue_timeout_s: how long a request may wait for room."""
+    the decode step per width on CUDA.  queue_timeout_s: how long a request may wait for room.  batch_prefill:
+    prefill requests admitted at the same step boundary in one forward."""
 
     max_rows: int | None = None
     max_len: int | None = None
     cuda_graphs: bool = True
     queue_timeout_s: float = 600.0
+    batch_prefill: bool | None = None  # prefill newcomers together (default: on CUDA; see Engine._admit)
 
 
 @dataclass
@@ -179,6 +194,7 @@ class Engine:
         self.steps = 0
         self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._index_cache: tuple | None = None
+        _ENGINES.add(self)
 
     # --- the public side (any thread) ----------------------------------------------------------------------
     def submit(self, request: Request, config: GenerationConfig, *, sink: queue.Queue | None = None,
@@ -354,10 +370,15 @@ class Engine:
             job.row = self._free.pop(0)
             job.twin = self._free.pop(0) if job.rows_needed == 2 else None
             self._starting.append(job)
-        for job in list(self._starting):
-            if all(event.query() for event in job.pending):
-                self._starting.remove(job)
-                self._prefill(job)
+        ready = [job for job in self._starting if all(event.query() for event in job.pending)]
+        for job in ready:
+            self._starting.remove(job)
+        # the GPU prefills newcomers together; the CPU one at a time, so a request's numbers never depend on
+        # its neighbours (batch widths change a row's matmul results there)
+        together = self.config.batch_prefill if self.config.batch_prefill is not None else self.device.type == "cuda"
+        groups = [ready] if ready and together else [[job] for job in ready]
+        for group in groups:
+            self._prefill(group)
 
     def _end(self, job: _Job, reason: str | None = None, error: BaseException | None = None) -> None:
         """Free the job's rows and pins (if any) and tell its consumer."""
@@ -405,54 +426,88 @@ class Engine:
         return self.routed.run(ids, plan, attention_mask=mask, position_ids=positions, past_key_values=self.kv,
                                use_cache=True, logits_to_keep=1)
 
-    def _prefill_one(self, job: _Job, row: int, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write `prompt` into cache row `row` (positions from 0); returns (last logits [1, V], producing slot [1])."""
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        length = ids.shape[1]
-        positions = self.columns[None, :length]
-        columns = self.columns[:self._columns(length)]
-        mask = torch.where(columns[None, :] <= positions[0, :, None], 0.0, float("-inf"))
-        mask = mask.to(self.dtype)[None, None]
-        table = torch.tensor([self._slot(job, job.text_adapter), self._slot(job, job.image_adapter)],
-                             dtype=torch.long, device=self.device)
-        slots = table[self.states.modality[ids]].view(-1)
-        groups = [(job.learned, None, job.slot_of)] if job.learned is not None else []
-        plan = self._plan(ids, slots, groups, routed=bool(job.names))
-        out = self._forward(ids, positions, self.all_rows[row:row + 1], mask, plan, length=columns.shape[0])
-        return out.logits[:, -1], _producing(out.routing, slots[-1:])
+    def _prefill_forward(self, entries: list[tuple[_Job, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each (job, cache row, prompt) into its row, positions from 0, in ONE forward; returns the last
+        logits [n, V] and producing slots [n].  Prompts are left-padded so every last token is the last column;
+        a pad token is written past its row's prompt, where the row's own next tokens overwrite it before any
+        query reads it."""
+        width = max(len(prompt) for _, _, prompt in entries)
+        ids = torch.full((len(entries), width), self.vocab.pad_id, dtype=torch.long)
+        positions = torch.zeros((len(entries), width), dtype=torch.long)
+        table = torch.full((len(entries), 2), -1, dtype=torch.long)
+        groups: dict[int, tuple[LearnedRouter, list[int], dict[str, int]]] = {}
+        for i, (job, _, prompt) in enumerate(entries):
+            pad = width - len(prompt)
+            ids[i, pad:] = torch.tensor(prompt)
+            positions[i] = torch.cat([torch.arange(len(prompt), width), torch.arange(len(prompt))])
+            table[i] = torch.tensor([self._slot(job, job.text_adapter), self._slot(job, job.image_adapter)])
+            if job.learned is not None:
+                _, rows, slot_of = groups.setdefault(id(job.learned), (job.learned, [], {}))
+                rows.append(i)
+                slot_of.update(job.slot_of)
+        ids, positions, table = (t.to(self.device) for t in (ids, positions, table))
+        columns = self.columns[:self._columns(width)]
+        mask = torch.where(columns[None, None, :] <= positions[:, :, None], 0.0, float("-inf"))
+        mask = mask.to(self.dtype)[:, None]
+        slots = table.gather(1, self.states.modality[ids])
+        plan_groups = [(r, None if len(rows) == len(entries) else torch.tensor(rows, device=self.device), s)
+                       for r, rows, s in groups.values()]
+        plan = self._plan(ids, slots.view(-1), plan_groups, routed=any(job.names for job, _, _ in entries))
+        rows = torch.tensor([row for _, row, _ in entries], dtype=torch.long, device=self.device)
+        out = self._forward(ids, positions, rows, mask, plan, length=columns.shape[0])
+        return out.logits[:, -1], _producing(out.routing, slots[:, -1])
 
-    def _prefill(self, job: _Job) -> None:
-        """Prefill the job's rows alone, sample its first token, and let it join the running batch."""
+    def _prefill(self, jobs: list[_Job]) -> None:
+        """Prefill the jobs' rows (and CFG twins) in one forward, sample each job's first token, and let them
+        join the running batch. A group that does not fit in memory is retried one job at a time, so only a
+        request that is too large itself fails."""
         started = time.perf_counter()
         vocab = self.vocab
-        try:
-            logits, producing = self._prefill_one(job, job.row, job.prompt)
-            uncond = None
-            twin_prompt: list[int] = []
+        entries, twin_prompts = [], {}
+        for job in jobs:
+            entries.append((job, job.row, job.prompt))
             if job.twin is not None:
                 tail = [] if job.open_span is None else job.prompt[len(job.prompt) - job.open_span - 1:]
-                twin_prompt = [vocab.bos_id, *tail]
-                uncond, _ = self._prefill_one(job, job.twin, twin_prompt)
+                twin_prompts[job.row] = [vocab.bos_id, *tail]
+                entries.append((job, job.twin, twin_prompts[job.row]))
+        try:
+            logits, producing = self._prefill_forward(entries)
         except torch.OutOfMemoryError as err:
-            self._end(job, error=GenerationError(f"this request does not fit in the GPU's memory ({err}); "
-                                                 "shorten the prompt or lower max_new_tokens"))
-            torch.cuda.empty_cache()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(jobs) > 1:
+                for job in jobs:
+                    self._prefill([job])
+                return
+            self._end(jobs[0], error=GenerationError(f"this request does not fit in the GPU's memory ({err}); "
+                                                     "shorten the prompt or lower max_new_tokens"))
+            return
+        except Exception as err:  # a request that breaks the model fails alone; the engine keeps serving
+            log.exception("prefill failed")
+            for job in jobs:
+                self._end(job, error=GenerationError(f"prefill failed: {type(err).__name__}: {err}"))
             return
         states = self.states
-        states.start(job.row, job.config, last_pos=len(job.prompt) - 1, open_span=job.open_span,
-                     slots=(self._slot(job, job.text_adapter), self._slot(job, job.image_adapter)),
-                     twin=job.twin, twin_last_pos=len(twin_prompt) - 1)
-        job.generator = torch.Generator(device=self.device).manual_seed(job.config.seed) if job.random else None
-        self._running[job.row] = job
+        cond = [i for i, (job, row, _) in enumerate(entries) if row == job.row]
+        twin_at = {job.row: i for i, (job, row, _) in enumerate(entries) if row != job.row}
+        for job in jobs:
+            states.start(job.row, job.config, last_pos=len(job.prompt) - 1, open_span=job.open_span,
+                         slots=(self._slot(job, job.text_adapter), self._slot(job, job.image_adapter)),
+                         twin=job.twin, twin_last_pos=len(twin_prompts.get(job.row, [])) - 1)
+            job.generator = torch.Generator(device=self.device).manual_seed(job.config.seed) if job.random else None
+            self._running[job.row] = job
         self._index_cache = None
-        row = self.all_rows[job.row:job.row + 1]
-        twin_of = twin_rows = None
-        if job.twin is not None:
-            twin_of, twin_rows = self.all_rows[:1], self.all_rows[job.twin:job.twin + 1]
-        filters = job.config.text.filters or job.config.image.filters
-        token = states.choose(row, logits, uncond, self._noise([job], logits.shape[-1]), filters)
-        done = states.advance(row, token, twin_of, twin_rows)
-        self._emit([job], token, producing, done, (time.perf_counter() - started) * 1000.0, len(self._running))
+        rows = torch.tensor([job.row for job in jobs], dtype=torch.long, device=self.device)
+        uncond = twin_of = twin_rows = None
+        if twin_at:
+            uncond = logits[[twin_at.get(job.row, c) for job, c in zip(jobs, cond)]]
+            pairs = [(i, job.twin) for i, job in enumerate(jobs) if job.twin is not None]
+            twin_of = torch.tensor([i for i, _ in pairs], dtype=torch.long, device=self.device)
+            twin_rows = torch.tensor([t for _, t in pairs], dtype=torch.long, device=self.device)
+        filters = any(job.config.text.filters or job.config.image.filters for job in jobs)
+        tokens = states.choose(rows, logits[cond], uncond, self._noise(jobs, logits.shape[-1]), filters)
+        done = states.advance(rows, tokens, twin_of, twin_rows)
+        self._emit(jobs, tokens, producing[cond], done, (time.perf_counter() - started) * 1000.0, len(self._running))
 
     # --- one decode step ------------------------------------------------------------------------------------
     def _indices(self) -> tuple:

@@ -1,0 +1,214 @@
+"""The serving engine: requests joining and leaving a running batch, per-row sampling equal to solo runs,
+cancellation, queueing on full hot-set slots, in-place slot tables, bad requests; on CUDA, captured decode
+steps that stay exact while adapters move between slots."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from models.engine import Done, Engine, EngineConfig, Token
+from models.generation import GenerationConfig, Request
+from models.sampling import GenerationError, SamplingConfig
+from models.synthetic import random_adapters, random_routed_model
+from routing import (
+    CacheFullError,
+    LearnedGates,
+    LearnedRouter,
+    SequenceRouter,
+    UnknownAdapterError,
+    VocabRangeRouter,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GREEDY = dict(text=SamplingConfig(0.0), image=SamplingConfig(0.0))
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A tiny random Qwen3 routed on all projections, four adapters in the pool, a hot set of two slots."""
+    routed, vocab = random_routed_model("tiny", device="cpu", dtype=torch.float32, num_slots=2, image_size=64)
+    for adapter in random_adapters(routed, ["a", "b", "c", "d"], std=0.2):
+        routed.add_adapter(adapter)
+    return routed, vocab
+
+
+def prompts(vocab, n, seed=0, length=(3, 12)):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        size = int(torch.randint(length[0], length[1], (1,), generator=g))
+        out.append([vocab.bos_id, *torch.randint(vocab.text_start, vocab.vocab_size, (size,), generator=g).tolist()])
+    return out
+
+
+def collect(items):
+    """{request index: [(token, adapter), ...]} and {index: Done reason} from engine.stream."""
+    tokens, ends = {}, {}
+    for index, item in items:
+        if isinstance(item, Done):
+            ends[index] = item.reason
+        else:
+            tokens.setdefault(index, []).append((item.token, item.adapter))
+    return tokens, ends
+
+
+def solo(engine, request, config):
+    return collect(engine.stream([request], config))[0][0]
+
+
+def sampled(seed, **kw):
+    return GenerationConfig(max_new_tokens=40, seed=seed, cfg_scale=2.0,
+                            text=SamplingConfig(0.9, top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0)),
+                            image=SamplingConfig(1.1, top_k=kw.get("image_top_k", 0)))
+
+
+def test_requests_joining_a_running_batch_equal_their_solo_runs(model):
+    routed, vocab = model
+    engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128))
+    ps = prompts(vocab, 4)
+    routers = [VocabRangeRouter(vocab, "a", "b"), SequenceRouter("b"), None, VocabRangeRouter(vocab, None, "a")]
+    configs = [sampled(1), sampled(2, top_k=20), sampled(3, top_p=0.8), GenerationConfig(max_new_tokens=30, seed=0,
+                                                                                         **GREEDY)]
+    alone = [solo(engine, Request(p, r), c) for p, r, c in zip(ps, routers, configs)]
+    # the first request starts alone; the others join while it runs, at different steps
+    first = engine.stream([Request(ps[0], routers[0])], configs[0])
+    got = {0: []}
+    results: dict[int, list] = {}
+
+    def late(i: int) -> None:
+        results[i] = solo(engine, Request(ps[i], routers[i]), configs[i])
+
+    threads = []
+    for _index, item in first:
+        if isinstance(item, Done):
+            break
+        got[0].append((item.token, item.adapter))
+        if len(got[0]) in (3, 7, 12):
+            i = len(threads) + 1
+            threads.append(threading.Thread(target=late, args=(i,)))
+            threads[-1].start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert got[0] == alone[0]
+    for i in (1, 2, 3):
+        assert results[i] == alone[i], f"request {i} differs when it joined a running batch"
+    assert engine.steps > 0 and engine.stats()["running"] == 0
+
+
+def test_cancelling_frees_the_row_kv_and_adapter_pins_within_one_step(model):
+    routed, vocab = model
+    engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128))
+    long_config = GenerationConfig(max_new_tokens=100, min_new_tokens=100, seed=0, cfg_scale=1.0, **GREEDY)
+    keeper = engine.stream([Request(prompts(vocab, 1, seed=5)[0])], long_config)
+    next(keeper)  # a neighbour (base model: both slots stay free for the other) keeps the engine stepping
+    stream = engine.stream([Request(prompts(vocab, 1)[0], VocabRangeRouter(vocab, "a", "b"))], sampled(0))
+    for _ in range(3):
+        next(stream)
+    assert routed.cache.pins("a") == 1 and engine.stats()["free_rows"] == engine.max_rows - 3
+    stream.close()
+    steps_at_cancel = engine.steps
+    deadline = time.monotonic() + 10
+    while routed.cache.pins("a") and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert routed.cache.pins("a") == routed.cache.pins("b") == 0
+    assert engine.steps - steps_at_cancel <= 1
+    assert engine.stats()["free_rows"] == engine.max_rows - 1  # only the neighbour's row is held
+    assert engine.states.row_slots[:engine.max_rows].eq(-1).sum() >= 2 * (engine.max_rows - 1)
+    keeper.close()
+
+
+def test_requests_wait_for_hot_set_slots_and_then_run_exactly(model):
+    """Two slots: a request needing two other adapters waits until the running one releases its slots."""
+    routed, vocab = model
+    engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128))
+    config = GenerationConfig(max_new_tokens=25, seed=0, cfg_scale=1.0, **GREEDY)
+    ab, cd = prompts(vocab, 2, seed=3)
+    alone_cd = solo(engine, Request(cd, VocabRangeRouter(vocab, "c", "d")), config)
+    order = []
+    for index, item in engine.stream([Request(ab, VocabRangeRouter(vocab, "a", "b")),
+                                      Request(cd, VocabRangeRouter(vocab, "c", "d"))], config):
+        order.append((index, type(item).__name__))
+    first_of_second = order.index((1, "Token"))
+    assert order.index((0, "Done")) < first_of_second, "the second request ran before slots were free"
+    assert solo(engine, Request(cd, VocabRangeRouter(vocab, "c", "d")), config) == alone_cd
+    assert routed.cache.stats()["evictions"] >= 2
+
+
+def test_slot_tables_are_device_tensors_written_in_place(model):
+    routed, vocab = model
+    engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128))
+    config = GenerationConfig(max_new_tokens=10, seed=0, cfg_scale=1.0, **GREEDY)
+    solo(engine, Request([vocab.bos_id, 7], None), config)
+    table = engine.states.row_slots
+    address = table.data_ptr()
+    stream = engine.stream([Request([vocab.bos_id, 9, 10], VocabRangeRouter(vocab, "d", "c"))], config)
+    next(stream)
+    row = next(iter(engine._running))
+    assert table[row].tolist() == [routed.cache.slot_of("d"), routed.cache.slot_of("c")]
+    stream.close()
+    assert engine.states.row_slots.data_ptr() == address
+    # the same request after its adapters moved to other slots: new table entries, the same tokens
+    first = solo(engine, Request([vocab.bos_id, 9, 10], VocabRangeRouter(vocab, "d", "c")), config)
+    solo(engine, Request([vocab.bos_id, 11], VocabRangeRouter(vocab, "a", "b")), config)  # evicts c and d
+    before = (routed.cache.slot_of("c"), routed.cache.slot_of("d"))
+    solo(engine, Request([vocab.bos_id, 11], VocabRangeRouter(vocab, "c", None)), config)  # c comes back
+    again = solo(engine, Request([vocab.bos_id, 9, 10], VocabRangeRouter(vocab, "d", "c")), config)
+    assert before == (None, None)
+    assert again == first
+    assert {a for _, a in again} <= {"c", "d"}
+
+
+def test_bad_requests_are_refused_before_queueing(model):
+    routed, vocab = model
+    engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=64))
+    with pytest.raises(GenerationError, match="positions"):
+        engine.submit(Request([vocab.bos_id] * 40), GenerationConfig(max_new_tokens=30))
+    short = GenerationConfig(max_new_tokens=8)
+    with pytest.raises(UnknownAdapterError, match="nope"):
+        engine.submit(Request([vocab.bos_id], SequenceRouter("nope")), short)
+    gates = LearnedGates.for_model(routed, ["a", "b", "c"])
+    with pytest.raises(CacheFullError, match="2 slots"):
+        engine.submit(Request([vocab.bos_id], LearnedRouter(gates, top_k=2)), short)
+    with pytest.raises(GenerationError, match="SequenceRouter"):
+        engine.submit(Request([vocab.bos_id], object()), short)
+    assert engine.stats()["waiting"] == 0 and engine.stats()["running"] == 0
+
+
+def test_batched_prefill_gives_the_same_greedy_tokens(model):
+    routed, vocab = model
+    config = GenerationConfig(max_new_tokens=30, seed=0, cfg_scale=2.0, **GREEDY)
+    requests = [Request(p, VocabRangeRouter(vocab, "a", "b")) for p in prompts(vocab, 3, seed=9)]
+    requests.append(Request([vocab.bos_id, 20, vocab.boi_id, vocab.image_start + 1], SequenceRouter("b")))
+    one = collect(Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128)).stream(requests, config))
+    together = collect(Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128, batch_prefill=True))
+                       .stream(requests, config))
+    assert [[t for t, _ in row] for row in one[0].values()] == [[t for t, _ in row] for row in together[0].values()]
+
+
+def test_tokens_carry_the_batch_they_shared(model):
+    routed, vocab = model
+    engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128))
+    config = GenerationConfig(max_new_tokens=12, min_new_tokens=12, seed=0, cfg_scale=1.0, **GREEDY)
+    items = [item for _, item in engine.stream([Request(p) for p in prompts(vocab, 3)], config)]
+    batches = [item.batch for item in items if isinstance(item, Token)]
+    assert max(batches) == 3 and len(batches) == 36
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_steps_equal_eager_steps_while_adapters_move_between_slots():
+    routed, vocab = random_routed_model("tiny", device="cuda", dtype=torch.float32, num_slots=2, image_size=64)
+    for adapter in random_adapters(routed, ["a", "b", "c", "d"], std=0.2):
+        routed.add_adapter(adapter)
+    captured = Engine(routed, vocab, device="cuda", config=EngineConfig(max_len=128, max_rows=8))
+    eager = Engine(routed, vocab, device="cuda", config=EngineConfig(max_len=128, max_rows=8, cuda_graphs=False))
+    config = GenerationConfig(max_new_tokens=20, seed=0, cfg_scale=2.0, **GREEDY)
+    pairs = [("a", "b"), ("c", "d"), ("b", "a"), ("d", "c"), ("a", "c")]
+    for i, (t, im) in enumerate(pairs):  # each pair evicts the previous one: slots are reassigned between runs
+        request = [Request(p, VocabRangeRouter(vocab, t, im)) for p in prompts(vocab, 2, seed=i)]
+        assert collect(captured.stream(request, config)) == collect(eager.stream(request, config))
+    assert captured.stats()["graphs"] and routed.cache.stats()["evictions"] >= 6
