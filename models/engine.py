@@ -87,7 +87,8 @@ class EngineConfig:
 @dataclass
 class Token:
     """One generated token of a request: its index in the request, the adapter that produced it (None = base
-    model), the step's wall time and how many requests shared that step."""
+    model), the wall time since the request's previous token (the first: since it was submitted, so queueing and
+    prefill included) and how many requests shared the step that made it."""
 
     index: int
     token: int
@@ -128,6 +129,7 @@ class _Job:
     learned: LearnedRouter | None
     open_span: int | None
     submitted: float
+    last: float  # perf_counter of the previous token (or of the submission)
     names: list[str] = field(default_factory=list)  # distinct adapters to pin
     slot_of: dict[str, int] = field(default_factory=dict)
     pending: list[Any] = field(default_factory=list)  # CUDA events of copies into its slots
@@ -226,7 +228,7 @@ class Engine:
             raise CacheFullError(f"this request routes over {len(names)} distinct adapters but the hot set has only "
                                  f"{cache.num_slots} slots; choose fewer adapters")
         job = _Job(RequestHandle(self, sink if sink is not None else queue.Queue(), tag), prompt, config, text, image,
-                   learned, span, time.monotonic(), names=names)
+                   learned, span, time.monotonic(), time.perf_counter(), names=names)
         if job.rows_needed > self.max_rows:
             raise GenerationError(f"classifier-free guidance needs two rows; this engine has {self.max_rows}")
         with self._lock:
@@ -415,8 +417,9 @@ class Engine:
         return CallRouting(batch, length, slots, self.routed.cache.num_slots, learned=learned, k=k)
 
     def _columns(self, needed: int | None) -> int | None:
-        """KV columns an eager call reads (None = all: the captured step's fixed shape)."""
-        if needed is None:
+        """KV columns an eager call reads on the CPU (None = all: on CUDA every step has the captured step's
+        fixed shape, so eager and replayed steps compute the same numbers)."""
+        if needed is None or self.device.type == "cuda":
             return None
         return min(self.max_len, -(-needed // KV_COLUMN_BLOCK) * KV_COLUMN_BLOCK)
 
@@ -461,7 +464,6 @@ class Engine:
         """Prefill the jobs' rows (and CFG twins) in one forward, sample each job's first token, and let them
         join the running batch. A group that does not fit in memory is retried one job at a time, so only a
         request that is too large itself fails."""
-        started = time.perf_counter()
         vocab = self.vocab
         entries, twin_prompts = [], {}
         for job in jobs:
@@ -507,7 +509,7 @@ class Engine:
         filters = any(job.config.text.filters or job.config.image.filters for job in jobs)
         tokens = states.choose(rows, logits[cond], uncond, self._noise(jobs, logits.shape[-1]), filters)
         done = states.advance(rows, tokens, twin_of, twin_rows)
-        self._emit(jobs, tokens, producing[cond], done, (time.perf_counter() - started) * 1000.0, len(self._running))
+        self._emit(jobs, tokens, producing[cond], done, len(self._running))
 
     # --- one decode step ------------------------------------------------------------------------------------
     def _indices(self) -> tuple:
@@ -578,27 +580,28 @@ class Engine:
         return noise
 
     def _step(self) -> None:
-        started = time.perf_counter()
         jobs, rows, twin_of, twin_rows, width, learned, filters = self._indices()
         logits, producing = self._decode(width, jobs, learned)
         uncond = logits[self.states.twin[rows]] if twin_rows is not None else None
         tokens = self.states.choose(rows, logits[rows], uncond, self._noise(jobs, logits.shape[-1]), filters)
         done = self.states.advance(rows, tokens, twin_of, twin_rows)
         self.steps += 1
-        self._emit(jobs, tokens, producing[rows], done, (time.perf_counter() - started) * 1000.0, len(jobs))
+        self._emit(jobs, tokens, producing[rows], done, len(jobs))
 
     def _emit(self, jobs: list[_Job], tokens: torch.Tensor, producing: torch.Tensor, done: torch.Tensor,
-              ms: float, batch: int) -> None:
+              batch: int) -> None:
         """One host transfer for the step: tokens, producing slots, done flags; then tell every consumer."""
         host = torch.cat([tokens, producing.long(), done.long()]).tolist()
+        now = time.perf_counter()
         n = len(jobs)
         names = self.routed.cache.slots
         eos = self.vocab.eos_id
         for i, job in enumerate(jobs):
             token, slot = host[i], host[n + i]
             adapter = names[slot] if 0 <= slot < len(names) else None
-            job.handle.sink.put((job.handle.tag, Token(job.emitted, token, adapter, ms, batch)))
+            job.handle.sink.put((job.handle.tag, Token(job.emitted, token, adapter, (now - job.last) * 1000.0, batch)))
             job.emitted += 1
+            job.last = now
             if host[2 * n + i]:
                 self._end(job, "eos" if token == eos else "length")
 
