@@ -2,7 +2,7 @@
 
 Host and port come from --host/--port, else Gradio's GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (set on Hugging Face
 Spaces), else Gradio's defaults. The model comes from --model, else MOLORA_MODEL, else the embedded assets/model.
-MOLORA_CONCURRENCY sets how many generations run at once.
+MOLORA_CONCURRENCY sets how many generations run at once; MOLORA_THREADS (or --threads) torch's CPU threads.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from app.ui import DEFAULT_CONCURRENCY, build_demo, launch_kwargs
 from models import InterleavedPipeline
+from models.runtime import configure_cpu_threads
 
 log = logging.getLogger("molora.app")
 
@@ -32,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int,
                         default=int(os.environ.get("MOLORA_CONCURRENCY", DEFAULT_CONCURRENCY)),
                         help="generations running at once")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: $MOLORA_THREADS, else 1; see models/runtime.py)")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the short generation that warms the model up before serving")
     return parser.parse_args(argv)
@@ -52,10 +55,11 @@ def warm_up(pipe: InterleavedPipeline) -> None:
     adapters = pipe.adapters
     text = next((n for n, m in adapters.items() if m == "text"), None)
     image = next((n for n, m in adapters.items() if m == "image"), None)
+    log.info("warming up: one short generation before serving (a few seconds on a CPU)")
     started = time.perf_counter()
     pipe.generate("Draw a red circle.", text_adapter=text, image_adapter=image, routing="vocab", seed=0,
                   start_image=True, max_new_tokens=pipe.vocab.tokens_per_image + 2)
-    log.info("warm-up generation took %.1f s", time.perf_counter() - started)
+    log.info("warm-up done in %.1f s", time.perf_counter() - started)
 
 
 def serve(pipe: InterleavedPipeline, *, host: str | None = None, port: int | None = None,
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own health checks, one line per request
     args = parse_args(argv)
+    configure_cpu_threads(args.threads)
     pipe = load_pipeline(args.model, args.device)
     if not args.no_warmup:
         warm_up(pipe)

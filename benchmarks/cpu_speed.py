@@ -17,6 +17,7 @@ import time
 import torch
 
 from models import InterleavedPipeline
+from models.runtime import configure_cpu_threads
 
 TEXT_TOKENS = 83  # ~64 words at this tokenizer's 1.15 ids per word (+ <eos>)
 
@@ -36,7 +37,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    configure_cpu_threads(args.threads)
     pipe = InterleavedPipeline.from_pretrained(device="cpu")
     new_tokens = pipe.vocab.tokens_per_image + 1 + TEXT_TOKENS  # the image span, <eoi>, the text
     one_run(pipe, 1000, new_tokens)  # warm-up

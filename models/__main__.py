@@ -16,10 +16,11 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
 from PIL import Image
 
 from models.pipeline import ROUTING_MODES, InterleavedPipeline
+from models.runtime import configure_cpu_threads
+from models.sampling import check_seed
 from routing.errors import MoLoRAError
 
 
@@ -37,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text-adapter", default=None)
     p.add_argument("--image-adapter", default=None)
     p.add_argument("--routing", default="vocab", choices=ROUTING_MODES)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="0 to 2**31 - 1 (default: a fresh one, recorded)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--cfg-scale", type=float, default=None)
     p.add_argument("--temperature", type=float, default=None, help="text temperature (0 = greedy)")
@@ -51,17 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model's: its own captions of its pictures match the text)")
     p.add_argument("--no-color", action="store_true", help="do not colour tokens by adapter in the HTML")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU threads for torch (default 1: fastest for the small embedded model, and robust when "
-                        "other processes share the cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: $MOLORA_THREADS, else 1, the fastest for the small "
+                        "embedded model and robust when other processes share the cores; 0 = torch's default)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     overrides = {key: value for key, value in {
         "seed": args.seed, "max_new_tokens": args.max_new_tokens, "cfg_scale": args.cfg_scale,
         "text_temperature": args.temperature, "text_top_p": args.top_p,
@@ -70,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.start_image:
         overrides["start_image"] = True
     try:
+        configure_cpu_threads(args.threads)
+        if args.seed is not None:
+            overrides["seed"] = check_seed(args.seed, "--seed")
         images = []
         for path in args.image:
             try:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from models.runtime import configure_cpu_threads
 from routing.errors import MoLoRAError
 
 log = logging.getLogger(__name__)
@@ -125,9 +128,27 @@ def resolve_dirs(path: str | Path | None, adapters_dir: str | Path | None) -> tu
     return model_dir, None
 
 
+@contextmanager
+def _progress_bars(show: bool) -> Iterator[None]:
+    """transformers' "Loading weights" bar only when `show` (its setting is global: restored afterwards)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if was and not show:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not show:
+            hf_logging.enable_progress_bar()
+
+
 def load_model_dir(path: str | Path | None = None, *, adapters_dir: str | Path | None = None,
-                   device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
+                   device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                   threads: int | None = None) -> LoadedModel:
     """Load tokenizer, LM and VQ of a model directory (None = assets/model) and list its adapters.
+
+    Also sets torch's CPU thread count (models/runtime.py: `threads`, else $MOLORA_THREADS, else 1; 0 leaves it).
 
     Checks before loading anything big: the files exist; after: the LM's vocabulary covers the unified
     vocabulary and the VQ's grid and codebook match it.
@@ -145,13 +166,15 @@ def load_model_dir(path: str | Path | None = None, *, adapters_dir: str | Path |
     missing = missing_model_files(model_dir)
     if missing:
         raise ModelDirError(f"{model_dir} is not a complete model directory; missing: {', '.join(missing)}")
+    configure_cpu_threads(threads)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
     tokenizer = UnifiedTokenizer.load(model_dir)
     vocab = tokenizer.vocab
     try:
-        lm = AutoModelForCausalLM.from_pretrained(str(model_dir / "lm"), use_safetensors=True, dtype=dtype)
+        with _progress_bars(log.isEnabledFor(logging.INFO)):  # a library is quiet unless logging asks for more
+            lm = AutoModelForCausalLM.from_pretrained(str(model_dir / "lm"), use_safetensors=True, dtype=dtype)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise ModelDirError(f"cannot load the language model from {model_dir / 'lm'}: {exc}") from exc
     lm = lm.to(device).eval().requires_grad_(False)

@@ -1,0 +1,67 @@
+"""Process-wide runtime settings shared by the app, the Python API and the CLI: the CPU thread count.
+
+Decode steps of the embedded model are small (a 256-wide, 6-layer LM, batch 1-2): splitting each matmul over cores costs
+more in synchronisation than it saves, and when another process busy-waits on one of the cores every step waits
+for the slower thread. So torch gets one intra-op thread by default. Override it with MOLORA_THREADS=<n>, the CLI's and
+the app's --threads, or `configure_cpu_threads(n)` before loading a model (0 = leave torch's own). A choice made
+with OMP_NUM_THREADS or torch.set_num_threads is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from routing.errors import MoLoRAError
+
+log = logging.getLogger(__name__)
+
+THREADS_ENV = "MOLORA_THREADS"
+# C1 workload (benchmarks/cpu_speed.py: one image + 83 text tokens, embedded model) on this project's 2-core VM,
+# which other developers' jobs share, so each pair of numbers was taken side by side (benchmarks/RESULTS.md,
+# "CPU threads"): with other jobs on the cores, 1 thread 5.27 s vs 2 threads 6.44 s (median, alternated in one
+# process); separate runs 2.32 s vs 19.95 s when a test suite started beside them. One thread never lost by much,
+# two lost up to 8x under contention: the default is 1.
+DEFAULT_CPU_THREADS = 1
+
+
+_chosen: int | None = None  # an explicit choice made earlier in this process (CLI / app flag) wins over the default
+_TORCH_AT_IMPORT = torch.get_num_threads()  # differs later only if someone called torch.set_num_threads
+
+
+def cpu_threads(requested: int | None = None) -> int:
+    """The thread count to use (0 = leave torch's): `requested`, else an explicit choice made earlier in this
+    process, else $MOLORA_THREADS, else 0 when the user already chose (OMP_NUM_THREADS, or torch.set_num_threads
+    after importing models), else DEFAULT_CPU_THREADS."""
+    if requested is None and _chosen is not None:
+        return _chosen
+    if requested is None:
+        raw = os.environ.get(THREADS_ENV, "").strip()
+        if not raw:
+            user_chose = bool(os.environ.get("OMP_NUM_THREADS")) or torch.get_num_threads() != _TORCH_AT_IMPORT
+            return 0 if user_chose else DEFAULT_CPU_THREADS
+        if not raw.isdigit():
+            raise MoLoRAError(f"{THREADS_ENV}={raw!r} is not a whole number >= 0; set it to the CPU threads torch "
+                              "should use (e.g. 1), or 0 to leave torch's default")
+        return int(raw)
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
+        raise MoLoRAError(f"CPU threads must be a whole number >= 0 (0 = leave torch's default), got {requested!r}")
+    return requested
+
+
+def configure_cpu_threads(requested: int | None = None) -> int:
+    """Set torch's intra-op thread count by `cpu_threads` and return what torch now uses. An explicit `requested`
+    is remembered, so loading a model afterwards (which calls this with None) keeps it."""
+    global _chosen
+    threads = cpu_threads(requested)
+    if requested is not None:
+        _chosen = threads
+    if threads and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+        log.debug("torch uses %d CPU thread(s)", threads)
+    return torch.get_num_threads()
+
+
+__all__ = ["DEFAULT_CPU_THREADS", "THREADS_ENV", "configure_cpu_threads", "cpu_threads"]

@@ -1,0 +1,72 @@
+"""The CPU thread count: one rule (models/runtime.py) shared by the app, the Python API and the CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import runtime
+from models.loading import load_model_dir
+from models.runtime import DEFAULT_CPU_THREADS, THREADS_ENV, configure_cpu_threads, cpu_threads
+from routing.errors import MoLoRAError
+
+
+@pytest.fixture(autouse=True)
+def restore_threads(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setattr(runtime, "_chosen", None)
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(runtime, "_TORCH_AT_IMPORT", before)  # nobody has chosen yet
+    yield
+    torch.set_num_threads(before)
+
+
+def test_default_is_the_measured_constant_and_the_environment_overrides_it(monkeypatch):
+    assert cpu_threads() == DEFAULT_CPU_THREADS == 1
+    monkeypatch.setenv(THREADS_ENV, "2")
+    assert cpu_threads() == 2
+    assert cpu_threads(3) == 3  # an explicit argument wins
+
+
+@pytest.mark.parametrize("bad", ["two", "-1", "1.5"])
+def test_a_bad_environment_value_is_a_clear_error(monkeypatch, bad):
+    monkeypatch.setenv(THREADS_ENV, bad)
+    with pytest.raises(MoLoRAError, match=THREADS_ENV):
+        cpu_threads()
+
+
+def test_zero_leaves_torch_alone():
+    torch.set_num_threads(2)
+    assert configure_cpu_threads(0) == 2
+
+
+def test_loading_a_model_sets_one_thread_by_default(tiny_model_dir, monkeypatch):
+    torch.set_num_threads(2)
+    monkeypatch.setattr(runtime, "_TORCH_AT_IMPORT", 2)  # as if torch had started with 2 threads
+    load_model_dir(tiny_model_dir, device="cpu")
+    assert torch.get_num_threads() == 1
+
+
+def test_a_choice_made_with_torch_or_omp_is_left_alone(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(runtime, "_TORCH_AT_IMPORT", 1)
+    torch.set_num_threads(2)  # the user's own call, after importing models
+    load_model_dir(tiny_model_dir, device="cpu")
+    assert torch.get_num_threads() == 2
+    monkeypatch.setattr(runtime, "_TORCH_AT_IMPORT", 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cpu_threads() == 0
+
+
+def test_an_explicit_choice_survives_loading_a_model(tiny_model_dir):
+    configure_cpu_threads(2)  # what `python -m models --threads 2` and `python app.py --threads 2` do first
+    load_model_dir(tiny_model_dir, device="cpu")
+    assert torch.get_num_threads() == 2
+
+
+def test_the_app_and_the_cli_take_a_threads_flag():
+    from app.server import parse_args as app_args
+    from models.__main__ import parse_args as cli_args
+
+    assert app_args(["--threads", "2"]).threads == 2 and app_args([]).threads is None
+    assert cli_args(["x", "--threads", "2"]).threads == 2 and cli_args(["x"]).threads is None
