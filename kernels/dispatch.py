@@ -1,10 +1,11 @@
 """One dispatcher for every routed-LoRA call: torch path on CPU, Triton gather, stacked or grouped kernel on CUDA.
 
-The choice depends only on shapes (rows M = N*k, stacked width S*r), never on slot values, so it is the same on
-every replay of a captured CUDA graph:
-  gather   rows <= GATHER_MAX_ROWS_STACKED (or the limits below when the stacked path does not apply)
-  stacked  S*r <= STACKED_MAX_WIDTH: cost independent of k, no metadata (kernels/triton_stacked.py)
-  grouped  otherwise (wide hot sets: S*r above the width where stacking all slots stops being free)
+The choice depends only on shapes (rows M = N*k, rank r, stacked width S*r) and on whether a CUDA graph is being
+captured, never on slot values, so it is the same on every replay of a captured graph:
+  stacked  eager decode calls on a narrow hot set (one launch: the host is the bottleneck there)
+  gather   few rows (rows * r small): reads only the chosen slots, split-K latency kernel
+  stacked  narrow hot sets (S*r small) above that, any k: cost independent of k, no metadata
+  grouped  wide hot sets, and k=1 with prebuilt metadata at large N
 """
 
 from __future__ import annotations
@@ -24,25 +25,38 @@ if HAS_TRITON:
 
 log = logging.getLogger(__name__)
 
-# Rows (N*k) up to which the gather kernel beats the grouped one; chosen from benchmarks/kernels.py on the H200
-# 2026-11-30 (4 slots, d=4096, r=16, bf16, CUDA-graph replay, L2 flushed, median us):
-#   N      gather   grouped+meta built in the call   grouped, meta prebuilt
-#   256    17.57    23.17                            20.42
-#   512    27.01    28.26                            22.30
-#   1024   45.54    31.81                            25.31
-# so gather up to 512 rows for a self-contained call, up to 256 when the caller passes a prebuilt `meta`.
-GATHER_MAX_ROWS = 512
-GATHER_MAX_ROWS_WITH_META = 256
+# Thresholds chosen from benchmarks/kernels.py on the H200, 2026-11-30 (4 slots, d=4096, bf16, CUDA-graph replay,
+# L2 flushed, median us; benchmarks/RESULTS.md, "Kernels: stacked slots"). "grp+meta" builds the metadata in the
+# call, "grouped" has it prebuilt.
+#
+# Wider hot sets: gather while rows * r <= GATHER_MAX_ROW_RANK (the gather kernel's cost grows with rows * r):
+#   r=16: N=256 gather 17.92, grp+meta 23.58;  N=512 27.23 vs 28.74 / grouped 22.56 (-> 256 rows)
+#   r=32: N=128 18.72 vs 23.65;  N=256 27.65 vs 24.22 (-> 128 rows)
+#   r=64: N=32 17.79 vs 26.05;   N=128 30.11 vs 26.72 (-> 64 rows)
+#   r=128: N=32 24.70 vs 28.14;  N=128 47.68 vs 29.18 (-> 32 rows)
+GATHER_MAX_ROW_RANK = 4096
+# Narrow hot sets (S*r <= STACKED_MAX_WIDTH) take the stacked kernel above GATHER_MAX_ROWS_STACKED rows, any k:
+#   r=16 k=1: N=32 gather 10.30 vs stacked 12.03; N=128 13.28 vs 13.06; N=256 17.92 vs 15.90; N=512 27.23 vs 19.84
+#   r=16 k=2: N=64 (128 rows) gather 13.0, stacked 12.4, grouped 34.4;  k=4 N=8 (32 rows) 12.2 vs 22.1
+#   r=32 (S*r=128) k=1: N=256 stacked 25.15 vs grp+meta 24.22, N=2048 49.92 vs 47.23: not narrow enough
+GATHER_MAX_ROWS_STACKED = 64
+STACKED_MAX_WIDTH = 64
+# ... except k=1 with prebuilt metadata above STACKED_MAX_TOKENS_WITH_META tokens, where the grouped kernel wins:
+#   r=16: N=512 stacked 19.84 vs grouped 22.56; N=2048 34.75 vs 28.74; N=8192 94.21 vs 49.02
+STACKED_MAX_TOKENS_WITH_META = 1024
+# Top-k (k > 1) takes the stacked kernel up to this width too, because the grouped top-k path pays float32 atomics
+# on N*k sorted rows: r=64 (S*r=256) N=64 k=2 stacked 36.1 vs grouped 39.3; N=2048 k=2 85.5 vs 181.8; k=4 N=256
+# 68.9 vs 72.2 (one loss: N=256 k=2, 68.7 vs 53.9). Wider stacks do not fit the stacked kernel's tiles.
+STACKED_TOPK_MAX_WIDTH = 256
+# Eager (not capturing a CUDA graph) calls of up to this many tokens on a narrow hot set take the stacked kernel's
+# one-launch schedule: in an eager decode step the host, not the GPU, is the bottleneck. Per call at N=1, r=16:
+# host 61.4 us (one launch) vs 110.3 (two launches) / 117.8 (gather with checks); GPU 21.7 vs 9.6 us (gather).
+# Inside a graph capture the gather kernel's shorter GPU time is what counts.
+EAGER_ONE_LAUNCH_MAX_TOKENS = 16
 
 # Rows up to which the CPU uses the dense all-slots form instead of the slot-grouped loop (decode steps: 2-8 rows;
 # 30-39 us vs 57-62 us per layer at hidden 256, measured on the 2-core dev machine, 2026-11-30).
 CPU_DENSE_MAX_ROWS = 16
-
-# Stacked path (kernels/triton_stacked.py): used while S*r <= STACKED_MAX_WIDTH, and above GATHER_MAX_ROWS_STACKED
-# rows, below which the gather kernel (reads only the chosen slots) is faster. Provisional values, replaced by the
-# H200 measurements of benchmarks/kernels.py (see the numbers beside them once measured).
-STACKED_MAX_WIDTH = 256
-GATHER_MAX_ROWS_STACKED = 64
 
 PATHS = ("auto", "torch", "gather", "stacked", "grouped")
 
@@ -52,27 +66,34 @@ def triton_usable(x: torch.Tensor) -> bool:
     return HAS_TRITON and (x.is_cuda or interpreting()) and x.dtype != torch.float64
 
 
-def choose_path(x: torch.Tensor, k: int, has_meta: bool = False, width: int | None = None) -> str:
-    """Path for x [N, in] with k choices per token; `width` = S*r of the stacked adapters (None: not known, the
-    stacked path is not considered)."""
+def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: int) -> str:
+    """Path for x [N, in] with k choices per token over `num_slots` adapters of rank (r_max) `rank`.
+
+    Shapes only (and whether a CUDA graph is being captured, which is fixed for a captured graph): never slot
+    values, so a captured call replays the same path."""
     if not triton_usable(x):
         return "torch"
-    rows = x.shape[0] * k
-    if width is not None and width <= STACKED_MAX_WIDTH:
-        return "gather" if rows <= GATHER_MAX_ROWS_STACKED else "stacked"
-    limit = GATHER_MAX_ROWS_WITH_META if has_meta else GATHER_MAX_ROWS
-    return "gather" if rows <= limit else "grouped"
+    n = x.shape[0]
+    rows = n * k
+    width = num_slots * rank
+    narrow = width <= STACKED_MAX_WIDTH
+    if narrow and n <= EAGER_ONE_LAUNCH_MAX_TOKENS and x.is_cuda and not torch.cuda.is_current_stream_capturing():
+        return "stacked"
+    if rows <= GATHER_MAX_ROWS_STACKED or (not narrow and rows * rank <= GATHER_MAX_ROW_RANK):
+        return "gather"
+    if narrow and not (k == 1 and has_meta and n > STACKED_MAX_TOKENS_WITH_META):
+        return "stacked"
+    if k > 1 and width <= STACKED_TOPK_MAX_WIDTH:
+        return "stacked"
+    return "grouped"
 
 
-def reads_meta(x: torch.Tensor, k: int, A: torch.Tensor | None = None) -> bool:
-    """Would the automatic path for this call read a prebuilt RoutingMeta? (Only the grouped kernel and the CPU
-    grouped loop do, so a caller building metadata once per forward skips it otherwise.) Pass the stacked A
-    [S, r, in] so the stacked path is known; without it the answer assumes it is not taken."""
-    rows = x.shape[0] * k
+def reads_meta(x: torch.Tensor, k: int, A: torch.Tensor) -> bool:
+    """Would the automatic path for this call (adapters A [S, r, in]) read a prebuilt RoutingMeta? Only the
+    grouped kernel and the CPU grouped loop do, so a caller building metadata once per forward skips it otherwise."""
     if triton_usable(x):
-        width = None if A is None else A.shape[0] * A.shape[1]
-        return choose_path(x, k, True, width) == "grouped"
-    return rows > CPU_DENSE_MAX_ROWS
+        return choose_path(x, k, True, A.shape[0], A.shape[1]) == "grouped"
+    return x.shape[0] * k > CPU_DENSE_MAX_ROWS
 
 
 def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
@@ -80,7 +101,7 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
                         meta: RoutingMeta | None = None, path: str = "auto") -> torch.Tensor:
     """No-autograd forward for slots [N, k]: the delta in x's dtype, or `out` after out += delta."""
     if path == "auto":
-        path = choose_path(x, slots.shape[1], meta is not None, A.shape[0] * A.shape[1])
+        path = choose_path(x, slots.shape[1], meta is not None, A.shape[0], A.shape[1])
     if path == "torch":
         if x.shape[0] * slots.shape[1] <= CPU_DENSE_MAX_ROWS:
             delta = routed_lora_torch_dense(x, A, B, slots, weights, scale)

@@ -24,6 +24,7 @@ import functools
 
 import torch
 
+from kernels.errors import KernelInputError
 from kernels.triton_common import HAS_TRITON, dot_config, interpreting, next_pow2, tl, triton
 
 if HAS_TRITON:
@@ -128,11 +129,15 @@ if HAS_TRITON:
                      sb0, sb1, sb2, so0, so1, ACCUMULATE, DOT_DTYPE, PRECISION, SR_PAD, BLOCK_N)
 
 
+# Widest stack (S*r) the tiles are sized for: at S*r = 512 (r=128) the two-phase top-k expand asked for 272 KB of
+# shared memory on the H200 (limit 227 KB), and it was 2-8x slower than the grouped kernel there anyway.
+MAX_WIDTH = 256
 # Programs per launch that keep all 132 SMs of an H200 busy (2 per SM), the same aim as triton_grouped.py.
 TARGET_PROGRAMS = 264
 # Tokens up to which one launch does both phases (one row tile; every output slice recomputes the shrink from
-# L2): half the launches of the two-phase schedule, which is what an eager decode step pays for (provisional
-# until measured by benchmarks/kernels.py).
+# L2): half the launches of the two-phase schedule, which is what an eager decode step pays for. H200, N=1, r=16:
+# host 61.4 us per call (one launch) vs 110.3 (two phases); GPU 21.7 vs 11.9 us, so kernels/dispatch.py sends
+# only eager decode calls here.
 FUSED_MAX_TOKENS = 16
 
 
@@ -148,22 +153,25 @@ def stacked_config(n: int, d_in: int, d_out: int, width: int) -> dict:
         return dict(FUSED=n <= FUSED_MAX_TOKENS, SHRINK_M=16, EXPAND_M=16, BLOCK_C=16, BLOCK_K=16, BLOCK_N=16,
                     SPLIT_K=2 if d_in > 16 else 1, OUT_SPLIT=2 if d_out > 16 else 1, num_warps=1, SR_PAD=sr_pad)
     # A [BLOCK_K, S*r] and B [S*r, BLOCK_N] tiles stay <= 32 KB each (x3 pipeline stages in 228 KB of smem)
-    tile_cols = 128 if sr_pad <= 128 else (64 if sr_pad <= 256 else 32)
-    if n <= FUSED_MAX_TOKENS:
+    tile_cols = 128 if sr_pad <= 128 else 64
+    if n <= FUSED_MAX_TOKENS:  # one launch (H200 N=1, r=16: 21.7-25.1 us for OUT_SPLIT 64..8; BLOCK_K was 128)
         block_n = min(64, tile_cols)
         out_split = 1
         while out_split * 2 * block_n <= d_out and out_split < 32:
             out_split *= 2
-        return dict(FUSED=True, SHRINK_M=16, EXPAND_M=16, BLOCK_C=sr_pad, BLOCK_K=tile_cols,
+        return dict(FUSED=True, SHRINK_M=16, EXPAND_M=16, BLOCK_C=sr_pad, BLOCK_K=max(32, 16384 // sr_pad),
                     BLOCK_N=block_n, SPLIT_K=1, OUT_SPLIT=out_split, num_warps=4, SR_PAD=sr_pad)
-    shrink_m = 16 if n <= 256 else (32 if n <= 2048 else 64)
+    # H200, 2026-11-30, r=16 (S*r=64), median us by SHRINK_M/EXPAND_M: N=2048 32/32 32.6, 32/64 33.4, 64/32 34.4,
+    # 128/32 43.4; N=8192 32/32 101.6, 32/64 75.7, 64/64 78.5, 128/64 90.4. r=64: N=2048 32/32 76.2 (16 was 85);
+    # N=8192 32/64 140.4, 64/64 153.3.
+    shrink_m = 16 if n <= 256 else 32
     block_c = min(sr_pad, 128)
-    block_k = 128 if shrink_m <= 32 else 64
+    block_k = 128
     tiles = triton.cdiv(n, shrink_m) * (sr_pad // block_c)
     split_k = 1
     while split_k * 2 * block_k * 2 <= d_in and tiles * split_k < TARGET_PROGRAMS:
         split_k *= 2
-    expand_m = 16 if n <= 256 or sr_pad > 128 else 32
+    expand_m = 16 if n <= 256 else (32 if n <= 2048 else 64)
     block_n = tile_cols
     rows = triton.cdiv(n, expand_m)
     out_split = 1
@@ -179,6 +187,9 @@ def stacked_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch
     """delta (x's dtype) for slots [N, k]; with `out` given, out += delta in place and out is returned."""
     n, d_in = x.shape
     s_count, r, _ = A.shape
+    if s_count * r > MAX_WIDTH:
+        raise KernelInputError(f"the stacked kernel takes S*r <= {MAX_WIDTH} (got S={s_count}, r={r}); "
+                               "use path='grouped' or 'auto' for wider hot sets")
     d_out = B.shape[1]
     accumulate = out is not None
     if out is None:

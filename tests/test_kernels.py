@@ -160,22 +160,27 @@ def test_bad_topk_weights_and_meta_are_refused():
 
 def test_dispatcher_picks_by_shape_only(monkeypatch):
     x = torch.zeros(3, 4)
-    assert dispatch.choose_path(x, 1) == "torch"  # CPU, not interpreting
+    assert dispatch.choose_path(x, 1, False, 4, 16) == "torch"  # CPU, not interpreting
     monkeypatch.setattr(dispatch, "triton_usable", lambda _x: True)
-    small = torch.zeros(dispatch.GATHER_MAX_ROWS, 4)
-    assert dispatch.choose_path(small, 1) == "gather"
-    assert dispatch.choose_path(torch.zeros(dispatch.GATHER_MAX_ROWS // 2 + 1, 4), 2) == "grouped"
-    assert dispatch.choose_path(torch.zeros(dispatch.GATHER_MAX_ROWS + 1, 4), 1) == "grouped"
-    with_meta = torch.zeros(dispatch.GATHER_MAX_ROWS_WITH_META + 1, 4)
-    assert dispatch.choose_path(with_meta, 1, has_meta=True) == "grouped"
-    assert dispatch.choose_path(with_meta[:-1], 1, has_meta=True) == "gather"
-    # a narrow hot set (S*r within STACKED_MAX_WIDTH) takes the stacked kernel above the gather rows, any k
-    narrow = dispatch.STACKED_MAX_WIDTH
-    above = torch.zeros(dispatch.GATHER_MAX_ROWS_STACKED + 1, 4)
-    assert dispatch.choose_path(above, 1, width=narrow) == "stacked"
-    assert dispatch.choose_path(above, 4, has_meta=True, width=narrow) == "stacked"
-    assert dispatch.choose_path(above[:1], 1, width=narrow) == "gather"
-    assert dispatch.choose_path(above, 1, width=narrow + 1) == dispatch.choose_path(above, 1)
+
+    def pick(n, k=1, meta=False, s=4, r=16):
+        return dispatch.choose_path(torch.zeros(n, 4), k, meta, s, r)
+    # few rows: gather, while rows <= GATHER_MAX_ROWS_STACKED (narrow) or rows * r <= GATHER_MAX_ROW_RANK (wide)
+    assert pick(dispatch.GATHER_MAX_ROWS_STACKED) == "gather"
+    assert pick(dispatch.GATHER_MAX_ROW_RANK // 64, r=64) == "gather"
+    assert pick(dispatch.GATHER_MAX_ROW_RANK // 64 + 1, r=64) == "grouped"
+    # a narrow hot set takes the stacked kernel above the gather rows, for any k
+    assert pick(dispatch.GATHER_MAX_ROWS_STACKED + 1) == "stacked"
+    assert pick(dispatch.GATHER_MAX_ROWS_STACKED, k=4) == "stacked"
+    assert pick(5000, k=2, meta=True) == "stacked"
+    # ... except k=1 with prebuilt metadata at large N, where the grouped kernel wins
+    assert pick(dispatch.STACKED_MAX_TOKENS_WITH_META, meta=True) == "stacked"
+    assert pick(dispatch.STACKED_MAX_TOKENS_WITH_META + 1, meta=True) == "grouped"
+    assert pick(dispatch.STACKED_MAX_TOKENS_WITH_META + 1) == "stacked"
+    # wide hot sets: grouped for k=1; top-k stays stacked up to STACKED_TOPK_MAX_WIDTH
+    assert pick(300, s=4, r=32) == "grouped"
+    assert pick(300, k=2, s=4, r=64) == "stacked"
+    assert pick(300, k=2, s=4, r=128) == "grouped"
 
 
 def test_metadata_builder_is_sync_free_and_sorted(monkeypatch):
@@ -203,3 +208,10 @@ def test_kernels_package_never_imports_models_or_routing():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] in ("models", "routing", "app") for n in names), path
+
+
+def test_stacked_kernel_refuses_stacks_wider_than_its_tiles():
+    from kernels.triton_stacked import MAX_WIDTH, stacked_lora
+    x, A, B, scale, _ = make(2, 8, 8, 4, MAX_WIDTH // 4 + 1)
+    with pytest.raises(KernelInputError, match="S\\*r <="):
+        stacked_lora(x, A, B, torch.zeros(2, 1, dtype=torch.int32), None, scale)

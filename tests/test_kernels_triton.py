@@ -56,13 +56,14 @@ GRAD_CASES = {"grad_k1": (19, 33, 29, 4, 8, 1), "grad_topk3": (13, 27, 21, 3, 8,
 
 # path="auto" under the interpreter: (N, k, pass a prebuilt meta, S, r, path the dispatcher must pick). Hidden
 # sizes are tiny so the rows above kernels/dispatch.py's thresholds stay cheap for the interpreter; S*r = 384
-# is above STACKED_MAX_WIDTH (a wide hot set takes the grouped kernel).
+# is above every stacked width (a wide hot set takes the grouped kernel).
 AUTO_CASES = {"auto_one_token": (1, 1, False, 3, 4, "gather"), "auto_one_token_topk": (1, 3, False, 3, 4, "gather"),
               "auto_above_gather_stacked": (200, 1, False, 3, 4, "stacked"),
               "auto_above_gather_stacked_topk": (100, 3, True, 3, 4, "stacked"),
+              "auto_stacked_meta_large_n": (1100, 1, True, 3, 4, "grouped"),
               "auto_wide_above_gather_max": (600, 1, False, 3, 128, "grouped"),
               "auto_wide_above_gather_max_topk": (200, 3, False, 3, 128, "grouped"),
-              "auto_wide_meta_above_meta_max": (300, 1, True, 3, 128, "grouped")}
+              "auto_wide_meta": (300, 1, True, 3, 128, "grouped")}
 
 
 def _slots(torch, pattern: str, n: int, s: int, k: int, gen):
@@ -246,7 +247,7 @@ def _run_auto_case(name: str, seed: int) -> dict:
     finally:
         restore()
     want = routed_lora_topk_reference(x, A, B, slots, weights if k > 1 else torch.ones(n, 1), scale)
-    return {"chosen": choose_path(x, k, with_meta, s * r), "calls": calls, "err": _rel_err(y, want),
+    return {"chosen": choose_path(x, k, with_meta, s, r), "calls": calls, "err": _rel_err(y, want),
             "dtype_ok": y.dtype == torch.float32, "tol": TOLERANCE["float32"]}
 
 
@@ -343,7 +344,7 @@ def test_auto_cases_straddle_the_dispatcher_thresholds(monkeypatch) -> None:
     import kernels.dispatch as dispatch
     monkeypatch.setattr(dispatch, "triton_usable", lambda _x: True)
     for n, k, with_meta, s, r, want in AUTO_CASES.values():
-        assert dispatch.choose_path(torch.zeros(n, 1), k, with_meta, s * r) == want, (n, k, with_meta, s, r, want)
+        assert dispatch.choose_path(torch.zeros(n, 1), k, with_meta, s, r) == want, (n, k, with_meta, s, r, want)
 
 
 if __name__ == "__main__":
