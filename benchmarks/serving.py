@@ -83,6 +83,28 @@ def hf_generate(model, batch: int, prompt_len: int, new: int, device: str, vocab
     return batch * new / (time.perf_counter() - started)
 
 
+def profile_step(engine: Engine, width: int, label: str, top: int = 10) -> dict:
+    """Kernels of one eager decode step of `width` rows (the same kernels the captured step replays): count, GPU
+    time, and the largest by GPU time. Runs on the idle engine's tables (free rows write only junk)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        engine._decode_body(width, [])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                engine._decode_body(width, [])
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    total_us = sum(e.self_device_time_total for e in kernels) / 3
+    count = sum(e.count for e in kernels) / 3
+    print(f"profile {label}: {count:.0f} kernels, {total_us / 1000:.3f} ms of GPU time per step; largest:")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"   {e.self_device_time_total / 3:8.1f} us  x{e.count / 3:5.0f}  {e.key[:90]}")
+    return {"kernels": count, "gpu_ms": total_us / 1000}
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -110,6 +132,7 @@ def k6_run(engine: Engine, vocab, steps: int, pool: list[str], rng: random.Rando
             time.sleep(0.0002)
 
     before = dict(engine.routed.cache.stats())
+    engine.step_ms = []
     feeder = threading.Thread(target=arrive, daemon=True)
     stream = engine.stream(long_requests, config)
     feeder.start()
@@ -123,8 +146,11 @@ def k6_run(engine: Engine, vocab, steps: int, pool: list[str], rng: random.Rando
         handle.cancel()
     after = engine.routed.cache.stats()
     decode = gaps[1:]  # the first gap is the prefill
-    return {"steps": len(decode), "p50_ms": statistics.median(decode), "p99_ms": percentile(decode, 0.99),
-            "max_ms": max(decode), "arrivals": len(arrivals), "misses": after["misses"] - before["misses"],
+    step = engine.step_ms
+    engine.step_ms = None
+    return {"steps": len(decode), "step_p50_ms": statistics.median(step), "step_p99_ms": percentile(step, 0.99),
+            "gap_p50_ms": statistics.median(decode), "gap_p99_ms": percentile(decode, 0.99), "gap_max_ms": max(decode),
+            "arrivals": len(arrivals), "misses": after["misses"] - before["misses"],
             "evictions": after["evictions"] - before["evictions"]}
 
 
@@ -186,12 +212,13 @@ def main() -> None:
             best = max((run_engine(engine, requests, [config] * batch) for _ in range(2)), key=lambda r: r["tok_s"])
             table[(label, batch)] = best["tok_s"]
             step_ms = statistics.median(best["gaps_ms"])
-            print(f"{label:42s} batch {batch:2d}: {best['tok_s']:9.1f} tok/s  (median gap {step_ms:.2f} ms)",
-                  flush=True)
+            first = statistics.median(best["gaps_ms"][:batch]) if batch > 1 else best["gaps_ms"][0]
+            print(f"{label:42s} batch {batch:2d}: {best['tok_s']:9.1f} tok/s  (median gap {step_ms:.2f} ms, "
+                  f"first token {first:.1f} ms)", flush=True)
     # GPU time of one captured step (replayed with nothing else running), for the host-vs-GPU split
     gpu_ms = {}
     if device == "cuda" and engine._graphs:
-        for width, (graph, _, _) in sorted(engine._graphs.items()):
+        for width, (graph, _) in sorted(engine._graphs.items()):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             graph.replay()
             start.record()
@@ -201,6 +228,7 @@ def main() -> None:
             torch.cuda.synchronize()
             gpu_ms[width] = start.elapsed_time(end) / 20
         print("captured step GPU time by width (ms):", {w: round(v, 3) for w, v in gpu_ms.items()}, flush=True)
+        results["profile"] = {w: profile_step(engine, w, f"decode width {w}") for w in (1, 32)}
     results["gpu_step_ms"] = gpu_ms
 
     # --- baselines: transformers generate (base) and peft -------------------------------------------------------

@@ -194,7 +194,9 @@ class Engine:
         self._closed = False
         self._ready = False
         self.steps = 0
-        self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self.step_ms: list[float] | None = None  # set to a list to record each decode step's wall time
+        self._graphs: dict[int, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._prefill_graphs: dict[tuple[int, int], tuple[Any, tuple, tuple]] = {}
         self._index_cache: tuple | None = None
         _ENGINES.add(self)
 
@@ -281,7 +283,7 @@ class Engine:
             return {"running": len(self._running), "starting": len(self._starting),
                     "waiting": len(self._waiting) + len(self._incoming), "free_rows": len(self._free),
                     "max_rows": self.max_rows, "max_len": self.max_len, "steps": self.steps,
-                    "graphs": sorted(self._graphs)}
+                    "graphs": sorted(self._graphs), "prefill_graphs": sorted(self._prefill_graphs)}
 
     def close(self) -> None:
         """Stop the loop; requests still queued or running end with an error."""
@@ -328,10 +330,14 @@ class Engine:
             return
         model = self.routed.model
         dtype = next(model.parameters()).dtype
-        self.kv = RowKVCache.for_model(model.config, self.max_rows, self.max_len, dtype=dtype, device=self.device)
+        # one row more than the batch: the scratch row, written by the padding rows of captured prefills
+        self.kv = RowKVCache.for_model(model.config, self.max_rows + 1, self.max_len, dtype=dtype,
+                                       device=self.device)
+        self.scratch_row = self.max_rows
         self.states = RowStates(self.vocab, self.max_rows, self.device, self.logits_size)
         self.columns = torch.arange(self.max_len, device=self.device)
         self.all_rows = torch.arange(self.max_rows, device=self.device)
+        self._prefill_lengths = [16 << i for i in range(max(1, self.max_len.bit_length()))]
         self.dtype = dtype
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._ready = True
@@ -433,32 +439,79 @@ class Engine:
         """Write each (job, cache row, prompt) into its row, positions from 0, in ONE forward; returns the last
         logits [n, V] and producing slots [n].  Prompts are left-padded so every last token is the last column;
         a pad token is written past its row's prompt, where the row's own next tokens overwrite it before any
-        query reads it."""
-        width = max(len(prompt) for _, _, prompt in entries)
-        ids = torch.full((len(entries), width), self.vocab.pad_id, dtype=torch.long)
-        positions = torch.zeros((len(entries), width), dtype=torch.long)
-        table = torch.full((len(entries), 2), -1, dtype=torch.long)
+        query reads it.  On CUDA (no learned rows) the forward is a captured graph per (rows, tokens) bucket,
+        padded with rows that write only the cache's scratch row."""
+        n, width = len(entries), max(len(prompt) for _, _, prompt in entries)
+        learned = any(job.learned is not None for job, _, _ in entries)
+        captured = self.use_graphs and not learned and n <= self.max_rows
+        if captured:
+            n_rows = next(w for w in self.widths if w >= n)
+            width = next(t for t in self._prefill_lengths if t >= width)
+            width = min(width, self.max_len)
+        else:
+            n_rows = n
+        ids = torch.full((n_rows, width), self.vocab.pad_id, dtype=torch.long)
+        positions = torch.arange(width).repeat(n_rows, 1)
+        rows = torch.full((n_rows,), self.scratch_row, dtype=torch.long)
+        table = torch.full((n_rows, 2), -1, dtype=torch.long)
         groups: dict[int, tuple[LearnedRouter, list[int], dict[str, int]]] = {}
-        for i, (job, _, prompt) in enumerate(entries):
+        for i, (job, row, prompt) in enumerate(entries):
             pad = width - len(prompt)
             ids[i, pad:] = torch.tensor(prompt)
             positions[i] = torch.cat([torch.arange(len(prompt), width), torch.arange(len(prompt))])
+            rows[i] = row
             table[i] = torch.tensor([self._slot(job, job.text_adapter), self._slot(job, job.image_adapter)])
             if job.learned is not None:
-                _, rows, slot_of = groups.setdefault(id(job.learned), (job.learned, [], {}))
-                rows.append(i)
+                _, members, slot_of = groups.setdefault(id(job.learned), (job.learned, [], {}))
+                members.append(i)
                 slot_of.update(job.slot_of)
-        ids, positions, table = (t.to(self.device) for t in (ids, positions, table))
-        columns = self.columns[:self._columns(width)]
+        inputs = (ids, positions, rows, table)
+        if captured:
+            logits, producing = self._replay_prefill(inputs)
+            return logits[:n], producing[:n]
+        ids, positions, rows, table = (t.to(self.device) for t in inputs)
+        plan_groups = [(r, None if len(members) == n else torch.tensor(members, device=self.device), slot_of)
+                       for r, members, slot_of in groups.values()]
+        return self._prefill_body(ids, positions, rows, table, plan_groups, self._columns(width),
+                                  routed=any(job.names for job, _, _ in entries))
+
+    def _prefill_body(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, table: torch.Tensor,
+                      groups: list, length: int | None = None, routed: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        columns = self.columns if length is None else self.columns[:length]
         mask = torch.where(columns[None, None, :] <= positions[:, :, None], 0.0, float("-inf"))
         mask = mask.to(self.dtype)[:, None]
         slots = table.gather(1, self.states.modality[ids])
-        plan_groups = [(r, None if len(rows) == len(entries) else torch.tensor(rows, device=self.device), s)
-                       for r, rows, s in groups.values()]
-        plan = self._plan(ids, slots.view(-1), plan_groups, routed=any(job.names for job, _, _ in entries))
-        rows = torch.tensor([row for _, row, _ in entries], dtype=torch.long, device=self.device)
-        out = self._forward(ids, positions, rows, mask, plan, length=columns.shape[0])
+        plan = self._plan(ids, slots.view(-1), groups, routed)
+        out = self._forward(ids, positions, rows, mask, plan, length=length)
         return out.logits[:, -1], _producing(out.routing, slots[:, -1])
+
+    def _replay_prefill(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the host layout into the (rows, tokens) bucket's static inputs and replay its graph."""
+        key = tuple(inputs[0].shape)
+        if key not in self._prefill_graphs:
+            static = tuple(t.to(self.device) for t in inputs)
+            graph, outputs = self._capture(lambda: self._prefill_body(*static, []))
+            self._prefill_graphs[key] = (graph, static, outputs)
+            log.info("engine: captured the prefill for %d rows x %d tokens", *key)
+        graph, static, outputs = self._prefill_graphs[key]
+        for target, source in zip(static, inputs):
+            target.copy_(source, non_blocking=True)
+        graph.replay()
+        return outputs
+
+    def _capture(self, body: Any) -> tuple[Any, Any]:
+        """Warm `body` up on a side stream (Triton compiles, the allocator settles), then capture it."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            outputs = body()
+        return graph, outputs
 
     def _prefill(self, jobs: list[_Job]) -> None:
         """Prefill the jobs' rows (and CFG twins) in one forward, sample each job's first token, and let them
@@ -555,18 +608,9 @@ class Engine:
         """Replay the captured step of this width (capturing it on first use). Replaying it again is harmless:
         the step recomputes and rewrites the same KV entries from the same inputs."""
         if width not in self._graphs:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: Triton compiles, the allocator settles
-                    self._decode_body(width, [])
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                logits, slots = self._decode_body(width, [])
-            self._graphs[width] = (graph, logits, slots)
+            self._graphs[width] = self._capture(lambda: self._decode_body(width, []))
             log.info("engine: captured the decode step for width %d", width)
-        graph, logits, slots = self._graphs[width]
+        graph, (logits, slots) = self._graphs[width]
         graph.replay()
         return logits, slots
 
@@ -580,6 +624,7 @@ class Engine:
         return noise
 
     def _step(self) -> None:
+        started = time.perf_counter()
         jobs, rows, twin_of, twin_rows, width, learned, filters = self._indices()
         logits, producing = self._decode(width, jobs, learned)
         uncond = logits[self.states.twin[rows]] if twin_rows is not None else None
@@ -587,6 +632,8 @@ class Engine:
         done = self.states.advance(rows, tokens, twin_of, twin_rows)
         self.steps += 1
         self._emit(jobs, tokens, producing[rows], done, len(jobs))
+        if self.step_ms is not None:
+            self.step_ms.append((time.perf_counter() - started) * 1000.0)
 
     def _emit(self, jobs: list[_Job], tokens: torch.Tensor, producing: torch.Tensor, done: torch.Tensor,
               batch: int) -> None:
