@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
+from models.document import BASE_COLOR, adapter_colors
 from models.events import (
     Finished,
     ImageDone,
@@ -29,19 +30,19 @@ from models.events import (
 )
 
 BASE_LABEL = "base (no adapter)"
-BASE_COLOR = "#cbd5e1"
-# Distinct on white and in the dark theme; the first two go to the shipped text/image adapters.
-PALETTE = ("#f59e0b", "#38bdf8", "#34d399", "#f472b6", "#a78bfa", "#fb7185", "#facc15", "#2dd4bf", "#fb923c")
 IMAGE_TOKEN_GLYPH = "■"
 IMAGE_SCALE = 3  # 64x64 images are shown at 192x192, pixelated, so the shapes stay crisp
 
 
-def color_map(adapter_labels: Iterable[str]) -> dict[str, str]:
-    """A stable colour per adapter label (in the given order), plus grey for the base model."""
-    colors = {BASE_LABEL: BASE_COLOR}
-    for i, label in enumerate(dict.fromkeys(adapter_labels)):
-        colors[label] = PALETTE[i % len(PALETTE)]
-    return colors
+def color_map(text_label: str | None, image_label: str | None, adapter_labels: Iterable[str]) -> dict[str, str]:
+    """Colours by the documents' own rule (models.document.adapter_colors: the run's text adapter first, its image
+    adapter second, the rest after), so the page and the downloaded document agree; grey for the base model."""
+    return {BASE_LABEL: BASE_COLOR, **adapter_colors(text_label, image_label, adapter_labels)}
+
+
+def image_length_note(image_tokens: int, rows: int, codes: int) -> str:
+    """The one number of tokens an image costs, explained (the slider, the progress bar and errors use it)."""
+    return (f"an image is {image_tokens} tokens: <boi>, {codes} codes and {rows} row ends, <eoi>")
 
 
 def image_data_uri(image: Image.Image) -> str:
@@ -60,6 +61,22 @@ class _ImageSlot:
 
 
 @dataclass
+class _Draft:
+    candidate: int
+    text: str
+    images: list[Image.Image]
+    reason: str
+
+
+def rejection_reason(document: object | None) -> str:
+    """Why best-of-n turned a candidate down, from what its check recorded in the document's meta["check"]."""
+    check = getattr(document, "meta", {}).get("check") if document is not None else None
+    if not check:
+        return "the check did not pass it"
+    return str(check.get("reason") or "the check did not pass it")
+
+
+@dataclass
 class RunView:
     """One generation's state as seen by the UI, updated event by event.
 
@@ -70,6 +87,7 @@ class RunView:
 
     label_of: Callable[[str | None], str]
     prompt: str = ""  # shown, muted, before the generated parts so the document reads as a whole
+    image_tokens: int = 0  # what a whole image span costs (<boi> + codes + row ends + <eoi>); 0 = unknown
     parts: list[str | _ImageSlot] = field(default_factory=list)
     tokens: list[tuple[str, str]] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
@@ -78,6 +96,7 @@ class RunView:
     finish_reason: str | None = None
     candidate: int = 0  # best-of-n: the candidate being drawn (a Redraw event starts the next)
     best_of: int = 1
+    rejected: list[_Draft] = field(default_factory=list)  # best-of-n: the candidates the check turned down
 
     # --- folding events ------------------------------------------------------------------------
     def apply(self, event: object) -> bool:
@@ -107,6 +126,8 @@ class RunView:
             self.notices.append(event.message)
             return True
         if isinstance(event, Redraw):  # best-of-n: the check rejected what is shown; the next candidate starts
+            self.rejected.append(_Draft(self.candidate, self._plain(self.parts), self.images,
+                                        rejection_reason(event.rejected)))
             self.parts, self.tokens, self.candidate, self.best_of = [], [], event.candidate, event.best_of
             return True
         if isinstance(event, Finished):
@@ -152,10 +173,38 @@ class RunView:
 
     @property
     def text(self) -> str:
-        """The document as plain text, with a marker where each image sits."""
-        out = []
-        for part in self.parts:
-            out.append(part if isinstance(part, str) else f"[image {part.index + 1}]")
+        """The prompt (a line of its own) and the document as plain text, each image as an "[image k]" line."""
+        body = self._plain(self.parts)
+        return f"{self.prompt}\n{body.lstrip(' ')}" if self.prompt and body else self.prompt or body
+
+    @staticmethod
+    def _plain(parts: list) -> str:
+        """Text parts as they are; each image on a line of its own, so "[image 1]" never runs into the text."""
+        out, after_image = "", False
+        for part in parts:
+            if isinstance(part, str):
+                out += part.lstrip(" ") if after_image else part
+                after_image = False
+            else:
+                out = out.rstrip(" ")
+                out += ("\n" if out and not out.endswith("\n") else "") + f"[image {part.index + 1}]\n"
+                after_image = True
+        return out.rstrip("\n") if after_image else out
+
+    def rejected_html(self) -> str:
+        """Best-of-n: each candidate the check turned down, with its text, pictures and the reason."""
+        if not self.rejected:
+            return ""
+        out = [f'<div class="molora-drafts"><b>Rejected drafts ({len(self.rejected)})</b>']
+        for draft in self.rejected:
+            pictures = "".join(
+                f'<img class="molora-draft-image" alt="draft {draft.candidate + 1} image {i + 1}" '
+                f'src="{image_data_uri(image)}" width="{image.width * 2}" style="image-rendering: pixelated">'
+                for i, image in enumerate(draft.images))
+            out.append(f'<div class="molora-draft"><div>candidate {draft.candidate + 1}: '
+                       f'{html.escape(draft.reason)}</div><div>{pictures}</div>'
+                       f'<pre class="molora-draft-text">{html.escape(draft.text)}</pre></div>')
+        out.append("</div>")
         return "".join(out)
 
     def routing_map(self) -> list[tuple[str, str]]:
@@ -178,10 +227,12 @@ class RunView:
                     f'width="{size}" height="{size}" src="{part.data_uri or image_data_uri(part.image)}" '
                     f'style="image-rendering: pixelated"><figcaption>image {part.index + 1}</figcaption></figure>')
             else:
-                total = max(part.total, 1)
+                # counted like the whole span (<boi> + codes + row ends + <eoi>), so the bar ends at the same number
+                # the max-tokens slider names
+                done, total = (part.done + 1, self.image_tokens) if self.image_tokens else (part.done, part.total)
                 out.append(
-                    f'<figure class="molora-figure molora-drawing"><progress max="{total}" value="{part.done}">'
-                    f'</progress><figcaption>drawing image {part.index + 1}: {part.done}/{part.total or "?"} '
+                    f'<figure class="molora-figure molora-drawing"><progress max="{max(total, 1)}" value="{done}">'
+                    f'</progress><figcaption>drawing image {part.index + 1}: {done}/{total or "?"} '
                     'tokens</figcaption></figure>')
         out.append("</div>")
         return "".join(out)

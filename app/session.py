@@ -3,9 +3,11 @@
 The model and its built-in adapters are shared by everybody; an uploaded adapter is private to the session that
 uploaded it. It is registered in the shared pipeline under an internal name carrying the session's id, but a
 request can only reach it through its own session's `SessionState`, which maps the visitor's display name to that
-internal name. Other sessions never see it in their pickers, and naming it through the API is refused. When the
-session ends (Gradio deletes a closed tab's state after its grace period, an hour in Gradio 6, so a reload can
-reconnect) the adapter is unloaded from the pipeline and its folder removed.
+internal name. Other sessions never see it: not in their pickers, not in their view of the hot-set cache
+(`visible_cache`), and naming it through the API is refused. When the tab closes (Gradio's unload event) the
+session's adapters leave the pipeline and its hot set and its folder is removed; an adapter still held by the
+session's own last generation is retried until that generation has stopped. Gradio's delete_callback (an hour
+later) and the app's shutdown (`SessionRegistry.close_all`) run the same cleanup, which is idempotent.
 """
 
 from __future__ import annotations
@@ -13,16 +15,21 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from app.uploads import UploadError
-from routing.errors import UnknownAdapterError
+from routing.errors import AdapterError, UnknownAdapterError
 
 log = logging.getLogger(__name__)
 
 MAX_UPLOADS_PER_SESSION = 4
 NONE_CHOICE = "none"
+REMOVE_RETRY_SECONDS = 0.5  # an adapter held by a generation that is stopping is removed this often...
+REMOVE_RETRIES = 1200  # ...for at most 10 minutes (a stopped generation ends after its current step)
 
 
 @dataclass
@@ -40,6 +47,7 @@ class SessionState:
     session_id: str | None = None
     uploads: dict[str, UploadedAdapter] = field(default_factory=dict)
     workdir: Path | None = None
+    root: Path | None = None  # where `folder()` makes the session's folder (the app's own temporary folder)
 
     def bind(self, session_id: str) -> None:
         """Tie the state to the Gradio session on first use (the id is unknown when the state is created)."""
@@ -51,7 +59,9 @@ class SessionState:
     def folder(self) -> Path:
         """A private folder for this session's files (uploads, documents)."""
         if self.workdir is None or not self.workdir.exists():
-            self.workdir = Path(tempfile.mkdtemp(prefix="molora-session-"))
+            if self.root is not None:
+                self.root.mkdir(parents=True, exist_ok=True)
+            self.workdir = Path(tempfile.mkdtemp(prefix="molora-session-", dir=self.root))
         return self.workdir
 
     def internal_name(self, display_name: str) -> str:
@@ -91,22 +101,97 @@ class SessionState:
         out += [(f"{name} (uploaded)", name) for name, up in self.uploads.items()]
         return out
 
+    def visible_cache(self, stats: dict, builtin: dict[str, str]) -> dict:
+        """The hot-set cache's stats as this session may see them: a slot holding another session's upload reads
+        as empty (its name, and that it is there at all, are that session's business), and the adapter lists
+        name only built-in adapters and this session's own uploads."""
+        mine = {*builtin, *(up.internal_name for up in self.uploads.values())}
+        view = dict(stats)
+        view["slots"] = [name if name in mine else None for name in stats.get("slots", [])]
+        for key in ("pool", "pinned"):
+            if isinstance(stats.get(key), dict):
+                view[key] = {name: value for name, value in stats[key].items() if name in mine}
+            elif isinstance(stats.get(key), list):
+                view[key] = [name for name in stats[key] if name in mine]
+        return view
+
     def extra_adapters(self) -> dict[str, str]:
         """internal name -> folder, so a worker process (ZeroGPU) can load uploads it has not seen yet."""
         return {up.internal_name: str(up.folder) for up in self.uploads.values()}
 
-    def cleanup(self, pipe) -> None:
-        """Unload this session's adapters from the shared pipeline and delete its files."""
-        remove = getattr(pipe, "remove_adapter", None)
+    def cleanup(self, pipe: Any) -> None:
+        """Unload this session's adapters from the shared pipeline (and so from its hot set) and delete its files.
+        Safe to call more than once."""
         for up in list(self.uploads.values()):
-            if remove is None:
-                log.warning("this pipeline cannot unload adapters; %s stays loaded", up.internal_name)
-                continue
-            try:
-                remove(up.internal_name)
-            except Exception:  # the pipeline may already have dropped it; cleanup must never fail
-                log.debug("adapter %s was already gone", up.internal_name, exc_info=True)
+            _remove_adapter(pipe, up.internal_name, REMOVE_RETRIES)
         self.uploads.clear()
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
+
+
+def _remove_adapter(pipe: Any, name: str, retries: int) -> None:
+    """Remove `name` from the pipeline; while a (stopping) generation still holds it, try again a little later."""
+    remove = getattr(pipe, "remove_adapter", None)
+    if remove is None:
+        log.warning("this pipeline cannot unload adapters; a session's upload stays loaded")
+        return
+    try:
+        remove(name)
+    except UnknownAdapterError:
+        pass  # already gone
+    except AdapterError:  # held by a running request: it ends soon (the session's tab is closed)
+        if retries <= 0:
+            log.warning("a closed session's adapter stayed in use for %d s; it stays loaded",
+                        int(REMOVE_RETRIES * REMOVE_RETRY_SECONDS))
+            return
+        timer = threading.Timer(REMOVE_RETRY_SECONDS, _remove_adapter, args=(pipe, name, retries - 1))
+        timer.daemon = True
+        timer.start()
+
+
+class SessionRegistry:
+    """The live sessions of one app, by Gradio session hash, and the app's temporary folder that holds their files.
+
+    `end(session_hash)` runs when a tab closes; `close_all()` at shutdown cleans every session and removes the
+    folder (which is removed at interpreter exit in any case), so nothing is left in the system's temp directory."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+        self.root = Path(tempfile.mkdtemp(prefix="molora-app-"))
+        self._sessions: dict[str, SessionState] = {}
+        self._lock = threading.Lock()
+        # the folder goes when the registry does, and at the latest when the interpreter exits (Ctrl-C included)
+        self._remove_root = weakref.finalize(self, shutil.rmtree, str(self.root), True)
+
+    def new_state(self) -> SessionState:
+        return SessionState(root=self.root)
+
+    def bind(self, state: SessionState, session_hash: str) -> None:
+        """Tie `state` to its session and remember it, so the session's end can clean it up."""
+        state.bind(session_hash)
+        if state.root is None:
+            state.root = self.root
+        with self._lock:
+            self._sessions[session_hash] = state
+
+    def end(self, session_hash: str | None) -> None:
+        """The tab closed: unload the session's adapters and delete its files now."""
+        with self._lock:
+            state = self._sessions.pop(session_hash, None) if session_hash else None
+        if state is not None:
+            state.cleanup(self.pipe)
+
+    def forget(self, state: SessionState) -> None:
+        """Gradio dropped the state (delete_callback): clean it up if the tab's end did not."""
+        with self._lock:
+            if state.session_id is not None and self._sessions.get(state.session_id) is state:
+                del self._sessions[state.session_id]
+        state.cleanup(self.pipe)
+
+    def close_all(self) -> None:
+        with self._lock:
+            states, self._sessions = list(self._sessions.values()), {}
+        for state in states:
+            state.cleanup(self.pipe)
+        self._remove_root()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,11 +26,20 @@ from pathlib import Path
 import gradio as gr
 
 from app.admission import SlotBudget, admitted
-from app.render import BASE_LABEL, RunView, color_map
-from app.session import NONE_CHOICE, SessionState, UploadedAdapter
+from app.render import BASE_LABEL, RunView, color_map, image_length_note
+from app.session import NONE_CHOICE, SessionRegistry, SessionState, UploadedAdapter
 from app.streaming import in_background
-from app.uploads import MAX_ZIP_BYTES, check_adapter_name, remove_folder, validate_upload
+from app.uploads import (
+    CONFIG_NAME,
+    MAX_ZIP_BYTES,
+    WEIGHTS_NAME,
+    UploadError,
+    check_adapter_name,
+    remove_folder,
+    validate_upload,
+)
 from models import GenerationConfig, SamplingConfig
+from models.sampling import MAX_SEED, check_seed
 from routing.errors import MoLoRAError
 
 log = logging.getLogger(__name__)
@@ -42,13 +52,15 @@ MAX_NEW_TOKENS = 1024
 MAX_BEST_OF_UI = 8  # each candidate costs a whole document (and its captions) on a shared CPU
 REFRESH_SECONDS = 0.2  # the page is refreshed at most this often while tokens stream
 
-# (prompt, start with an image) pairs in the shapes world's own phrasing (models/shapes/text.py)
-EXAMPLES: list[tuple[str, bool]] = [
-    ("Draw a red circle at the top left.", False),
-    ("Show me two blue squares on the left and a large yellow star in the center.", False),
-    ("First, a green triangle in the center:", False),
-    ("Arr, we start with a purple diamond, matey:", False),
-    ("A pink star sits at the bottom right.", True),
+# (prompt, start with an image, seed): story openings in the shapes world's own phrasing (models/shapes/text.py), each
+# with a seed under which the shipped model continues it in both styles at once (pirate text, outlined pictures) and
+# every picture shows what the text before it introduced (tests/test_app_examples.py checks exactly that).
+EXAMPLES: list[tuple[str, bool, int]] = [
+    ("At first there is a yellow star at the bottom right:", False, 0),
+    ("First, a red circle at the top left:", False, 1),
+    ("We start with a blue square on the left:", False, 2),
+    ("Here is a green triangle in the center:", False, 3),
+    ("Here is a purple diamond at the top:", False, 1),
 ]
 
 ROUTING_CHOICES = [
@@ -70,6 +82,9 @@ CSS = """
 .molora-spark { display: block; margin-top: 0.2rem; }
 #routing-map .token-container .token { padding: 0 2px; margin: 0; }
 #routing-map .textfield { line-height: 1.5; }
+.molora-draft { margin: 0.4rem 0; padding: 0.3rem 0.5rem; border-left: 3px solid #fb7185; opacity: 0.85; }
+.molora-draft-image { margin: 0.2rem 0.3rem 0 0; }
+.molora-draft-text { white-space: pre-wrap; font-size: 0.85rem; margin: 0.2rem 0 0; }
 """
 
 try:  # on a Hugging Face ZeroGPU Space the GPU is attached only inside functions decorated with spaces.GPU
@@ -101,16 +116,19 @@ def stream_events(pipe_key: int, prompt: str, text_adapter: str | None, image_ad
 class MoLoRAApp:
     """Handlers bound to one shared pipeline; `build()` lays them out as a gr.Blocks."""
 
-    def __init__(self, pipe, *, examples: list[tuple[str, bool]] | None = None) -> None:
+    def __init__(self, pipe, *, examples: list[tuple[str, bool, int]] | None = None) -> None:
         self.pipe = pipe
         self.pipe_key = id(pipe)
         _PIPELINES[self.pipe_key] = pipe
         self.builtin: dict[str, str] = dict(pipe.adapters)  # name -> modality, captured before any upload
+        self.sessions = SessionRegistry(pipe)  # every session's uploads and files, under one temporary folder
         self.budget = SlotBudget(pipe.cache_stats()["num_slots"])
         self.examples = examples if examples is not None else EXAMPLES
         self.defaults: GenerationConfig = getattr(pipe, "default_config", None) or GenerationConfig()
         self.codebook_size = int(pipe.vocab.image_size)
-        self.image_tokens = int(pipe.vocab.tokens_per_image) + 2  # <boi> + codes + <eoi>
+        self.image_tokens = int(pipe.vocab.tokens_per_image) + 2  # <boi> + codes and row ends + <eoi>
+        rows, cols = pipe.vocab.image_grid
+        self.image_note = image_length_note(self.image_tokens, rows if pipe.vocab.row_end_ids else 0, rows * cols)
 
     # --- helpers --------------------------------------------------------------------------------
     def routing_choices(self) -> list[tuple[str, str]]:
@@ -134,25 +152,27 @@ class MoLoRAApp:
                  text_temperature: float, text_top_k: int, text_top_p: float, image_temperature: float,
                  image_top_k: int, cfg_scale: float, seed: int, max_new_tokens: int, best_of: int,
                  state: SessionState, request: gr.Request) -> Iterator[tuple]:
-        """Stream one document: yields (text, images, html file, document view, routing map, stats) updates."""
+        """Stream one document: yields (text, images, html file, document view, routing map, stats, rejected
+        drafts) updates. The first update clears the previous run's download."""
         try:
-            state.bind(request.session_hash)
+            self.sessions.bind(state, request.session_hash)
             prompt = prompt or ""
             if len(prompt) > MAX_PROMPT_CHARS:
-                raise gr.Error(f"the prompt has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+                raise user_error(f"the prompt has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
             if routing not in {value for _, value in self.routing_choices()}:
-                raise gr.Error(f"unknown routing mode {routing!r}; choose one of "
-                               f"{', '.join(value for _, value in self.routing_choices())}")
-            text_adapter, _ = state.resolve(text_choice, self.builtin)
-            image_adapter, _ = state.resolve(image_choice, self.builtin)
+                raise user_error(f"unknown routing mode {routing!r}; choose one of "
+                                 f"{', '.join(value for _, value in self.routing_choices())}")
+            text_adapter, text_label = state.resolve(text_choice, self.builtin)
+            image_adapter, image_label = state.resolve(image_choice, self.builtin)
             config = GenerationConfig(
                 max_new_tokens=int(max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))),
                 text=SamplingConfig(temperature=text_temperature, top_k=int(text_top_k), top_p=text_top_p),
                 image=SamplingConfig(temperature=image_temperature, top_k=int(image_top_k)),
-                cfg_scale=float(cfg_scale), seed=int(seed), start_image=bool(start_image),
+                cfg_scale=float(cfg_scale), seed=check_seed(seed), start_image=bool(start_image),
                 best_of=int(max(1, min(int(best_of), MAX_BEST_OF_UI))), check=self.defaults.check)
-            view = RunView(label_of=self._labeller(state), prompt=prompt)
-            colors = color_map([*self.builtin, *state.display_names().values()])
+            view = RunView(label_of=self._labeller(state), prompt=prompt, image_tokens=self.image_tokens)
+            colors = color_map(text_label, image_label, [*self.builtin, *state.display_names().values()])
+            note = routing_note(routing, text_label, image_label)
             started = time.perf_counter()
             router = self.pipe.make_router(routing, text_adapter, image_adapter)  # also checks the names
             tickets = len(set(router.adapters())) if router is not None else 0
@@ -160,57 +180,60 @@ class MoLoRAApp:
                 stream_events, self.pipe_key, prompt, text_adapter, image_adapter, routing, config,
                 state.extra_adapters()))
             sent: dict = {}
+            yield self._outputs(view, colors, f"starting…{note}", state, None, sent)  # clears the old download
             for batch in in_background(run, REFRESH_SECONDS):
                 changed = [view.apply(event) for event in batch]
                 if any(changed):
-                    status = f"generating… {time.perf_counter() - started:.1f} s"
+                    status = f"generating… {time.perf_counter() - started:.1f} s{note}"
                     if view.candidate:
                         status += (f" · candidate {view.candidate + 1} of {view.best_of}: the model's caption of "
                                    "the last one did not match the text")
-                    yield self._outputs(view, colors, status, None, sent)
+                    yield self._outputs(view, colors, status, state, None, sent)
             if view.document is None:
-                raise gr.Error("generation ended without a document; see the server log")
+                raise user_error("generation ended without a document; see the server log")
             path = self._save_document(view.document, state)
-            status = f"done in {time.perf_counter() - started:.1f} s · {len(view.tokens)} tokens"
+            status = f"done in {time.perf_counter() - started:.1f} s · {len(view.tokens)} tokens{note}"
             if view.finish_reason == "length":
                 status += " · stopped at the token limit"
             status += best_of_status(view.document.meta.get("best_of"))
-            yield self._outputs(view, colors, status, path)
+            yield self._outputs(view, colors, status, state, path)
         except MoLoRAError as err:
-            raise gr.Error(str(err)) from err
+            raise user_error(str(err)) from err
 
-    def _outputs(self, view: RunView, colors: dict[str, str], status: str, path: str | None,
-                 sent: dict | None = None) -> tuple:
-        """Values for (text, images, file, document, routing map, stats). With `sent` (what the page already
-        shows), unchanged outputs are gr.skip(): while an image is drawn only its progress bar and the stats move.
-        Re-sending the 256-token routing map on every refresh is what made a 258-token image take 10 s instead of
-        0.8 s (numbers in `in_background`)."""
-        keys = {"text": view.text, "images": len(view.images), "document": view.document_html(),
-                "routing": (len(view.tokens), view.document is not None)}
-        fresh = {name: sent is None or sent.get(name) != key for name, key in keys.items()}
+    def _outputs(self, view: RunView, colors: dict[str, str], status: str, state: SessionState,
+                 path: str | None, sent: dict | None = None) -> tuple:
+        """Values for (text, images, file, document, routing map, stats, rejected drafts). With `sent` (what the
+        page already shows), unchanged outputs are gr.skip(): while an image is drawn only its progress bar and the
+        stats move. Re-sending the 256-token routing map on every refresh is what made a 258-token image take 10 s
+        instead of 0.8 s (numbers in `in_background`)."""
+        keys = {"text": view.text, "images": len(view.images), "file": path, "document": view.document_html(),
+                "routing": (len(view.tokens), view.document is not None), "drafts": len(view.rejected)}
+        fresh = {name: sent is None or name not in sent or sent[name] != key for name, key in keys.items()}
         if sent is not None:
             sent.update(keys)
         skip = gr.skip()
         routing_map = gr.HighlightedText(value=view.routing_map(), color_map=colors) if fresh["routing"] else skip
+        cache = state.visible_cache(self.pipe.cache_stats(), self.builtin)
         return (view.text if fresh["text"] else skip, view.images if fresh["images"] else skip,
-                path if sent is None else skip, keys["document"] if fresh["document"] else skip, routing_map,
-                view.stats_html(self.pipe.cache_stats(), colors, status))
+                path if fresh["file"] else skip, keys["document"] if fresh["document"] else skip, routing_map,
+                view.stats_html(cache, colors, status), view.rejected_html() if fresh["drafts"] else skip)
 
     @staticmethod
     def _save_document(document, state: SessionState) -> str:
+        """The download: Document.save_html (the same file the Python API writes), with the session's names."""
         folder = Path(state.folder()) / f"doc-{time.time_ns()}"
         folder.mkdir()
         path = folder / "molora-document.html"
-        document.save_html(path)
+        document.save_html(path, labels=state.display_names())
         return str(path)
 
     # --- adapters -------------------------------------------------------------------------------
     def upload_adapter(self, files, name: str, modality: str, state: SessionState, request: gr.Request):
         """Validate and load an uploaded adapter for this session only; on any error nothing changes."""
         try:
-            state.bind(request.session_hash)
+            self.sessions.bind(state, request.session_hash)
             if modality not in ("text", "image"):
-                raise gr.Error(f"modality must be 'text' or 'image', got {modality!r}")
+                raise UploadError(f"modality must be 'text' or 'image', got {modality!r}")
             files = files if isinstance(files, list) else [files] if files else []
             paths = [f if isinstance(f, str) else getattr(f, "path", None) or f.name for f in files]
             upload = validate_upload(paths)
@@ -218,22 +241,24 @@ class MoLoRAApp:
             state.check_new_name(display, self.builtin)
             folder = upload.write(state.folder())
             # our own metadata file (uploads may not carry one): it tells the pipeline which picker it belongs to
-            (folder / "molora.json").write_text(json.dumps({"modality": modality,
-                                                            "description": "uploaded by a visitor"}))
+            description = (upload.metadata or {}).get("description") or "uploaded by a visitor"
+            (folder / "molora.json").write_text(json.dumps({"modality": modality, "description": str(description)}))
+            internal = state.internal_name(display)
             try:
-                internal = self.pipe.load_adapter(folder, name=state.internal_name(display))
+                internal = self.pipe.load_adapter(folder, name=internal)
             except Exception as err:
                 remove_folder(folder)
                 if isinstance(err, MoLoRAError):
-                    raise
-                # the loader validates first, so this is unexpected; still a refusal the visitor can read
+                    raise UploadError(public_message(str(err), self.sessions.root, internal, display)) from err
+                # the loader validates first, so this is unexpected: the server log gets the traceback
                 log.exception("loading an uploaded adapter failed")
-                raise gr.Error(f"adapter upload refused: the files could not be loaded ({type(err).__name__}: "
-                               f"{err})", duration=None) from err
+                raise user_error(f"adapter upload refused: the files could not be loaded ({type(err).__name__})",
+                                 duration=None) from err
             state.uploads[display] = UploadedAdapter(display, internal, modality, folder)
+            log.info("a session loaded its uploaded adapter %r (%s)", display, modality)
         except MoLoRAError as err:
             # the toast stays until closed: a refusal is something to read, not to miss
-            raise gr.Error(f"adapter upload refused: {err}", duration=None) from err
+            raise user_error(f"adapter upload refused: {err}", duration=None) from err
         text_update, image_update = self._picker_updates(state)
         if modality == "text":
             text_update = gr.Dropdown(choices=state.choices("text", self.builtin), value=display)
@@ -247,6 +272,14 @@ class MoLoRAApp:
         return (gr.Dropdown(choices=state.choices("text", self.builtin)),
                 gr.Dropdown(choices=state.choices("image", self.builtin)))
 
+    def end_session(self, request: gr.Request) -> None:
+        """The visitor closed the tab: their uploads leave the pipeline and the hot set, their files the disk."""
+        self.sessions.end(request.session_hash)
+
+    def close(self) -> None:
+        """End every session and remove the app's temporary folder (at shutdown)."""
+        self.sessions.close_all()
+
     def list_adapters(self, state: SessionState) -> dict:
         """What this session may pick: built-in adapters (shared) and its own uploads."""
         return {"builtin": dict(self.builtin),
@@ -254,10 +287,9 @@ class MoLoRAApp:
 
     # --- layout ---------------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
-        pipe = self.pipe
         # no telemetry: the demo runs offline (CI, air-gapped machines) as well as on a Space
         with gr.Blocks(title="MoLoRA: per-token LoRA routing", analytics_enabled=False) as demo:
-            state = gr.State(SessionState(), delete_callback=lambda s: s.cleanup(pipe))
+            state = gr.State(self.sessions.new_state(), delete_callback=self.sessions.forget)
             gr.Markdown(
                 "# MoLoRA: per-token LoRA routing for text + image generation\n"
                 "One model writes text and images as tokens of one vocabulary. With **vocabulary routing** every "
@@ -270,9 +302,11 @@ class MoLoRAApp:
                     with gr.Row():
                         text_adapter = gr.Dropdown(state.value.choices("text", self.builtin),
                                                    value=self.default_adapter("text"), label="Text adapter",
+                                                   info=PICKER_HINTS["vocab"][0],
                                                    allow_custom_value=True, elem_id="text-adapter")
                         image_adapter = gr.Dropdown(state.value.choices("image", self.builtin),
                                                     value=self.default_adapter("image"), label="Image adapter",
+                                                    info=PICKER_HINTS["vocab"][1],
                                                     allow_custom_value=True, elem_id="image-adapter")
                     routing = gr.Radio(self.routing_choices(), value="vocab", label="Routing")
                     with gr.Row():
@@ -298,11 +332,13 @@ class MoLoRAApp:
                                                     step=1, label="Image top-k (0 = off)")
                         with gr.Row():
                             cfg_scale = gr.Slider(1.0, 10.0, value=d.cfg_scale, step=0.5, label="Image CFG scale")
-                            seed = gr.Number(0, precision=0, minimum=0, maximum=2**31 - 1, label="Seed")
+                            # the range is checked by check_seed (the API's rule), whose refusal names the field
+                            seed = gr.Number(self.examples[0][2] if self.examples else 0, precision=0, label="Seed",
+                                             info=f"0 to {MAX_SEED}")
                         max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS, value=min(d.max_new_tokens, MAX_NEW_TOKENS),
-                                                   step=1, label=f"Max new tokens (an image is {self.image_tokens})")
+                                                   step=1, label="Max new tokens", info=self.image_note)
                     run = gr.Button("Generate", variant="primary", elem_id="generate")
-                    gr.Examples([list(e) for e in self.examples], inputs=[prompt, start_image],
+                    gr.Examples([list(e) for e in self.examples], inputs=[prompt, start_image, seed],
                                 label="Example prompts")
                     with gr.Accordion("Upload your own adapter (private to this session)", open=False):
                         gr.Markdown(
@@ -315,34 +351,84 @@ class MoLoRAApp:
                             upload_name = gr.Textbox(label="Name", placeholder="my-adapter", max_lines=1)
                             upload_modality = gr.Radio(["text", "image"], value="text", label="Use for")
                         upload_button = gr.Button("Load adapter")
-                        upload_status = gr.Markdown()
+                        upload_status = gr.Markdown(label="Upload status")
                 with gr.Column(scale=3):
                     document = gr.HTML(label="Document", elem_id="document",
                                        value='<div class="molora-doc molora-empty">Press Generate.</div>')
+                    drafts = gr.HTML(label="Rejected drafts", elem_id="rejected-drafts")
                     routing_map = gr.HighlightedText(label="Routing map: each generated token, coloured by the "
                                                      "adapter it used", show_legend=True, show_inline_category=False,
                                                      combine_adjacent=False, elem_id="routing-map")
-                    stats = gr.HTML(elem_id="stats")
+                    stats = gr.HTML(label="Status, cache and latency", elem_id="stats")
                     html_file = gr.File(label="Download the document (HTML, images inside)", elem_id="html-file",
                                         height=110)
                     with gr.Accordion("Plain text and images", open=False):
                         text_out = gr.Textbox(label="Text", lines=4, elem_id="text-out")
                         images = gr.Gallery(label="Images", format="png", columns=4, height="auto",
                                             elem_id="images")
-                    adapters_json = gr.JSON(visible=False)
+                    adapters_json = gr.JSON(label="Adapters", visible=False)
 
             run.click(self.generate,
                       inputs=[prompt, text_adapter, image_adapter, routing, start_image, text_temperature,
                               text_top_k, text_top_p, image_temperature, image_top_k, cfg_scale, seed,
                               max_new_tokens, best_of, state],
-                      outputs=[text_out, images, html_file, document, routing_map, stats],
+                      outputs=[text_out, images, html_file, document, routing_map, stats, drafts],
                       api_name="generate", show_progress="minimal")
+            routing.change(picker_hints, inputs=[routing], outputs=[text_adapter, image_adapter],
+                           api_visibility="private", show_progress="hidden", queue=False)
             upload_button.click(self.upload_adapter,
                                 inputs=[upload_files, upload_name, upload_modality, state],
                                 outputs=[state, text_adapter, image_adapter, upload_status, adapters_json],
                                 api_name="upload_adapter", show_progress_on=[upload_status])
             demo.load(self.list_adapters, inputs=[state], outputs=[adapters_json], api_name="adapters")
+            demo.unload(self.end_session)
         return demo
+
+
+def user_error(message: str, **kwargs) -> gr.Error:
+    """A refusal the visitor reads in the page, logged as one line (nothing is broken: no traceback)."""
+    log.info("refused a request: %s", message)
+    return gr.Error(message, print_exception=False, **kwargs)
+
+
+def public_message(message: str, private_root: Path, internal: str, display: str) -> str:
+    """A loader's error as the visitor may read it: paths under the app's temporary folder become the file's own
+    name (or "the upload"), and the session-qualified internal name becomes the visitor's name for the adapter."""
+    def shorten(match: re.Match) -> str:
+        name = Path(match.group(0)).name
+        return name if name in (CONFIG_NAME, WEIGHTS_NAME) else "the upload"
+
+    for root in dict.fromkeys((str(private_root), str(Path(private_root).resolve()))):
+        message = re.sub(re.escape(root) + r"[^\s'\":,;]*", shorten, message)
+    return message.replace(internal, display)
+
+
+def routing_note(routing: str, text_label: str | None, image_label: str | None) -> str:
+    """The status line's note on what the routing mode does with the pickers (empty for vocabulary routing)."""
+    if routing == "sequence":
+        used = text_label if text_label is not None else image_label
+        if used is None:
+            return " · per-sequence: no adapter picked, so the base model"
+        ignored = " (the image picker is not used)" if text_label is not None and image_label is not None else ""
+        return f" · per-sequence: every token uses {used}{ignored}"
+    if routing == "none":
+        return " · routing off: the base model, the pickers are not used"
+    return ""
+
+
+# what the (text, image) adapter pickers do under each routing mode, shown under them
+PICKER_HINTS = {
+    "vocab": ("used for text tokens", "used for image tokens"),
+    "sequence": ("per-sequence: used for every token", "per-sequence: used only when the text adapter is none"),
+    "none": ("not used: routing is off", "not used: routing is off"),
+    "learned": ("not used: the learned gates pick among the domain adapters", "used for image tokens"),
+}
+
+
+def picker_hints(routing: str) -> tuple:
+    """Updates of the two pickers' hints for the chosen routing mode (an event handler's return value)."""
+    text_hint, image_hint = PICKER_HINTS.get(routing, ("", ""))
+    return gr.Dropdown(info=text_hint), gr.Dropdown(info=image_hint)
 
 
 def best_of_status(best_of: dict | None) -> str:
@@ -355,7 +441,7 @@ def best_of_status(best_of: dict | None) -> str:
     return f" · none of {drawn} candidates passed the caption check: kept the first"
 
 
-def build_demo(pipe, *, examples: list[tuple[str, bool]] | None = None) -> gr.Blocks:
+def build_demo(pipe, *, examples: list[tuple[str, bool, int]] | None = None) -> gr.Blocks:
     """The app's gr.Blocks over a loaded pipeline (queue not yet configured; see app.py / `launch`)."""
     return MoLoRAApp(pipe, examples=examples).build()
 

@@ -10,7 +10,8 @@ batches candidate k of every prompt still without a passing candidate, so prompt
 Every candidate streams as it decodes (a Redraw event opens the next one of a prompt); a prompt's Finished event
 carries the document kept, with meta["best_of"] = {n, check, candidate, verdicts, seconds}.
 
-A check is a callable  check(documents) -> list[bool]  made for one pipeline by a factory registered in CHECKS:
+A check is a callable  check(documents) -> list[bool]  made for one pipeline by a factory registered in CHECKS
+(it may record why in each document's meta["check"] = {"passed": bool, "reason": str}, which the app shows):
     register_check("my_clip_check", lambda pipe: MyCheck(pipe))
     pipe.generate(prompts, best_of=4, check="my_clip_check")
 Checks are named (not passed as objects) so a document's recorded config says how it was chosen.
@@ -82,10 +83,11 @@ def stream_best_of(stream_rows: StreamRows, n_prompts: int, config: GenerationCo
     first: dict[int, Finished] = {}  # candidate 0 of each prompt: kept when no candidate passes
     verdicts: list[list[bool]] = [[] for _ in range(n_prompts)]
     pending = list(range(n_prompts))
+    finished: dict[int, Finished] = {}
     for k in range(config.best_of):
         if k > 0:
-            yield from (Redraw(k, config.best_of, row=row) for row in pending)
-        finished: dict[int, Finished] = {}
+            yield from (Redraw(k, config.best_of, row=row, rejected=finished[row].document) for row in pending)
+        finished = {}
         if k == 0 and first_round is not None:
             events = first_round
         else:

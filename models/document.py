@@ -34,8 +34,25 @@ JSON_SIDECAR = "document.json"
 _SCRIPT_ID = "molora-document"
 _IMG_RE = re.compile(r'<img id="(molora-[a-z-]+-\d+)"[^>]*?src="data:image/png;base64,([A-Za-z0-9+/=]*)"')
 _SCRIPT_RE = re.compile(r'<script type="application/json" id="molora-document">(.*?)</script>', re.S)
-# colours for adapters in order of appearance (base model = no colour)
-PALETTE = ("#ffd8a8", "#a5d8ff", "#b2f2bb", "#eebefa", "#ffec99", "#99e9f2", "#ffc9c9", "#d0bfff")
+# The one palette of adapter colours, for saved documents and the app alike (mid tones: dark text stays readable on
+# them, in the light and the dark theme). adapter_colors() gives the request's text adapter the first colour and its
+# image adapter the second, so an adapter has the same colour in the app, its download and save_html.
+PALETTE = ("#f59e0b", "#38bdf8", "#34d399", "#f472b6", "#a78bfa", "#fb7185", "#facc15", "#2dd4bf", "#fb923c")
+BASE_COLOR = "#cbd5e1"  # the base model (no adapter), where a colour is shown for it
+
+
+def adapter_colors(text_adapter: str | None, image_adapter: str | None, others: Any = ()) -> dict[str, str]:
+    """{adapter: colour}: the text adapter PALETTE[0], the image adapter PALETTE[1] (each keeps its colour when the
+    other is None), every other adapter in `others` the following colours in order."""
+    colors: dict[str, str] = {}
+    for name, color in ((text_adapter, PALETTE[0]), (image_adapter, PALETTE[1])):
+        if name is not None and name not in colors:
+            colors[name] = color
+    rest = iter(PALETTE[2:] * (1 + len(list(others)) // max(1, len(PALETTE) - 2)))
+    for name in dict.fromkeys(others):
+        if name is not None and name not in colors:
+            colors[name] = next(rest)
+    return colors
 
 
 class DocumentError(MoLoRAError):
@@ -77,8 +94,11 @@ class Document:
         return [p for p in self.parts if isinstance(p, Image.Image)]
 
     def adapter_colors(self) -> dict[str, str]:
-        names = list(dict.fromkeys(r.adapter for r in self.routing if r.adapter is not None))
-        return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(names)}
+        """Colours of the adapters that produced this document's tokens, by `adapter_colors` (the request's text
+        and image adapters from meta, then the others in order of appearance)."""
+        used = list(dict.fromkeys(r.adapter for r in self.routing if r.adapter is not None))
+        colors = adapter_colors(self.meta.get("text_adapter"), self.meta.get("image_adapter"), used)
+        return {name: colors[name] for name in used}
 
     # --- JSON ---------------------------------------------------------------------------------
     def to_json_dict(self, image_ref: Any) -> dict:
@@ -121,8 +141,10 @@ class Document:
             raise DocumentError(f"damaged document data: {exc}") from exc
 
     # --- HTML ---------------------------------------------------------------------------------
-    def save_html(self, path: str | Path, *, color_tokens: bool = True, title: str = "MoLoRA document") -> Path:
-        """One self-contained HTML file; Document.load(path) reads it back exactly."""
+    def save_html(self, path: str | Path, *, color_tokens: bool = True, title: str = "MoLoRA document",
+                  labels: dict[str, str] | None = None) -> Path:
+        """One self-contained HTML file; Document.load(path) reads it back exactly. `labels` renames adapters in
+        the page (e.g. an app's display names for internal ones); the stored routing keeps the real names."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         images: dict[str, str] = {}
@@ -134,16 +156,17 @@ class Document:
 
         data = self.to_json_dict(ref)
         colors = self.adapter_colors() if color_tokens else {}
+        labels = labels or {}
         body = [f"<h1>{html.escape(title)}</h1>"]
         if self.prompt:
             body.append('<section class="prompt"><h2>Prompt</h2>')
             body += _render_parts(self.prompt, "prompt-image", images, [], {})
             body.append("</section>")
         body.append('<section class="document">')
-        body += _render_parts(self.parts, "image", images, self.routing, colors)
+        body += _render_parts(self.parts, "image", images, self.routing, colors, labels)
         body.append("</section>")
         if colors:
-            legend = " ".join(f'<span class="tok" style="background:{c}">{html.escape(n)}</span>'
+            legend = " ".join(f'<span class="tok" style="background:{c}">{html.escape(labels.get(n, n))}</span>'
                               for n, c in colors.items())
             body.append(f'<p class="legend">Adapters: {legend} <span class="tok">base model</span></p>')
         for notice in self.notices:
@@ -372,7 +395,8 @@ def _parse_json(text: str, path: Path) -> dict:
 
 
 def _render_parts(parts: list[Part], kind: str, images: dict[str, str], routing: list[TokenRecord],
-                  colors: dict[str, str]) -> list[str]:
+                  colors: dict[str, str], labels: dict[str, str] | None = None) -> list[str]:
+    labels = labels or {}
     out, n = [], 0
     for index, part in enumerate(parts):
         if isinstance(part, Image.Image):
@@ -381,7 +405,7 @@ def _render_parts(parts: list[Part], kind: str, images: dict[str, str], routing:
             counts = Counter(r.adapter for r in routing if r.part == index and r.modality == "image")
             adapter = counts.most_common(1)[0][0] if counts else None
             style = f' style="border-color:{colors[adapter]}"' if adapter in colors else ""
-            tip = f' title="adapter: {html.escape(adapter)}"' if adapter else ""
+            tip = f' title="adapter: {html.escape(labels.get(adapter, adapter))}"' if adapter else ""
             out.append(f'<figure><img id="{key}" alt="image {n}"{style}{tip} '
                        f'src="data:image/png;base64,{images[key]}"></figure>')
             continue
@@ -393,7 +417,7 @@ def _render_parts(parts: list[Part], kind: str, images: dict[str, str], routing:
                     continue
                 color = colors.get(r.adapter)
                 style = f' style="background:{color}"' if color else ""
-                tip = html.escape(f"{r.id} {r.adapter or 'base'}")
+                tip = html.escape(f"{r.id} {labels.get(r.adapter, r.adapter) if r.adapter else 'base'}")
                 spans.append(f'<span class="tok"{style} title="{tip}">{html.escape(r.piece)}</span>')
             out.append(f'<p class="text">{"".join(spans)}</p>')
         else:

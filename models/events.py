@@ -82,11 +82,14 @@ class Notice:
 @dataclass
 class Redraw:
     """Best-of-n (models/best_of.py): the check rejected every candidate of this row so far, so candidate
-    `candidate` (of at most `best_of`) is drawn from here on. A UI clears what it showed of the last candidate."""
+    `candidate` (of at most `best_of`) is drawn from here on. A UI clears what it showed of the last candidate;
+    `rejected` is that candidate's document (its meta["check"] says why the check turned it down, where the check
+    records it), so a UI can still show it as a rejected draft."""
 
     candidate: int
     best_of: int
     row: int = 0
+    rejected: Document | None = None
 
 
 @dataclass

@@ -287,7 +287,8 @@ def load_peft_adapter(path: str | Path, *, name: str | None = None, base_model_n
     adapter = LoraAdapter(adapter_name, weights, scales, config)
     adapter.validate()
     check_base_model(adapter.base_model_name_or_path, base_model_name_or_path, name=adapter_name, force=force)
-    log.info("loaded LoRA '%s' from %s: %d modules, rank %d", adapter_name, folder, len(weights), adapter.rank)
+    # debug: the caller may still refuse it (shapes that do not fit the model); the pipeline logs what it accepts
+    log.debug("read LoRA '%s' from %s: %d modules, rank %d", adapter_name, folder, len(weights), adapter.rank)
     return adapter
 
 

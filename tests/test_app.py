@@ -11,10 +11,12 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -26,6 +28,7 @@ from PIL import Image
 from app.render import BASE_LABEL
 from app.server import serve, warm_up
 from app.session import SessionState, UploadedAdapter
+from app.ui import MoLoRAApp
 from models import InterleavedPipeline
 from models.best_of import CHECKS
 from models.testing import write_tiny_adapter
@@ -87,12 +90,12 @@ def request(prompt: str = "Draw a red circle.", *, text: str = "text_style", ima
 
 def generate(c: Client, **kwargs) -> dict:
     """Call the named endpoint; return its outputs in comparable form (pixels, not temp paths)."""
-    text, gallery, html_path, document_html, routing_map, stats = c.predict(**request(**kwargs),
-                                                                            api_name="/generate")
+    text, gallery, html_path, document_html, routing_map, stats, drafts = c.predict(**request(**kwargs),
+                                                                                    api_name="/generate")
     images = [np.asarray(Image.open(item["image"]).convert("RGB")) for item in gallery]
     tokens = [(t["token"], t["class_or_confidence"]) for t in routing_map["value"]]
     return {"text": text, "images": images, "html": html_path, "doc": document_html, "tokens": tokens,
-            "colors": routing_map["color_map"], "stats": stats}
+            "colors": routing_map["color_map"], "stats": stats, "drafts": drafts}
 
 
 def same(a: dict, b: dict) -> bool:
@@ -103,7 +106,7 @@ def same(a: dict, b: dict) -> bool:
 def test_generate_endpoint_returns_text_an_image_and_the_html_document(url):
     out = generate(client(url), start_image=True, max_new_tokens=IMAGE_TOKENS + 4, cfg_scale=1.0)
     assert len(out["images"]) == 1 and out["images"][0].shape == (64, 64, 3)
-    assert out["text"].startswith("[image 1]")
+    assert out["text"].startswith("Draw a red circle.\n[image 1]")  # the prompt, then the image on its own line
     # every generated token is on the routing map, coloured by its adapter: image codes and row markers -> image_style
     image_labels = [label for token, label in out["tokens"] if token == "■"]
     assert len(image_labels) == 272 and set(image_labels) == {"image_style"}  # codes and row markers
@@ -193,7 +196,7 @@ def test_bad_upload_shows_a_clear_error_and_changes_nothing(url, pipe, tmp_path,
             zf.writestr(name, data)
     with pytest.raises(AppError, match=f"adapter upload refused: .*{message}"):
         c.predict([handle_file(str(archive))], "bad", "text", api_name="/upload_adapter")
-    assert pipe.adapters == before_pipe
+    assert set(pipe.adapters) <= set(before_pipe)  # nothing added (other tests' closed sessions may leave)
     assert c.predict(api_name="/adapters") == before_session
 
 
@@ -204,11 +207,14 @@ def test_upload_the_model_rejects_changes_nothing(url, pipe, tiny_assets, tmp_pa
     config = (folder / "adapter_config.json").read_text().replace("molora/shapes-lm", "someone/else")
     (folder / "adapter_config.json").write_text(config)
     before = dict(pipe.adapters)
-    with pytest.raises(AppError, match="adapter upload refused"):
+    with pytest.raises(AppError, match="adapter upload refused") as refused:
         c.predict([handle_file(str(folder / "adapter_config.json")),
                    handle_file(str(folder / "adapter_model.safetensors"))], "wrong", "image",
                   api_name="/upload_adapter")
-    assert pipe.adapters == before
+    message = str(refused.value)
+    assert "'wrong'" in message and "someone/else" in message  # what was wrong, in the visitor's own names
+    assert "@" not in message and "molora-" not in message and tempfile.gettempdir() not in message
+    assert set(pipe.adapters) <= set(before)
     assert c.predict(api_name="/adapters")["uploaded"] == {}
 
 
@@ -251,6 +257,62 @@ def test_ending_a_session_unloads_its_adapters_and_deletes_its_files(pipe, uploa
     assert internal not in pipe.adapters and not workdir.exists() and state.uploads == {}
 
 
+def test_a_closed_tab_unloads_its_upload_from_the_pipeline_and_the_hot_set_at_once(pipe, upload_zip):
+    """Gradio's unload event (the tab closed) ends the session now, not when its state expires an hour later."""
+    app = MoLoRAApp(pipe)
+    state, tab = app.sessions.new_state(), SimpleNamespace(session_hash="closing-tab")
+    app.upload_adapter([str(upload_zip)], "mine", "text", state, tab)
+    internal = state.uploads["mine"].internal_name
+    pipe.generate("Draw a red circle.", text_adapter=internal, routing="sequence", seed=0, max_new_tokens=4)
+    assert internal in pipe.cache_stats()["slots"]  # the upload holds a hot-set slot
+    folder = state.workdir
+    app.end_session(tab)  # what demo.unload calls when the tab closes
+    assert internal not in pipe.adapters and internal not in pipe.cache_stats()["slots"]
+    assert not folder.exists() and state.uploads == {}
+    app.close()
+    assert not app.sessions.root.exists()
+
+
+def test_another_session_sees_no_trace_of_an_upload_in_the_cache_panel(url, pipe, upload_zip):
+    owner, other = client(url), client(url)
+    owner.predict([handle_file(str(upload_zip))], "secret", "text", api_name="/upload_adapter")
+    generate(owner, text="secret", routing="sequence")
+    internal = next(name for name in pipe.adapters if name.startswith("secret@"))
+    slot = pipe.cache_stats()["slots"].index(internal)
+    assert "secret" in generate(owner, text="secret", routing="sequence")["stats"]  # the owner sees it
+    stats = generate(other, routing="none")["stats"]
+    assert "secret" not in stats and "@" not in stats
+    assert f"slot {slot}: empty" in stats
+
+
+def test_the_app_folder_is_removed_at_shutdown(tmp_path):
+    """Sessions' files live under one temporary folder of the app, gone when the process ends."""
+    code = ("from app.session import SessionRegistry; r = SessionRegistry(None); s = r.new_state(); "
+            "r.bind(s, 'x'); (s.folder() / 'doc.html').write_text('x'); print(r.root)")
+    root = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert not Path(root.stdout.strip()).exists()
+
+
+@pytest.mark.parametrize("seed, message", [(-1, "seed must be from 0 to"), (2**31, "seed must be from 0 to")])
+def test_a_seed_outside_the_one_rule_is_refused_naming_the_field(url, seed, message):
+    with pytest.raises(AppError, match=message):
+        generate(client(url), seed=seed)
+
+
+def test_a_new_run_clears_the_previous_download_at_once(url):
+    job = client(url).submit(**request(max_new_tokens=8), api_name="/generate")
+    job.result(timeout=120)
+    first = job.outputs()[0]
+    assert first[2] is None and "starting…" in first[5]  # the first update clears the download
+
+
+def test_api_outputs_are_named(url):
+    info = client(url).view_api(return_format="dict", print_info=False)
+    returns = [r["label"] for r in info["named_endpoints"]["/generate"]["returns"]]
+    assert not any(label.startswith("value_") for label in returns), returns
+    assert "Rejected drafts" in returns and "Status, cache and latency" in returns
+
+
 def test_generation_streams_partial_pages_before_the_final_one(url):
     job = client(url).submit(**request(start_image=True, max_new_tokens=IMAGE_TOKENS, cfg_scale=1.0),
                              api_name="/generate")
@@ -258,7 +320,8 @@ def test_generation_streams_partial_pages_before_the_final_one(url):
     outputs = job.outputs()
     assert len(outputs) >= 2 and outputs[-1][5] == final[5]
     partial_stats = [o[5] for o in outputs[:-1]]
-    assert all("generating…" in stats for stats in partial_stats)
+    assert "starting…" in partial_stats[0]  # sent at once: it clears the previous run's download
+    assert all("generating…" in stats for stats in partial_stats[1:])
     assert "done in" in final[5] and final[2] is not None  # the HTML file only comes with the final page
 
 
@@ -275,6 +338,14 @@ def test_best_of_streams_candidates_and_keeps_the_one_the_check_passes(tiny_asse
     finally:
         demo.close()
     assert "kept candidate 2 of 2 drawn" in out["stats"]
+    assert "candidate 1: the check did not pass it" in out["drafts"]  # the rejected draft stays visible
     same_seed = pipe.generate("Draw a red circle.", text_adapter="text_style", image_adapter="image_style",
                               seed=6, max_new_tokens=16, text_temperature=1.0, text_top_p=1.0, cfg_scale=3.0)
-    assert out["text"] == same_seed.text  # the kept candidate is the seed + 1 draw
+    assert out["text"] == "Draw a red circle.\n" + same_seed.text.lstrip(" ")  # the kept candidate: seed + 1
+
+
+def test_per_sequence_mode_says_which_adapter_it_uses_and_that_the_image_picker_is_not_used(url):
+    stats = generate(client(url), routing="sequence")["stats"]
+    assert "per-sequence: every token uses text_style (the image picker is not used)" in stats
+    stats = generate(client(url), routing="sequence", text="none")["stats"]
+    assert "per-sequence: every token uses image_style" in stats

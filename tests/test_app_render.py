@@ -35,14 +35,14 @@ def test_events_build_the_document_view_the_routing_map_and_the_latency():
     assert view.apply(ImageDone(0, image, ["outline"] * 256 + ["outline"]))
     assert not view.apply(StepTiming(0, 12.5))
     assert view.apply(Notice("the prompt was truncated"))
-    assert view.text == "Arr, [image 1]"
+    assert view.text == "Draw <this>\nArr,\n[image 1]"  # the prompt, then each image on a line of its own
     assert view.images == [image]
     assert view.routing_map()[:2] == [("Arr, ", "pirate"), ("", "mine")]
     assert view.routing_map()[2:] == [(IMAGE_TOKEN_GLYPH, "outline")] * 257
     html = view.document_html()
     assert "data:image/png;base64," in html and "<progress" not in html
     stats = view.stats_html({"slots": ["pirate", None], "hits": 3, "misses": 1, "evictions": 0},
-                            color_map(["pirate"]), "done")
+                            color_map("pirate", None, ["pirate"]), "done")
     assert "slot 0: pirate" in stats and "slot 1: empty" in stats and "hits 3" in stats
     assert "the prompt was truncated" in stats and "1 steps" in stats
 
@@ -61,9 +61,44 @@ def test_the_finished_document_replaces_the_streamed_map_with_every_token():
 
 
 def test_colour_map_is_stable_and_gives_the_base_model_grey():
-    colors = color_map(["a", "b", "a"])
+    colors = color_map(None, None, ["a", "b", "a"])
     assert colors[BASE_LABEL] == BASE_COLOR and list(colors) == [BASE_LABEL, "a", "b"]
     assert colors["a"] != colors["b"]
+
+
+def test_the_app_and_a_saved_document_colour_each_adapter_alike(tmp_path):
+    """One palette and one rule (models.document.adapter_colors): the run's text adapter first, its image adapter
+    second, whatever order the app lists adapters in or the document uses them in."""
+    app = color_map("pirate", "outline", ["outline", "pirate", "other"])  # the app lists adapters by name
+    doc = Document(parts=[Image.new("RGB", (64, 64)), "Arr"], meta={"text_adapter": "pirate",
+                                                                   "image_adapter": "outline"},
+                   routing=[TokenRecord(3, "<boi>", "special", "outline", 0),
+                            TokenRecord(900, "<img:7>", "image", "outline", 0),
+                            TokenRecord(5, "Arr", "text", "pirate", 1)])  # the image came first
+    assert doc.adapter_colors() == {"outline": app["outline"], "pirate": app["pirate"]}
+    assert app["pirate"] != app["outline"]
+    page = doc.save_html(tmp_path / "d.html").read_text()
+    assert f'background:{app["pirate"]}' in page and f'border-color:{app["outline"]}' in page
+    only_image = Document(parts=["x"], meta={"text_adapter": None, "image_adapter": "outline"},
+                          routing=[TokenRecord(900, "<img:7>", "image", "outline", 0)])
+    assert only_image.adapter_colors()["outline"] == color_map(None, "outline", ["outline"])["outline"]
+
+
+def test_the_plain_text_keeps_parts_apart_and_starts_with_the_prompt():
+    view = RunView(label_of=label_of, prompt="Draw a red circle.")
+    view.apply(ImageStarted(0))
+    view.apply(ImageDone(0, Image.new("RGB", (64, 64)), ["outline"]))
+    view.apply(TextDelta(" Yo ho, a circle.", [5], ["pirate"]))
+    view.apply(ImageStarted(1))
+    view.apply(ImageDone(1, Image.new("RGB", (64, 64)), ["outline"]))
+    assert view.text == "Draw a red circle.\n[image 1]\nYo ho, a circle.\n[image 2]"
+
+
+def test_the_progress_bar_counts_an_image_as_the_slider_does():
+    view = RunView(label_of=label_of, image_tokens=274)
+    view.apply(ImageStarted(0))
+    view.apply(ImageProgress(0, 17, 272))
+    assert "18/274 tokens" in view.document_html()  # <boi> and 17 codes of the 274 the slider names
     assert sparkline([1.0]) == "" and "<polyline" in sparkline([1.0, 2.0, 3.0])
 
 
@@ -83,14 +118,18 @@ def test_a_redraw_clears_the_view_and_finished_shows_the_candidate_kept():
     view = RunView(label_of=label_of)
     view.apply(TextDelta("One", [9], [None]))
     view.apply(ImageDone(0, first, ["outline"]))
-    assert view.apply(Redraw(1, 4))
+    rejected = Document(parts=["One", first], meta={"check": {"passed": False, "reason": "the model's caption of "
+                                                              "picture 1 (\"a blue square\") does not name ..."}})
+    assert view.apply(Redraw(1, 4, rejected=rejected))
     assert (view.candidate, view.best_of, view.text, view.routing_map()) == (1, 4, "", [])
+    drafts = view.rejected_html()  # the rejected candidate stays visible, with why it was rejected
+    assert "candidate 1:" in drafts and "a blue square" in drafts and "data:image/png" in drafts and "One" in drafts
     view.apply(TextDelta("Two", [8], [None]))
     view.apply(ImageDone(0, second, ["outline"]))
     assert view.images == [second]
     kept = Document(parts=["One", first], routing=[TokenRecord(9, "One", "text", None, 0)])
     view.apply(Finished(kept))
-    assert view.text == "One[image 1]" and view.images == [first] and view.routing_map() == [("One", BASE_LABEL)]
+    assert view.text == "One\n[image 1]" and view.images == [first] and view.routing_map() == [("One", BASE_LABEL)]
     assert "data:image/png;base64," in view.document_html()
 
 

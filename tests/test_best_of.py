@@ -99,6 +99,7 @@ def test_pipeline_best_of_returns_the_passing_candidate_reproducibly(tiny_pipeli
                                        text_adapter="text_style", image_adapter="image_style", max_new_tokens=300))
     redraws = [i for i, e in enumerate(events) if isinstance(e, Redraw)]
     assert len(redraws) == 1 and isinstance(events[-1], Finished) and events[-1].document.meta["seed"] == 21
+    assert events[redraws[0]].rejected.meta["seed"] == 20  # the Redraw carries the candidate it turned down
     assert any(isinstance(e, ImageDone) for e in events[:redraws[0]])  # candidate 0 streamed before its redraw
 
 
@@ -118,6 +119,11 @@ def test_caption_check_passes_the_right_picture_and_fails_a_wrong_one(embedded):
                  Document(parts=[wrong], prompt=[asked], meta={"routing": "none"}),
                  Document(parts=["Arr, a fine day."], prompt=[asked], meta={"routing": "none"})]
     assert CaptionCheck(embedded)(documents) == [True, False, True]  # a document without pictures passes
+    # each document records why, for the app's rejected drafts: the wrong picture's caption is quoted
+    assert documents[0].meta["check"]["passed"] and documents[0].meta["check"]["reason"] == ""
+    rejected = documents[1].meta["check"]
+    assert not rejected["passed"] and "picture 1" in rejected["reason"]
+    assert rejected["captions"][0].strip() in rejected["reason"]
 
 
 def test_embedded_model_declares_its_check_and_best_of_runs_end_to_end(embedded):

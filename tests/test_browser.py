@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import time
 import zipfile
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 
 from app.server import serve
 from models import InterleavedPipeline
+from models.testing import write_tiny_adapter
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
@@ -33,12 +35,47 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def url(tiny_assets: Path):
-    pipe = InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")
+def pipe(tiny_assets: Path) -> InterleavedPipeline:
+    return InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def url(pipe: InterleavedPipeline):
     port = free_port()
     demo = serve(pipe, host="127.0.0.1", port=port, block=False)
     yield f"http://127.0.0.1:{port}/"
     demo.close()
+
+
+@pytest.fixture(scope="module")
+def adapter_zip(tiny_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("browser-upload")
+    folder = write_tiny_adapter(tiny_assets / "model", root / "secret", modality="text", seed=11)
+    archive = root / "secret.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            zf.write(folder / name, f"secret/{name}")
+    return archive
+
+
+def open_page(browser, url: str):
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    page = context.new_page()
+    page.goto(url)
+    page.locator("#generate").wait_for(timeout=60_000)
+    return context, page
+
+
+def run(page) -> None:
+    """Start with an image (the tiny random model then surely draws one), press Generate, wait for the end."""
+    page.locator("#start-image input").check()
+    page.evaluate("""() => { window.__busy = false; clearInterval(window.__busyWatch);
+        window.__busyWatch = setInterval(() => {
+            if (!(document.querySelector('#stats')?.innerText || '').includes('done in')) window.__busy = true; }, 5);
+    }""")
+    page.locator("#generate").click()
+    page.wait_for_function("window.__busy && document.querySelector('#stats')?.innerText.includes('done in')",
+                           timeout=180_000)
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +94,7 @@ def browser():
 
 @pytest.fixture
 def page(browser, url):
-    context = browser.new_context(viewport={"width": 1280, "height": 1000})
-    page = context.new_page()
-    page.goto(url)
-    page.locator("#generate").wait_for(timeout=60_000)
+    context, page = open_page(browser, url)
     yield page
     context.close()
 
@@ -107,3 +141,70 @@ def test_a_bad_adapter_upload_shows_an_error_in_the_page(page, tmp_path):
     page.locator("#text-adapter input").click()  # the picker still offers only what it offered before
     options = page.get_by_role("option").all_inner_texts()
     assert options and not any("evil" in option or "uploaded" in option for option in options)
+
+
+def upload(page, archive: Path, name: str) -> None:
+    page.get_by_text("Upload your own adapter").click()
+    page.locator("input[type=file]").set_input_files(str(archive))
+    page.get_by_text(archive.name).first.wait_for(timeout=60_000)
+    page.get_by_label("Name").fill(name)
+    page.get_by_role("button", name="Load adapter").click()
+    page.get_by_text(f"Loaded {name}").wait_for(timeout=60_000)
+
+
+def test_an_upload_leaves_no_trace_in_another_session_and_goes_when_its_tab_closes(browser, url, pipe, adapter_zip):
+    owner_context, owner = open_page(browser, url)
+    upload(owner, adapter_zip, "secret")
+    owner.locator("#routing-map").scroll_into_view_if_needed()
+    run(owner)  # the text picker now holds "secret": it takes a hot-set slot
+    internal = next(name for name in pipe.adapters if name.startswith("secret@"))
+    assert internal in pipe.cache_stats()["slots"]
+    assert "secret" in owner.locator("#stats").inner_text()
+
+    other_context, other = open_page(browser, url)
+    run(other)
+    page_text = other.locator("body").inner_text()
+    assert "secret" not in page_text and "@" not in other.locator("#stats").inner_text()
+    other.locator("#text-adapter input").click()
+    assert not any("secret" in option for option in other.get_by_role("option").all_inner_texts())
+    other_context.close()
+
+    owner_context.close()  # the tab closes: Gradio's unload event ends the session now
+    deadline = time.monotonic() + 60
+    while internal in pipe.adapters and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert internal not in pipe.adapters and internal not in pipe.cache_stats()["slots"]
+
+
+def legend_colors(page) -> dict[str, str]:
+    """The routing map's legend: adapter label -> its colour as #rrggbb."""
+    return page.evaluate("""() => {
+        const out = {};
+        for (const el of document.querySelectorAll("#routing-map [data-testid='highlighted-text:category-legend'] > *")) {
+            const rgb = getComputedStyle(el).backgroundColor.match(/\\d+/g).slice(0, 3).map(Number);
+            out[el.innerText.trim()] = "#" + rgb.map(v => v.toString(16).padStart(2, "0")).join("");
+        }
+        return out;
+    }""")
+
+
+def test_the_download_has_the_pages_colours_and_a_new_run_clears_it_at_once(page, tmp_path):
+    run(page)
+    colors = legend_colors(page)
+    with page.expect_download() as download:
+        page.locator("#html-file a").first.click()
+    saved = tmp_path / "doc.html"
+    download.value.save_as(saved)
+    html = saved.read_text()
+    assert f"border-color:{colors['image_style']}" in html  # the picture is framed in the image adapter's colour
+    for label, color in colors.items():
+        if f">{label}</span>" in html:  # the document's legend names the adapters it used
+            assert f'background:{color}">{label}</span>' in html
+
+    # a second run: the old download disappears as soon as it starts, not when it ends
+    page.evaluate("""() => { window.__cleared = false;
+        window.__watch = setInterval(() => { if (!document.querySelector('#html-file a')) window.__cleared = true; },
+                                     10); }""")
+    run(page)
+    assert page.evaluate("window.__cleared")
+    assert page.locator("#html-file a").count() >= 1  # and the new document is offered when it is done

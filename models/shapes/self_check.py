@@ -9,7 +9,7 @@ read. The check needs no renderer or analyser, only the model and the caption gr
 deployment can run: ShapesEval's exact analyser stays the judge.
 
     check = CaptionCheck(pipe)
-    check(documents) -> [True, False, ...]
+    check(documents) -> [True, False, ...]   # and document.meta["check"] = {passed, reason, captions}
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from PIL import Image
 
 from .eval import document_consistency, states_colour_and_cell
-from .parse import ParsedObj, parse_caption
+from .parse import parse_caption
 
 CAPTION_TOKENS = 128  # the longest caption of the world (four objects with sizes, cells, background) is ~60 tokens
 
@@ -31,36 +31,45 @@ class CaptionCheck:
         self.pipe = pipe
 
     def __call__(self, documents: Sequence[Any]) -> list[bool]:
-        objects_by_picture = self.caption_objects(documents)
+        """One verdict per document; each document's meta["check"] records it with the reason and the captions."""
+        captions = self.captions(documents)
         verdicts = []
         for document in documents:
-            if not document.images:
-                verdicts.append(True)
-                continue
-            if not all(states_colour_and_cell(objects_by_picture[id(image)]) for image in document.images):
-                verdicts.append(False)  # ShapesEval's image-to-text rule
-                continue
-            parts = [p for p in document.prompt if isinstance(p, str)] + list(document.parts)
-            found = document_consistency(parts, objects_of=lambda image: objects_by_picture[id(image)])
-            verdicts.append(all(found))
+            said = [captions[id(image)] for image in document.images]
+            objects = {id(image): parse_caption(caption).objects for image, caption in zip(document.images, said)}
+            reason = ""
+            vague = [i for i, image in enumerate(document.images) if not states_colour_and_cell(objects[id(image)])]
+            if vague:  # ShapesEval's image-to-text rule
+                reason = (f"the model's caption of picture {vague[0] + 1} (\"{said[vague[0]].strip()}\") does not "
+                          "state each object's colour and cell")
+            elif document.images:
+                parts = [p for p in document.prompt if isinstance(p, str)] + list(document.parts)
+                found = document_consistency(parts, objects_of=lambda image, seen=objects: seen[id(image)])
+                if not all(found):
+                    k = found.index(False)
+                    reason = (f"the model's caption of picture {k + 1} (\"{said[k].strip()}\") does not name "
+                              "exactly the objects the text introduced")
+            document.meta["check"] = {"name": "shapes_caption", "passed": not reason, "reason": reason,
+                                      "captions": said}
+            verdicts.append(not reason)
         return verdicts
 
-    def caption_objects(self, documents: Sequence[Any]) -> dict[int, tuple[ParsedObj, ...]]:
-        """{id(picture): the objects its caption names} for every generated picture, one batch per routing mode."""
+    def captions(self, documents: Sequence[Any]) -> dict[int, str]:
+        """{id(picture): the model's caption of it} for every generated picture, one batch per routing mode."""
         by_routing: dict[str, list[tuple[Image.Image, dict]]] = defaultdict(list)
         for document in documents:
             for image in document.images:
                 by_routing[document.meta.get("routing", "none")].append((image, document.meta))
-        objects: dict[int, tuple[ParsedObj, ...]] = {}
+        captions: dict[int, str] = {}
         for routing, jobs in by_routing.items():
-            captions = self.pipe.generate([[image] for image, _ in jobs], routing=routing,
-                                          text_adapter=[meta.get("text_adapter") for _, meta in jobs],
-                                          image_adapter=[meta.get("image_adapter") for _, meta in jobs],
-                                          seed=0, text_temperature=0.0, max_images=0, start_image=False,
-                                          max_new_tokens=CAPTION_TOKENS, min_new_tokens=0, best_of=1)
-            for (image, _), caption in zip(jobs, captions):
-                objects[id(image)] = parse_caption(caption.text).objects
-        return objects
+            docs = self.pipe.generate([[image] for image, _ in jobs], routing=routing,
+                                      text_adapter=[meta.get("text_adapter") for _, meta in jobs],
+                                      image_adapter=[meta.get("image_adapter") for _, meta in jobs],
+                                      seed=0, text_temperature=0.0, max_images=0, start_image=False,
+                                      max_new_tokens=CAPTION_TOKENS, min_new_tokens=0, best_of=1)
+            for (image, _), caption in zip(jobs, docs):
+                captions[id(image)] = caption.text
+        return captions
 
 
 __all__ = ["CAPTION_TOKENS", "CaptionCheck"]

@@ -1,0 +1,52 @@
+"""The app's example prompts on the SHIPPED model (assets/): each shows the point of the project.
+
+Every example is run through the app's own handler, exactly as clicking it and pressing Generate does (the page's
+default settings, the example's seed, pirate text adapter, outline image adapter, vocabulary routing), and the
+document it produces must hold both styles at once (pirate text, outlined pictures) with correct content: every
+picture shows what the text before it introduced, by ShapesEval's exact analyser.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from app.ui import EXAMPLES, MoLoRAApp
+from models import InterleavedPipeline
+from models.document import Document
+from models.shapes.eval import document_consistency, is_outline, is_pirate
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def app():
+    app = MoLoRAApp(InterleavedPipeline.from_pretrained(device="cpu"))
+    yield app
+    app.close()
+
+
+def click_example(app: MoLoRAApp, prompt: str, start_image: bool, seed: int) -> Document:
+    """The handler's inputs as the page sends them after an example click (every other control at its default)."""
+    d = app.defaults
+    state = app.sessions.new_state()
+    outputs = list(app.generate(prompt, "pirate", "outline", "vocab", start_image, d.text.temperature, d.text.top_k,
+                                d.text.top_p, d.image.temperature, min(d.image.top_k, app.codebook_size),
+                                d.cfg_scale, seed, min(d.max_new_tokens, 1024), 1, state,
+                                SimpleNamespace(session_hash=f"example-{seed}")))
+    return Document.load(outputs[-1][2])  # the download offered at the end
+
+
+def test_the_examples_are_distinct_and_the_first_is_the_default_prompt(app):
+    assert len({prompt for prompt, _, _ in EXAMPLES}) == len(EXAMPLES) >= 3
+    assert EXAMPLES[0][2] == 0  # the page's default seed: the first click on Generate shows the first example
+
+
+@pytest.mark.parametrize("prompt, start_image, seed", EXAMPLES)
+def test_each_example_shows_both_adapters_in_one_document_with_correct_content(app, prompt, start_image, seed):
+    doc = click_example(app, prompt, start_image, seed)
+    assert doc.images and all(is_outline(image) for image in doc.images), "pictures in the image adapter's style"
+    assert doc.text.strip() and is_pirate(doc.text), f"text in the text adapter's style: {doc.text!r}"
+    verdicts = document_consistency([prompt, *doc.parts])
+    assert verdicts and all(verdicts), f"a picture does not show what the text introduced: {verdicts} {doc.text!r}"
