@@ -1,8 +1,7 @@
 """One dispatcher for every routed-LoRA call: torch path on CPU, Triton gather, stacked or grouped kernel on CUDA.
 
-The choice depends only on shapes (rows M = N*k, rank r, stacked width S*r) and on whether a CUDA graph is being
-captured, never on slot values, so it is the same on every replay of a captured graph:
-  stacked  eager decode calls on a narrow hot set (one launch: the host is the bottleneck there)
+The choice depends only on shapes (rows M = N*k, rank r, stacked width S*r), never on slot values or on whether a
+CUDA graph is being captured, so a warm-up compiles what a capture records and every replay takes the same path:
   gather   few rows (rows * r small): reads only the chosen slots, split-K latency kernel
   stacked  narrow hot sets (S*r small) above that, any k: cost independent of k, no metadata
   grouped  wide hot sets, and k=1 with prebuilt metadata at large N
@@ -48,11 +47,10 @@ STACKED_MAX_TOKENS_WITH_META = 1024
 # on N*k sorted rows: r=64 (S*r=256) N=64 k=2 stacked 36.1 vs grouped 39.3; N=2048 k=2 85.5 vs 181.8; k=4 N=256
 # 68.9 vs 72.2 (one loss: N=256 k=2, 68.7 vs 53.9). Wider stacks do not fit the stacked kernel's tiles.
 STACKED_TOPK_MAX_WIDTH = 256
-# Eager (not capturing a CUDA graph) calls of up to this many tokens on a narrow hot set take the stacked kernel's
-# one-launch schedule: in an eager decode step the host, not the GPU, is the bottleneck. Per call at N=1, r=16:
-# host 61.4 us (one launch) vs 110.3 (two launches) / 117.8 (gather with checks); GPU 21.7 vs 9.6 us (gather).
-# Inside a graph capture the gather kernel's shorter GPU time is what counts.
-EAGER_ONE_LAUNCH_MAX_TOKENS = 16
+# Small calls take the gather kernel whether or not a CUDA graph is being captured: the choice is by shape only, so
+# the serving engine's warm-up (eager) compiles exactly the kernels its capture then records. The stacked kernel's
+# one-launch schedule would halve an EAGER decode call's host cost (N=1, r=16: host 61.4 vs 117.8 us) but doubles
+# its GPU time (21.7 vs 9.6 us); captured steps, where only GPU time counts, are the decode path.
 
 # Rows up to which the CPU uses the dense all-slots form instead of the slot-grouped loop (decode steps: 2-8 rows;
 # 30-39 us vs 57-62 us per layer at hidden 256, measured on the 2-core dev machine, 2026-11-30).
@@ -69,16 +67,13 @@ def triton_usable(x: torch.Tensor) -> bool:
 def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: int) -> str:
     """Path for x [N, in] with k choices per token over `num_slots` adapters of rank (r_max) `rank`.
 
-    Shapes only (and whether a CUDA graph is being captured, which is fixed for a captured graph): never slot
-    values, so a captured call replays the same path."""
+    Shapes only: never slot values, so a captured call replays the same path."""
     if not triton_usable(x):
         return "torch"
     n = x.shape[0]
     rows = n * k
     width = num_slots * rank
     narrow = width <= STACKED_MAX_WIDTH
-    if narrow and n <= EAGER_ONE_LAUNCH_MAX_TOKENS and x.is_cuda and not torch.cuda.is_current_stream_capturing():
-        return "stacked"
     if rows <= GATHER_MAX_ROWS_STACKED or (not narrow and rows * rank <= GATHER_MAX_ROW_RANK):
         return "gather"
     if narrow and not (k == 1 and has_meta and n > STACKED_MAX_TOKENS_WITH_META):
