@@ -149,6 +149,23 @@ class LearnedGates(nn.Module):
         weight = self.gates[block].weight
         return F.linear(hidden.to(weight.dtype), weight).float()
 
+    def with_adapters(self, adapters: Sequence[str]) -> LearnedGates:
+        """New gates over `adapters` (every adapter of these gates, plus new ones): known adapters keep their
+        gate rows in every block, new adapters start with zero rows (logit 0 everywhere, so they join the top-k
+        only where every known adapter's logit is negative, until trained)."""
+        names = list(adapters)
+        missing = [n for n in self.adapters if n not in names]
+        if missing:
+            raise RoutingError(f"with_adapters keeps every adapter of these gates; {missing} are missing from {names}")
+        weight = self.gates[0].weight
+        new = LearnedGates(self.d_model, names, self.num_blocks).to(device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            for old, gate in zip(self.gates, new.gates):
+                gate.weight.zero_()
+                for i, n in enumerate(self.adapters):
+                    gate.weight[names.index(n)] = old.weight[i]
+        return new
+
     def save(self, path: str | Path) -> None:
         """Safetensors file; the adapter names and sizes go in its metadata."""
         tensors = {f"gates.{i}.weight": g.weight.detach().cpu().contiguous() for i, g in enumerate(self.gates)}

@@ -132,11 +132,17 @@ def peft_merges(args, adapters: list[str]) -> dict[str, Callable]:
     return out
 
 
-def peft_arrow(args, adapters: list[str]) -> Callable:
+def arrow_model(args, adapters: list[str]):
+    """peft's Arrow over the same adapter folders: per token, top-2 of the adapters by the alignment of the
+    token's hidden state with each adapter's principal direction (training-free)."""
     from peft import ArrowConfig, create_arrow_model
     model = create_arrow_model(fresh_lm(args.model_dir), [str(args.adapters_dir / a) for a in adapters],
                                ArrowConfig(top_k=2, router_temperature=1.0, rng_seed=0))
-    model.eval()
+    return model.eval()
+
+
+def peft_arrow(args, adapters: list[str]) -> Callable:
+    model = arrow_model(args, adapters)
     return lambda batch: model(input_ids=batch.ids, use_cache=False).logits
 
 

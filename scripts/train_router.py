@@ -86,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-minutes", type=float, default=0.0)
     p.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: at the end only)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from these gates (adding an adapter: its rows start at zero, the others kept)")
+    p.add_argument("--train-new-only", action="store_true",
+                   help="with --init-from: train only the gate rows of adapters those gates did not have")
     return p.parse_args(argv)
 
 
@@ -196,6 +200,13 @@ def train_gates(routed: RoutedModel, tok: UnifiedTokenizer, adapters: list[str],
                 val: list[EncodedItem], args: argparse.Namespace) -> tuple[LearnedGates, dict]:
     torch.manual_seed(args.seed)
     gates = LearnedGates.for_model(routed, adapters)
+    if args.init_from is not None:
+        old = LearnedGates.load(args.init_from, device=routed.device)
+        gates = old.with_adapters(adapters)
+        if args.train_new_only:
+            frozen = torch.tensor([n in old.adapters for n in adapters], device=routed.device)
+            for gate in gates.gates:
+                gate.weight.register_hook(lambda g: g.masked_fill(frozen[:, None], 0.0))
     router = LearnedRouter(gates, top_k=min(args.top_k, len(adapters)), vocab=tok.vocab)
     opt = torch.optim.AdamW(gates.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = Schedule(args.steps, max(1, args.steps // 10), args.max_minutes)
@@ -264,7 +275,9 @@ def main(argv: list[str] | None = None) -> dict:
     config = {"format": "molora-router", "adapters": adapters, "top_k": args.top_k, "d_model": gates.d_model,
               "num_blocks": gates.num_blocks, "hierarchical": "text positions gated; image positions by vocabulary",
               "loss": {"next_token": 1.0, "load_balance": args.lb_coef, "z": args.z_coef, "label": args.label_coef},
-              "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed, "train_records": len(train),
+              "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed,
+              "init_from": str(args.init_from) if args.init_from else None, "train_new_only": args.train_new_only,
+              "train_records": len(train),
               "val_records": len(val), **source, "adapter_sha256_16": file_hashes(args.adapters_dir, adapters),
               "seconds": round(time.time() - t0, 1), "device": "cpu", "threads": args.threads, **result}
     (args.out / "config.json").write_text(json.dumps(config, indent=2))

@@ -164,3 +164,14 @@ def test_learned_routing_is_hierarchical_in_one_pass(trained):
     with torch.no_grad():
         out = routed(ids, routers=router)
     assert out.routing.adapter_names(0) == ["count", "count", "count", "spatial", "spatial", "spatial", "count"]
+
+
+def test_gates_with_a_new_adapter_keep_the_old_rows_and_start_the_new_one_at_zero():
+    gates = LearnedGates(8, ["a", "b"], 3)
+    grown = gates.with_adapters(["a", "new", "b"])
+    assert grown.adapters == ["a", "new", "b"]
+    for old, new in zip(gates.gates, grown.gates):
+        assert torch.equal(new.weight[0], old.weight[0]) and torch.equal(new.weight[2], old.weight[1])
+        assert not new.weight[1].any()
+    with pytest.raises(RoutingError, match="missing"):
+        gates.with_adapters(["a"])
