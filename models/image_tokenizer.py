@@ -111,7 +111,8 @@ class ImageTokenizer:
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ImageTokenizer:
         # the codebook lookup (cdist/argmin) stays accurate in bf16/fp16 for our small codebooks
-        self.vq.to(device=device, dtype=dtype)
+        # (a dtype only when one is asked for: diffusers warns about casts on every .to(dtype=...) call)
+        self.vq.to(device=device, **({"dtype": dtype} if dtype is not None else {}))
         return self
 
     # --- encode / decode --------------------------------------------------------------------

@@ -19,11 +19,11 @@ from routing.errors import MoLoRAError
 log = logging.getLogger(__name__)
 
 THREADS_ENV = "MOLORA_THREADS"
-# C1 workload (benchmarks/cpu_speed.py: one image + 83 text tokens, embedded model) on this project's 2-core VM,
-# which other developers' jobs share, so each pair of numbers was taken side by side (benchmarks/RESULTS.md,
-# "CPU threads"): with other jobs on the cores, 1 thread 5.27 s vs 2 threads 6.44 s (median, alternated in one
-# process); separate runs 2.32 s vs 19.95 s when a test suite started beside them. One thread never lost by much,
-# two lost up to 8x under contention: the default is 1.
+# C1 workload (benchmarks/cpu_speed.py: one image + 83 text tokens, embedded model), 2-core VM shared with other
+# developers' jobs (load average 3-6), medians (benchmarks/RESULTS.md, "CPU threads"): quiet-ish 2.16 / 2.32 s with
+# 1 thread vs 2.20 s and once 19.95 s with 2; alternated in one process 5.27 vs 6.44 s; with a spinning process
+# 10.41 vs 9.56 s and, in separate runs, 9.69 / 8.96 s vs 4.70 / 10.71 s. One thread was at worst 2.1x slower than
+# two, two threads 8.6x slower than one (and the issue saw 96-116 s vs ~3 s): the default is 1.
 DEFAULT_CPU_THREADS = 1
 
 
