@@ -40,11 +40,6 @@ def color_map(text_label: str | None, image_label: str | None, adapter_labels: I
     return {BASE_LABEL: BASE_COLOR, **adapter_colors(text_label, image_label, adapter_labels)}
 
 
-def image_length_note(image_tokens: int, rows: int, codes: int) -> str:
-    """The one number of tokens an image costs, explained (the slider, the progress bar and errors use it)."""
-    return (f"an image is {image_tokens} tokens: <boi>, {codes} codes and {rows} row ends, <eoi>")
-
-
 def image_data_uri(image: Image.Image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")

@@ -26,7 +26,7 @@ from pathlib import Path
 import gradio as gr
 
 from app.admission import SlotBudget, admitted
-from app.render import BASE_LABEL, RunView, color_map, image_length_note
+from app.render import BASE_LABEL, RunView, color_map
 from app.session import NONE_CHOICE, SessionRegistry, SessionState, UploadedAdapter
 from app.streaming import in_background
 from app.uploads import (
@@ -126,9 +126,8 @@ class MoLoRAApp:
         self.examples = examples if examples is not None else EXAMPLES
         self.defaults: GenerationConfig = getattr(pipe, "default_config", None) or GenerationConfig()
         self.codebook_size = int(pipe.vocab.image_size)
-        self.image_tokens = int(pipe.vocab.tokens_per_image) + 2  # <boi> + codes and row ends + <eoi>
-        rows, cols = pipe.vocab.image_grid
-        self.image_note = image_length_note(self.image_tokens, rows if pipe.vocab.row_end_ids else 0, rows * cols)
+        self.image_tokens = int(pipe.vocab.image_span_tokens)  # <boi> + codes and row ends + <eoi>
+        self.image_note = pipe.vocab.image_span_note()
 
     # --- helpers --------------------------------------------------------------------------------
     def routing_choices(self) -> list[tuple[str, str]]:

@@ -88,6 +88,17 @@ class UnifiedVocab:
         rows, cols = self.image_grid
         return rows * (cols + (1 if self.row_end_ids else 0))
 
+    @property
+    def image_span_tokens(self) -> int:
+        """What one whole image costs in generated tokens: <boi>, the codes (and row markers), <eoi>."""
+        return self.tokens_per_image + 2
+
+    def image_span_note(self) -> str:
+        """That one number, explained: what the app's slider and progress bar and the API's errors say."""
+        rows, cols = self.image_grid
+        row_ends = f" and {rows} row ends" if self.row_end_ids else ""
+        return f"an image is {self.image_span_tokens} tokens: <boi>, {rows * cols} codes{row_ends}, <eoi>"
+
     def row_end_id(self, row: int) -> int:
         """The marker that closes row `row` of an image (the vocabulary must have row markers)."""
         return self.row_end_ids[row % len(self.row_end_ids)]

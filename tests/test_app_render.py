@@ -137,3 +137,9 @@ def test_the_status_line_says_which_candidate_was_kept():
     assert best_of_status(None) == "" and best_of_status({"n": 1, "verdicts": [True], "candidate": 0}) == ""
     assert "kept candidate 2 of 2 drawn" in best_of_status({"n": 4, "verdicts": [False, True], "candidate": 1})
     assert "none of 4 candidates passed" in best_of_status({"n": 4, "verdicts": [False] * 4, "candidate": 0})
+
+
+def test_an_image_is_one_number_explained_the_same_everywhere(tiny_pipeline):
+    vocab = tiny_pipeline.vocab
+    assert vocab.image_span_tokens == vocab.tokens_per_image + 2 == 274  # 16 rows of 16 codes + a row end, <boi>, <eoi>
+    assert vocab.image_span_note() == "an image is 274 tokens: <boi>, 256 codes and 16 row ends, <eoi>"
