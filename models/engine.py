@@ -444,12 +444,10 @@ class Engine:
         n, width = len(entries), max(len(prompt) for _, _, prompt in entries)
         learned = any(job.learned is not None for job, _, _ in entries)
         captured = self.use_graphs and not learned and n <= self.max_rows
-        if captured:
-            n_rows = next(w for w in self.widths if w >= n)
-            width = next(t for t in self._prefill_lengths if t >= width)
-            width = min(width, self.max_len)
-        else:
-            n_rows = n
+        n_rows = n
+        if self.device.type == "cuda" and n <= self.max_rows:  # bucketed shapes, captured or not: the same
+            n_rows = next(w for w in self.widths if w >= n)    # GEMM shapes give the same bf16 numbers
+            width = min(next(t for t in self._prefill_lengths if t >= width), self.max_len)
         ids = torch.full((n_rows, width), self.vocab.pad_id, dtype=torch.long)
         positions = torch.arange(width).repeat(n_rows, 1)
         rows = torch.full((n_rows,), self.scratch_row, dtype=torch.long)
