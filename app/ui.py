@@ -1,8 +1,10 @@
 """The Gradio page: prompt and controls on the left, the streamed document and its routing on the right.
 
 One `InterleavedPipeline` is shared by every visitor; everything a visitor owns (uploaded adapters, documents) lives
-in their `SessionState` (gr.State), so concurrent sessions never see each other's adapters or outputs. The queue
-bounds how many generations run at once (see `DEFAULT_CONCURRENCY`).
+in their `SessionState` (gr.State), so concurrent sessions never see each other's adapters or outputs. Every
+visitor's generation is a request to the pipeline's serving engine (models/engine.py): concurrent visitors share
+forward passes, and a request waits in the engine's queue while rows or hot-set slots are taken. Stop (or closing
+the tab) cancels it; its row and adapters are free within one engine step.
 
 Named API endpoints (each gradio_client.Client is one session):
     /generate(prompt, text_choice, image_choice, routing, start_image, text_temperature, text_top_k, text_top_p,
@@ -25,7 +27,6 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.admission import SlotBudget, admitted
 from app.render import BASE_LABEL, RunView, color_map
 from app.session import NONE_CHOICE, SessionRegistry, SessionState, UploadedAdapter
 from app.streaming import in_background
@@ -44,9 +45,9 @@ from routing.errors import MoLoRAError
 
 log = logging.getLogger(__name__)
 
-# Two generations at once: on a 2-core CPU more threads only slow each other down. Two vocabulary-routed requests
-# pin at most four adapters, which the hot set (>= 4 slots) holds; anything bigger waits in app/admission.py.
-DEFAULT_CONCURRENCY = 2
+# Generations the page hands to the engine at once. They share its forward passes (a CPU engine decodes 8 rows,
+# a guided request takes two); the engine queues whatever does not fit, so this only bounds the threads that wait.
+DEFAULT_CONCURRENCY = 8
 MAX_PROMPT_CHARS = 2000
 MAX_NEW_TOKENS = 1024
 MAX_BEST_OF_UI = 8  # each candidate costs a whole document (and its captions) on a shared CPU
@@ -122,7 +123,6 @@ class MoLoRAApp:
         _PIPELINES[self.pipe_key] = pipe
         self.builtin: dict[str, str] = dict(pipe.adapters)  # name -> modality, captured before any upload
         self.sessions = SessionRegistry(pipe)  # every session's uploads and files, under one temporary folder
-        self.budget = SlotBudget(pipe.cache_stats()["num_slots"])
         self.examples = examples if examples is not None else EXAMPLES
         self.defaults: GenerationConfig = getattr(pipe, "default_config", None) or GenerationConfig()
         self.codebook_size = int(pipe.vocab.image_size)
@@ -173,11 +173,9 @@ class MoLoRAApp:
             colors = color_map(text_label, image_label, [*self.builtin, *state.display_names().values()])
             note = routing_note(routing, text_label, image_label)
             started = time.perf_counter()
-            router = self.pipe.make_router(routing, text_adapter, image_adapter)  # also checks the names
-            tickets = len(set(router.adapters())) if router is not None else 0
-            run = functools.partial(admitted, self.budget, tickets, functools.partial(
-                stream_events, self.pipe_key, prompt, text_adapter, image_adapter, routing, config,
-                state.extra_adapters()))
+            self.pipe.make_router(routing, text_adapter, image_adapter)  # checks the names before anything runs
+            run = functools.partial(stream_events, self.pipe_key, prompt, text_adapter, image_adapter, routing,
+                                    config, state.extra_adapters())
             sent: dict = {}
             yield self._outputs(view, colors, f"starting…{note}", state, None, sent)  # clears the old download
             for batch in in_background(run, REFRESH_SECONDS):
@@ -336,7 +334,9 @@ class MoLoRAApp:
                                              info=f"0 to {MAX_SEED}")
                         max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS, value=min(d.max_new_tokens, MAX_NEW_TOKENS),
                                                    step=1, label="Max new tokens", info=self.image_note)
-                    run = gr.Button("Generate", variant="primary", elem_id="generate")
+                    with gr.Row():
+                        run = gr.Button("Generate", variant="primary", elem_id="generate")
+                        stop = gr.Button("Stop", variant="stop", elem_id="stop")
                     gr.Examples([list(e) for e in self.examples], inputs=[prompt, start_image, seed],
                                 label="Example prompts")
                     with gr.Accordion("Upload your own adapter (private to this session)", open=False):
@@ -367,12 +367,15 @@ class MoLoRAApp:
                                             elem_id="images")
                     adapters_json = gr.JSON(label="Adapters", visible=False)
 
-            run.click(self.generate,
+            running = run.click(self.generate,
                       inputs=[prompt, text_adapter, image_adapter, routing, start_image, text_temperature,
                               text_top_k, text_top_p, image_temperature, image_top_k, cfg_scale, seed,
                               max_new_tokens, best_of, state],
                       outputs=[text_out, images, html_file, document, routing_map, stats, drafts],
                       api_name="generate", show_progress="minimal")
+            # Stop cancels the generator; app/streaming.py then closes the pipeline's stream, which cancels the
+            # engine request (its row, KV space and adapter pins are free within one step)
+            stop.click(None, cancels=[running], api_visibility="private", queue=False)
             routing.change(picker_hints, inputs=[routing], outputs=[text_adapter, image_adapter],
                            api_visibility="private", show_progress="hidden", queue=False)
             upload_button.click(self.upload_adapter,

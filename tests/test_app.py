@@ -349,3 +349,33 @@ def test_per_sequence_mode_says_which_adapter_it_uses_and_that_the_image_picker_
     assert "per-sequence: every token uses text_style (the image picker is not used)" in stats
     stats = generate(client(url), routing="sequence", text="none")["stats"]
     assert "per-sequence: every token uses image_style" in stats
+
+
+def test_concurrent_visitors_share_forward_passes_and_stop_cancels_within_a_step(pipe):
+    port = free_port()
+    demo = serve(pipe, host="127.0.0.1", port=port, concurrency=8, block=False)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        steps_before = pipe.engine.steps
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            outs = list(pool.map(lambda s: generate(client(url), seed=s, max_new_tokens=40, cfg_scale=1.0), range(4)))
+        tokens = sum(len(o["tokens"]) for o in outs)
+        steps = pipe.engine.steps - steps_before
+        assert steps < 0.6 * tokens, f"{steps} engine steps for {tokens} tokens: visitors did not share passes"
+
+        job = client(url).submit(**request(start_image=True, max_new_tokens=1000), api_name="/generate")
+        deadline = time.monotonic() + 30
+        while pipe.engine.stats()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pipe.engine.stats()["running"] == 1
+        time.sleep(0.2)
+        steps_at_cancel = pipe.engine.steps
+        job.cancel()  # what the Stop button and a closed tab do
+        deadline = time.monotonic() + 10
+        while pipe.engine.stats()["running"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pipe.engine.stats()["running"] == 0 and not pipe.cache_stats()["pinned"]
+        # freed long before its ~600 remaining tokens: the page's worker stops after its current event batch
+        assert pipe.engine.steps - steps_at_cancel < 100
+    finally:
+        demo.close()
