@@ -64,6 +64,10 @@ EXAMPLES: list[tuple[str, bool, int]] = [
     ("Here is a purple diamond at the top:", False, 1),
 ]
 
+# The pickers start on the shipped model's style adapters (its domain adapters, also "text", are for the learned
+# router): the examples above show these two at work in one document.
+DEFAULT_ADAPTERS = {"text": "pirate", "image": "outline"}
+
 ROUTING_CHOICES = [
     ("vocabulary: text tokens -> text adapter, image tokens -> image adapter", "vocab"),
     ("per-sequence baseline: one adapter for everything", "sequence"),
@@ -135,6 +139,11 @@ class MoLoRAApp:
         return ROUTING_CHOICES + ([LEARNED_CHOICE] if has_router else [])
 
     def default_adapter(self, modality: str) -> str:
+        """The picker's first value: the shipped style adapter of that modality where loaded (the examples are
+        chosen for them), else the first built-in adapter of the modality, else none."""
+        preferred = DEFAULT_ADAPTERS.get(modality)
+        if self.builtin.get(preferred) == modality:
+            return preferred
         return next((name for name, mod in self.builtin.items() if mod == modality), NONE_CHOICE)
 
     def _labeller(self, state: SessionState):

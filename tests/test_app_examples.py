@@ -31,16 +31,19 @@ def click_example(app: MoLoRAApp, prompt: str, start_image: bool, seed: int) -> 
     """The handler's inputs as the page sends them after an example click (every other control at its default)."""
     d = app.defaults
     state = app.sessions.new_state()
-    outputs = list(app.generate(prompt, "pirate", "outline", "vocab", start_image, d.text.temperature, d.text.top_k,
+    outputs = list(app.generate(prompt, app.default_adapter("text"), app.default_adapter("image"), "vocab",
+                                start_image, d.text.temperature, d.text.top_k,
                                 d.text.top_p, d.image.temperature, min(d.image.top_k, app.codebook_size),
                                 d.cfg_scale, seed, min(d.max_new_tokens, 1024), 1, state,
                                 SimpleNamespace(session_hash=f"example-{seed}")))
     return Document.load(outputs[-1][2])  # the download offered at the end
 
 
-def test_the_examples_are_distinct_and_the_first_is_the_default_prompt(app):
+def test_the_examples_are_distinct_and_the_first_is_the_page_default(app):
     assert len({prompt for prompt, _, _ in EXAMPLES}) == len(EXAMPLES) >= 3
     assert EXAMPLES[0][2] == 0  # the page's default seed: the first click on Generate shows the first example
+    # the pickers start on the style adapters, whatever other text adapters (domains) the model ships
+    assert (app.default_adapter("text"), app.default_adapter("image")) == ("pirate", "outline")
 
 
 @pytest.mark.parametrize("prompt, start_image, seed", EXAMPLES)
