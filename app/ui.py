@@ -45,7 +45,7 @@ from routing.errors import MoLoRAError
 
 log = logging.getLogger(__name__)
 
-# Generations the page hands to the engine at once. They share its forward passes (a CPU engine decodes 8 rows,
+# Generations the page hands to the engine at once. They share its forward passes (a CPU engine decodes 16 rows,
 # a guided request takes two); the engine queues whatever does not fit, so this only bounds the threads that wait.
 DEFAULT_CONCURRENCY = 8
 MAX_PROMPT_CHARS = 2000
@@ -67,6 +67,15 @@ EXAMPLES: list[tuple[str, bool, int]] = [
 # The pickers start on the shipped model's style adapters (its domain adapters, also "text", are for the learned
 # router): the examples above show these two at work in one document.
 DEFAULT_ADAPTERS = {"text": "pirate", "image": "outline"}
+
+def default_adapter(adapters: dict[str, str], modality: str) -> str | None:
+    """The adapter a picker (and the warm-up) starts on: the shipped style adapter of that modality where loaded
+    (the examples are chosen for it), else the first adapter of the modality, else None."""
+    preferred = DEFAULT_ADAPTERS.get(modality)
+    if adapters.get(preferred) == modality:
+        return preferred
+    return next((name for name, mod in adapters.items() if mod == modality), None)
+
 
 ROUTING_CHOICES = [
     ("vocabulary: text tokens -> text adapter, image tokens -> image adapter", "vocab"),
@@ -139,12 +148,7 @@ class MoLoRAApp:
         return ROUTING_CHOICES + ([LEARNED_CHOICE] if has_router else [])
 
     def default_adapter(self, modality: str) -> str:
-        """The picker's first value: the shipped style adapter of that modality where loaded (the examples are
-        chosen for them), else the first built-in adapter of the modality, else none."""
-        preferred = DEFAULT_ADAPTERS.get(modality)
-        if self.builtin.get(preferred) == modality:
-            return preferred
-        return next((name for name, mod in self.builtin.items() if mod == modality), NONE_CHOICE)
+        return default_adapter(self.builtin, modality) or NONE_CHOICE
 
     def _labeller(self, state: SessionState):
         uploads = state.display_names()

@@ -1,0 +1,162 @@
+"""Concurrent visitors of the app on the CPU, through gradio_client on loopback (issue: serving engine, S1 and
+reliability).
+
+    python -m benchmarks.app_load --users 8 --sequential --same-length   # S1 (CPU): 8 at once vs one by one
+    python -m benchmarks.app_load --users 20 --minutes 3 --cancel 0.2    # bounded load test
+
+The app (embedded model, `app.server.serve`) runs in this process on a free 127.0.0.1 port. Each user is its own
+gradio_client session with its own adapters, routing mode, seed, length and best_of; with --cancel a share of the
+requests is cancelled part-way (what the Stop button and a closed tab do). Every completed output is compared with
+the same request run alone afterwards (the solo run), and the process's resident memory is read before and after.
+Nothing but 127.0.0.1 is contacted; every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import socket
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from gradio_client import Client
+
+from app.server import load_pipeline, serve, warm_up
+from models.runtime import configure_cpu_threads
+
+PROMPTS = ["Draw a red circle at the top left.", "Show me two blue squares.", "A green triangle in the center:",
+           "Tell me about a yellow star.", "Arr, a purple diamond:", "Three pink circles on the right."]
+COMBOS = [("pirate", "outline", "vocab"), ("pirate", "none", "vocab"), ("none", "outline", "vocab"),
+          ("pirate", "outline", "sequence"), ("none", "none", "none")]
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def make_request(rng: random.Random, same_length: bool = False) -> dict:
+    """A visitor's request; `same_length`: a picture and text, 300 tokens, no best-of (only adapters, routing,
+    sampling and seed differ), so the users' requests cost the same."""
+    text, image, routing = rng.choice(COMBOS)
+    start_image = same_length or rng.random() < 0.5  # then the first 274 tokens are a picture
+    return dict(prompt=rng.choice(PROMPTS), text_choice=text, image_choice=image, routing=routing,
+                start_image=start_image, text_temperature=rng.choice([0.0, 0.7, 1.0]), text_top_k=0,
+                text_top_p=rng.choice([1.0, 0.9]), image_temperature=rng.choice([0.0, 1.0]), image_top_k=0,
+                cfg_scale=rng.choice([1.0, 3.0]), seed=rng.randrange(1000),
+                max_new_tokens=300 if same_length else rng.choice([300, 360] if start_image else [40, 120, 300]),
+                best_of=1 if same_length else rng.choice([1, 1, 1, 2]))
+
+
+def connect(url: str) -> Client:
+    """A new visitor (its own session); generous timeouts: the page shares 2 busy cores with the model."""
+    return Client(url, verbose=False, httpx_kwargs={"timeout": 120})
+
+
+def run(client: Client, req: dict, cancel_after: float | None = None) -> tuple[dict | None, float]:
+    """(comparable output or None when cancelled, seconds)."""
+    started = time.perf_counter()
+    if cancel_after is not None:
+        job = client.submit(**req, api_name="/generate")
+        time.sleep(cancel_after)
+        job.cancel()
+        return None, time.perf_counter() - started
+    text, gallery, _, _, routing_map, _, _ = client.predict(**req, api_name="/generate")
+    images = [open(item["image"], "rb").read() for item in gallery]
+    tokens = [(t["token"], t["class_or_confidence"]) for t in routing_map["value"]]
+    return {"text": text, "tokens": tokens, "images": images}, time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--users", type=int, default=8)
+    parser.add_argument("--sequential", action="store_true", help="also run the same requests one by one (S1)")
+    parser.add_argument("--minutes", type=float, default=0.0, help="keep users coming for this long (load test)")
+    parser.add_argument("--cancel", type=float, default=0.0, help="share of requests cancelled part-way")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--same-length", action="store_true", help="every request a picture and text, 300 tokens")
+    args = parser.parse_args()
+    configure_cpu_threads(None)
+    rng = random.Random(args.seed)
+    pipe = load_pipeline(None, "cpu")
+    warm_up(pipe)
+    port = free_port()
+    demo = serve(pipe, host="127.0.0.1", port=port, block=False)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        rss_before = rss_mib()
+        deadline = time.monotonic() + args.minutes * 60
+        done: list[tuple[dict, dict, float]] = []
+        cancelled = 0
+        wall = 0.0
+        lock = threading.Lock()
+        rounds = 0
+        while True:
+            requests = [make_request(rng, args.same_length) for _ in range(args.users)]
+            cancels = [rng.uniform(0.2, 2.0) if rng.random() < args.cancel else None for _ in requests]
+            clients = [connect(url) for _ in requests]  # sessions first: a page load is not what is measured
+            started = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=args.users) as pool:
+                results = list(pool.map(lambda args_: run(*args_), zip(clients, requests, cancels)))
+            wall += time.perf_counter() - started
+            rounds += 1
+            with lock:
+                for req, (out, seconds) in zip(requests, results):
+                    if out is None:
+                        cancelled += 1
+                    else:
+                        done.append((req, out, seconds))
+            if time.monotonic() >= deadline or rounds >= 50:
+                break
+        time.sleep(1.0)  # cancelled requests leave within one engine step; give the page's workers a moment
+        stats = pipe.engine.stats()
+        idle = stats["running"] == 0 and stats["waiting"] == 0 and not pipe.cache_stats()["pinned"]
+        rss_after_load = rss_mib()
+        # the solo runs: the same requests, one at a time
+        solo_client = connect(url)
+        solo_started = time.perf_counter()
+        mismatches, solo_seconds = 0, []
+        for req, out, _ in done:
+            alone, seconds = run(solo_client, req)
+            solo_seconds.append(seconds)
+            mismatches += alone != out
+        solo_wall = time.perf_counter() - solo_started
+        latencies = [s for _, _, s in done]
+        print(f"users {args.users}, rounds {rounds}, completed {len(done)}, cancelled {cancelled}")
+        print(f"together: {wall:.1f} s wall; per-user latency p50 {statistics.median(latencies):.2f} s, "
+              f"max {max(latencies):.2f} s")
+        if args.sequential or args.minutes == 0:
+            print(f"one by one: {solo_wall:.1f} s wall; alone latency p50 {statistics.median(solo_seconds):.2f} s; "
+                  f"a user's wait one by one p50 {statistics.median(_cumulative(solo_seconds)):.2f} s, "
+                  f"max {max(_cumulative(solo_seconds)):.2f} s; throughput ratio {solo_wall / wall:.2f}x")
+        print(f"outputs equal to their solo runs: {len(done) - mismatches}/{len(done)}")
+        print(f"engine idle after the load (no running, waiting or pinned): {idle}")
+        print(f"resident memory: {rss_before:.0f} MiB before, {rss_after_load:.0f} MiB after the load, "
+              f"{rss_mib():.0f} MiB after the solo runs")
+    finally:
+        demo.close()
+
+
+def _cumulative(seconds: list[float]) -> list[float]:
+    """Each user's wait when the users are served one after another."""
+    total, out = 0.0, []
+    for s in seconds:
+        total += s
+        out.append(total)
+    return out
+
+
+if __name__ == "__main__":
+    main()
