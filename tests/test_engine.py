@@ -212,3 +212,31 @@ def test_captured_steps_equal_eager_steps_while_adapters_move_between_slots():
         request = [Request(p, VocabRangeRouter(vocab, t, im)) for p in prompts(vocab, 2, seed=i)]
         assert collect(captured.stream(request, config)) == collect(eager.stream(request, config))
     assert captured.stats()["graphs"] and routed.cache.stats()["evictions"] >= 6
+
+
+def test_a_request_that_does_not_fit_in_memory_fails_alone(model, monkeypatch):
+    routed, vocab = model
+    engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128, batch_prefill=True))
+    real = engine._prefill_forward
+
+    def prefill(entries):  # a prompt of 60+ tokens "runs out of memory", as a huge one would on a GPU
+        if any(len(prompt) >= 60 for _, _, prompt in entries):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(entries)
+
+    monkeypatch.setattr(engine, "_prefill_forward", prefill)
+    config = GenerationConfig(max_new_tokens=10, seed=0, cfg_scale=1.0, **GREEDY)
+    small = prompts(vocab, 2, seed=4)
+    requests = [Request(small[0]), Request([vocab.bos_id] * 60, SequenceRouter("a")), Request(small[1])]
+    handles = [engine.submit(r, config) for r in requests]  # three users, each with its own stream
+    results = []
+    for handle in handles:
+        items = []
+        while not items or not isinstance(items[-1], (Done, Exception)):
+            items.append(handle.sink.get(timeout=30)[1])
+        results.append(items)
+    assert isinstance(results[1][-1], GenerationError) and "does not fit" in str(results[1][-1])
+    for items in (results[0], results[2]):
+        assert isinstance(items[-1], Done) and len(items) == 11
+    assert routed.cache.pins("a") == 0 and engine.stats()["running"] == 0
+    assert solo(engine, requests[0], config) == [(t.token, t.adapter) for t in results[0][:-1]]
