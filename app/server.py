@@ -15,7 +15,7 @@ import time
 import gradio as gr
 import torch
 
-from app.ui import DEFAULT_CONCURRENCY, build_demo, launch_kwargs
+from app.ui import DEFAULT_CONCURRENCY, build_demo, default_adapter, launch_kwargs
 from models import InterleavedPipeline
 from models.runtime import configure_cpu_threads
 
@@ -52,9 +52,7 @@ def warm_up(pipe: InterleavedPipeline) -> None:
     """One short image generation before the first visitor: on CPU the first run after loading is slower than
     later ones (tiny test model, one 258-token image, 2 shared cores: 1.6 s first, 0.4 s second), so we pay it
     here rather than the first visitor."""
-    adapters = pipe.adapters
-    text = next((n for n, m in adapters.items() if m == "text"), None)
-    image = next((n for n, m in adapters.items() if m == "image"), None)
+    text, image = default_adapter(pipe.adapters, "text"), default_adapter(pipe.adapters, "image")
     log.info("warming up: one short generation before serving (a few seconds on a CPU)")
     started = time.perf_counter()
     pipe.generate("Draw a red circle.", text_adapter=text, image_adapter=image, routing="vocab", seed=0,
