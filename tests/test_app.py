@@ -7,6 +7,7 @@ followed by <boi>), which makes the first 256 generated tokens an image whatever
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -379,3 +380,12 @@ def test_concurrent_visitors_share_forward_passes_and_stop_cancels_within_a_step
         assert pipe.engine.steps - steps_at_cancel < 100
     finally:
         demo.close()
+
+
+def test_a_refusal_is_logged_as_one_line_without_a_traceback(url, capfd, caplog):
+    caplog.set_level(logging.INFO, logger="app.ui")
+    with pytest.raises(AppError, match="seed must be"):
+        generate(client(url), seed=-1)
+    printed = capfd.readouterr()
+    assert "Traceback" not in printed.err + printed.out  # a visitor's mistake is not a server error
+    assert [r.getMessage() for r in caplog.records if "seed must be" in r.getMessage()]
