@@ -84,11 +84,12 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
 
 
 def reads_meta(x: torch.Tensor, k: int, A: torch.Tensor) -> bool:
-    """Would the automatic path for this call (adapters A [S, r, in]) read a prebuilt RoutingMeta? Only the
-    grouped kernel and the CPU grouped loop do, so a caller building metadata once per forward skips it otherwise."""
+    """Would the automatic path for this call (adapters A [S, r, in]) read a prebuilt RoutingMeta? On CUDA only the
+    grouped kernel does, so a caller building metadata once per forward skips it otherwise; on the CPU both forms
+    do (the grouped loop its sorted rows, the dense form its selection matrix)."""
     if triton_usable(x):
         return choose_path(x, k, True, A.shape[0], A.shape[1]) == "grouped"
-    return x.shape[0] * k > CPU_DENSE_MAX_ROWS
+    return True  # the CPU's grouped loop reads the sorted rows, its dense form the selection matrix
 
 
 def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
@@ -99,7 +100,7 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
         path = choose_path(x, slots.shape[1], meta is not None, A.shape[0], A.shape[1])
     if path == "torch":
         if x.shape[0] * slots.shape[1] <= CPU_DENSE_MAX_ROWS:
-            delta = routed_lora_torch_dense(x, A, B, slots, weights, scale)
+            delta = routed_lora_torch_dense(x, A, B, slots, weights, scale, meta)
         else:
             delta = routed_lora_torch(x, A, B, slots, weights, scale, meta)
         if out is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.metadata import RoutingMeta, build_routing_meta_torch
+from kernels.metadata import RoutingMeta, build_routing_meta_torch, selection_matrix
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -67,7 +67,8 @@ def routed_lora_torch(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: 
 
 
 def routed_lora_torch_dense(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
-                            weights: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
+                            weights: torch.Tensor | None, scale: torch.Tensor,
+                            meta: RoutingMeta | None = None) -> torch.Tensor:
     """The same delta for a few rows (decode steps on CPU), as dense matmuls against every slot at once.
 
     delta = sum_s (C[:, s] * (x @ A[s]^T)) @ B[s]^T, where C[n, s] sums weight * scale over the k choices of
@@ -76,15 +77,12 @@ def routed_lora_torch_dense(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s
     float32 result.
     """
     acc = accumulate_dtype(x.dtype)
-    n, k = slots.shape
+    n = slots.shape[0]
     num_slots, r, _ = A.shape
-    slots = slots.long()
-    valid = slots >= 0
-    safe = torch.where(valid, slots, num_slots)  # -1 -> a spare column that is dropped
-    coef = torch.cat([scale.to(acc), scale.new_zeros(1, dtype=acc)])[safe]
-    if weights is not None:
-        coef = coef * weights.to(acc)
-    mix = torch.zeros(n, num_slots + 1, dtype=acc, device=x.device).scatter_add_(1, safe, coef)[:, :num_slots]
+    selection = meta.selection if meta is not None and meta.selection is not None else None
+    if selection is None:  # not built once per forward by the caller: build it here
+        selection = selection_matrix(slots, num_slots, weights)
+    mix = selection.to(acc) * scale.to(acc)
     shrunk = (x.to(acc) @ A.reshape(num_slots * r, -1).to(acc).t()).view(n, num_slots, r) * mix[:, :, None]
     return torch.bmm(shrunk.transpose(0, 1), B.to(acc).transpose(1, 2)).sum(0)
 

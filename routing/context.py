@@ -74,8 +74,8 @@ class CallRouting:
         """Slot-sorted kernel metadata for the layers of `block`, built once per forward."""
         key = block if self.learned and block in self.block_slots else None
         if key not in self._meta:
-            slots, _ = self.for_block(block)
-            self._meta[key] = build_routing_meta(slots, self.num_slots)
+            slots, weights = self.for_block(block)
+            self._meta[key] = build_routing_meta(slots, self.num_slots, weights)
         return self._meta[key]
 
     def route_block(self, block: int, hidden: torch.Tensor) -> None:
