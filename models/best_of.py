@@ -29,7 +29,7 @@ from typing import Any
 from models.document import Document
 from models.events import Finished, Redraw
 from models.generation import GenerationConfig
-from models.sampling import GenerationError
+from models.sampling import MAX_SEED, GenerationError
 
 RESAMPLE_TEMPERATURE = 0.7  # image temperature of candidates 1.. when the config's is greedy (as in RESULTS.md's runs)
 
@@ -68,7 +68,8 @@ def candidate_config(config: GenerationConfig, k: int) -> GenerationConfig:
     if k == 0:
         return config.with_overrides(best_of=1)
     temperature = config.image.temperature if config.image.temperature > 0 else RESAMPLE_TEMPERATURE
-    return config.with_overrides(best_of=1, seed=config.seed + k, image_temperature=temperature)
+    # wrapped into the seed range (models.sampling.MAX_SEED), so the top seeds have re-draws too
+    return config.with_overrides(best_of=1, seed=(config.seed + k) % (MAX_SEED + 1), image_temperature=temperature)
 
 
 def stream_best_of(stream_rows: StreamRows, n_prompts: int, config: GenerationConfig, check: Check, *,

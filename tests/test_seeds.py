@@ -41,3 +41,11 @@ def test_the_range_stays_below_where_cpu_seeds_collide():
 def test_the_cli_refuses_a_bad_seed_with_its_message(capsys):
     assert cli_main(["Draw a red circle.", "--seed", "-1", "--out", "unused.html"]) == 2
     assert "--seed must be from 0 to" in capsys.readouterr().err
+
+
+def test_best_of_redraws_stay_in_the_seed_range():
+    from models.best_of import candidate_config
+    from models.generation import GenerationConfig
+
+    config = GenerationConfig(seed=MAX_SEED, best_of=3, check="shapes_caption")
+    assert [candidate_config(config, k).seed for k in range(3)] == [MAX_SEED, 0, 1]
