@@ -40,7 +40,7 @@ import torch
 from models.generation import GenerationConfig, Request, open_image_span
 from models.kv_cache import RowKVCache
 from models.row_states import RowStates
-from models.sampling import GenerationError
+from models.sampling import MAX_SEED, GenerationError
 from models.vocab import IMAGE, TEXT, UnifiedVocab
 from routing import CacheFullError, LearnedRouter, MoLoRAError, SequenceRouter, VocabRangeRouter
 from routing.context import CallRouting
@@ -221,7 +221,7 @@ class Engine:
             raise GenerationError(f"a prompt's open image span already holds {span} tokens, more than the "
                                   f"{vocab.tokens_per_image} of one image")
         if config.seed is None:
-            config = config.with_overrides(seed=random.SystemRandom().randrange(2 ** 63))
+            config = config.with_overrides(seed=random.SystemRandom().randrange(MAX_SEED + 1))
         text, image, learned = _route_of(request.router, vocab)
         names = list(dict.fromkeys(n for n in (text, image, *(learned.gates.adapters if learned else ()))
                                    if n is not None))

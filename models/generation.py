@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from models.sampling import GenerationError, SamplingConfig
+from models.sampling import GenerationError, SamplingConfig, check_seed
 from models.vocab import UnifiedVocab
 
 # phases: what the NEXT token of a row may be
@@ -70,8 +70,8 @@ class GenerationConfig:
             raise GenerationError(f"cfg_scale must be a number, got {self.cfg_scale!r}") from exc
         if not abs(self.cfg_scale) < float("inf"):
             raise GenerationError(f"cfg_scale must be finite, got {self.cfg_scale}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise GenerationError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None:
+            self.seed = check_seed(self.seed)
         if self.max_images is not None and (not isinstance(self.max_images, int) or self.max_images < 0):
             raise GenerationError(f"max_images must be None or an int >= 0, got {self.max_images!r}")
         if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) \

@@ -276,8 +276,9 @@ class InterleavedPipeline:
                      routing: str, config: GenerationConfig) -> Iterator[Any]:
         """One batch's events (a generator); bad arguments raise before it is returned."""
         if config.start_image and config.max_new_tokens < self.vocab.tokens_per_image + 1:
-            raise GenerationError(f"start_image needs max_new_tokens >= {self.vocab.tokens_per_image + 1} (one "
-                                  f"image and <eoi>), got {config.max_new_tokens}")
+            raise GenerationError(f"start_image needs max_new_tokens >= {self.vocab.tokens_per_image + 1}: "
+                                  f"{self.vocab.image_span_note()}, and the prompt already holds its <boi>; got "
+                                  f"{config.max_new_tokens}")
         routers = [self.make_router(routing, t, i) for t, i in zip(text_adapters, image_adapters)]
 
         encoded = [self.encode_prompt(p, config, config.max_new_tokens) for p in prompts]
@@ -287,7 +288,7 @@ class InterleavedPipeline:
         if max_new < config.max_new_tokens:
             shared_notices.append(f"max_new_tokens lowered from {config.max_new_tokens} to {max_new} to fit the "
                                   f"model's {self.max_positions} positions")
-            log.warning(shared_notices[-1])
+            log.debug(shared_notices[-1])  # the document keeps the notice; a library is quiet unless asked
         run_config = config.with_overrides(max_new_tokens=max_new)
 
         builders = []

@@ -143,7 +143,7 @@ class HotSetCache:
             stored = LoraAdapter(adapter.name, weights, dict(adapter.scales), dict(adapter.config))
             self._pool[adapter.name] = _PoolEntry(stored, A, B)
             self._last_use[adapter.name] = 0
-            log.info("adapter '%s' added to the pool (%d modules, %.1f KiB)", adapter.name, len(A),
+            log.debug("adapter '%s' added to the pool (%d modules, %.1f KiB)", adapter.name, len(A),
                      self._pool[adapter.name].nbytes() / 1024)
 
     def remove(self, name: str) -> None:

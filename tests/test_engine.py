@@ -100,9 +100,17 @@ def test_requests_joining_a_running_batch_equal_their_solo_runs(model):
     assert engine.steps > 0 and engine.stats()["running"] == 0
 
 
-def test_cancelling_frees_the_row_kv_and_adapter_pins_within_one_step(model):
+def test_cancelling_frees_the_row_kv_and_adapter_pins_within_one_step(model, monkeypatch):
     routed, vocab = model
     engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128))
+    ended_at: dict[str, int] = {}
+    real_end = engine._end
+
+    def end(job, reason=None, error=None):  # the engine step at which each request's resources are freed
+        ended_at.setdefault(reason or "error", engine.steps)
+        return real_end(job, reason, error)
+
+    monkeypatch.setattr(engine, "_end", end)
     long_config = GenerationConfig(max_new_tokens=100, min_new_tokens=100, seed=0, cfg_scale=1.0, **GREEDY)
     keeper = engine.stream([Request(prompts(vocab, 1, seed=5)[0])], long_config)
     next(keeper)  # a neighbour (base model: both slots stay free for the other) keeps the engine stepping
@@ -111,12 +119,12 @@ def test_cancelling_frees_the_row_kv_and_adapter_pins_within_one_step(model):
         next(stream)
     assert routed.cache.pins("a") == 1 and engine.stats()["free_rows"] == engine.max_rows - 3
     stream.close()
-    steps_at_cancel = engine.steps
+    steps_at_cancel = engine.steps  # a step already running may finish; the next boundary frees everything
     deadline = time.monotonic() + 10
     while routed.cache.pins("a") and time.monotonic() < deadline:
         time.sleep(0.001)
     assert routed.cache.pins("a") == routed.cache.pins("b") == 0
-    assert engine.steps - steps_at_cancel <= 1
+    assert ended_at["cancelled"] - steps_at_cancel <= 1
     assert engine.stats()["free_rows"] == engine.max_rows - 1  # only the neighbour's row is held
     assert engine.states.row_slots[:engine.max_rows].eq(-1).sum() >= 2 * (engine.max_rows - 1)
     keeper.close()

@@ -49,3 +49,13 @@ def test_best_of_redraws_stay_in_the_seed_range():
 
     config = GenerationConfig(seed=MAX_SEED, best_of=3, check="shapes_caption")
     assert [candidate_config(config, k).seed for k in range(3)] == [MAX_SEED, 0, 1]
+
+
+@pytest.mark.parametrize("seed", [-1, 2**31, 2**32 + 1, 2**64])
+def test_the_api_takes_the_same_seed_rule(seed, tiny_pipeline):
+    from models.generation import GenerationConfig
+
+    with pytest.raises(GenerationError, match="seed must be"):
+        GenerationConfig(seed=seed)
+    with pytest.raises(GenerationError, match="seed must be"):
+        tiny_pipeline.generate("x", seed=seed, max_new_tokens=2)
