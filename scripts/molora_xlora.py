@@ -64,4 +64,4 @@ def xlora_row(args, adapters: list[str], tok, encoded, pad: int, record) -> None
     t0 = time.time()
     hits = score(lambda b: model(input_ids=b.ids).logits, encoded, pad, adapters, args.batch_size)
     record("peft_xlora", hits, time.time() - t0, train_steps=steps, train_seconds=round(train_s, 1),
-           classifier_params=sum(p.numel() for p in params), final_train_loss=round(float(loss), 4))
+           classifier_params=sum(p.numel() for p in params), final_train_loss=round(float(loss.detach()), 4))

@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--domains", nargs="+", default=["count", "arith", "spatial", "size"], choices=ALL_DOMAINS)
     p.add_argument("--n-train", type=int, default=12_000, help="training items per domain (train split)")
     p.add_argument("--n-val", type=int, default=200, help="held-out items per domain scored at the end")
+    p.add_argument("--foreign", type=float, default=0.4,
+                   help="share of training items that also ask another domain's question (its answer is context)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -118,7 +120,8 @@ def train_domain(args: argparse.Namespace, tok: UnifiedTokenizer, domain: str) -
     router = SequenceRouter(domain)
     pad = tok.vocab.pad_id
 
-    train = [encode_item(tok, it) for it in domain_items(domain, args.n_train, seed=f"{args.seed}", split="train")]
+    items = domain_items(domain, args.n_train, seed=f"{args.seed}", split="train", foreign=args.foreign)
+    train = [encode_item(tok, it) for it in items]
     val = [encode_item(tok, it) for it in domain_items(domain, args.n_val, seed=f"val{args.seed}", split="heldout")]
     base_acc = accuracy(routed, None, val, pad)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -131,7 +134,7 @@ def train_domain(args: argparse.Namespace, tok: UnifiedTokenizer, domain: str) -
         if len(order) < args.batch_size:
             order += rng.sample(range(len(train)), len(train))
         rows, order = order[:args.batch_size], order[args.batch_size:]
-        batch = make_batch(train, rows, pad, [])
+        batch = make_batch(train, rows, pad, [], only=domain)
         for group in opt.param_groups:
             group["lr"] = args.lr * sched.factor(step)
         logits = routed(batch.ids, routers=router, use_cache=False).logits
@@ -156,7 +159,8 @@ def train_domain(args: argparse.Namespace, tok: UnifiedTokenizer, domain: str) -
         {"modality": "text", "domain": domain, "description": DESCRIPTIONS[domain]}, indent=2))
     metrics = {"val_exact_match": round(acc, 4), "val_exact_match_base": round(base_acc, 4), "val_items": len(val),
                "train_items": len(train), "steps": step, "planned_steps": args.steps, "batch_size": args.batch_size,
-               "lr": args.lr, "rank": args.rank, "alpha": args.alpha, "seed": args.seed, "threads": args.threads,
+               "lr": args.lr, "foreign": args.foreign, "rank": args.rank, "alpha": args.alpha, "seed": args.seed,
+               "threads": args.threads,
                "train_loss": curve[-1][1] if curve else None, "loss_curve": curve,
                "seconds": round(time.time() - t0, 1), "device": "cpu"}
     log.info("%s: held-out exact match %.3f (base %.3f) after %d steps, %.0f s", domain, acc, base_acc, step,

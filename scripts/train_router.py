@@ -4,7 +4,8 @@ Per transformer block a gate Linear(d_model, E) on the block input picks the top
 (routing/routers.py LearnedGates / LearnedRouter, hierarchical: image positions never reach the gate). The loss
 is the next-token loss on the answer ids (the whole text when a record has no prompt) + lb * Switch load-balance
 loss + z * router z-loss (both from RoutedModel.forward, averaged over blocks; computed in training only), and,
-when records carry domain labels and --label-coef > 0, a cross-entropy of the gate logits against the labels.
+when records carry domain labels and --label-coef > 0, a cross-entropy of every block's gate logits against the
+labels on the positions that predict an answer id (a scene position before any question has no knowable domain).
 Top-k is the k of training; the gates are trained at k = 2 (softmax over the two kept logits: at k = 1 the kept
 weight is always 1 and the next-token loss gives the gate no gradient) and serve at k = 1 or 2.
 
@@ -170,10 +171,7 @@ def validate(routed: RoutedModel, router: LearnedRouter | None, data: list[Encod
         for r, ok in zip(batch.rows, whole):
             hits.setdefault(data[r].kind, []).append(ok)
         if out.decisions:
-            sel = torch.zeros_like(batch.target)
-            sel[:, :-1] = batch.target[:, 1:]
-            sel &= batch.labels >= 0
-            flat = sel.reshape(-1)
+            flat = answer_positions(batch).reshape(-1)
             for block, ds in out.decisions.items():
                 agree[block] += float((ds[0].topk[:, 0][flat] == batch.labels.reshape(-1)[flat]).sum())
             counted += int(flat.sum())
@@ -189,10 +187,19 @@ def validate(routed: RoutedModel, router: LearnedRouter | None, data: list[Encod
 
 # --- training ----------------------------------------------------------------------------------------------
 
-def label_loss(decisions: dict, labels: torch.Tensor) -> torch.Tensor:
-    flat = labels.reshape(-1)
-    keep = flat >= 0
-    losses = [F.cross_entropy(d.logits[keep], flat[keep]) for ds in decisions.values() for d in ds]
+def answer_positions(batch) -> torch.Tensor:
+    """[B, T] bool: positions that predict a scored answer id (position t predicts id t + 1)."""
+    sel = torch.zeros_like(batch.target)
+    sel[:, :-1] = batch.target[:, 1:]
+    return sel & (batch.labels >= 0)
+
+
+def label_loss(decisions: dict, batch) -> torch.Tensor:
+    """Cross-entropy of every block's gate logits against the domain labels, on the positions that predict an
+    answer id only: a prompt position (the scene, before any question) has no knowable domain."""
+    keep = answer_positions(batch).reshape(-1)
+    flat = batch.labels.reshape(-1)[keep]
+    losses = [F.cross_entropy(d.logits[keep], flat) for ds in decisions.values() for d in ds]
     return torch.stack(losses).mean()
 
 
@@ -225,8 +232,8 @@ def train_gates(routed: RoutedModel, tok: UnifiedTokenizer, adapters: list[str],
         out = routed(batch.ids, routers=router, use_cache=False)
         nll = answer_loss(out.logits, batch)
         loss = nll + args.lb_coef * out.load_balance_loss + args.z_coef * out.z_loss
-        if args.label_coef > 0 and bool((batch.labels >= 0).any()):
-            loss = loss + args.label_coef * label_loss(out.decisions, batch.labels)
+        if args.label_coef > 0 and bool(answer_positions(batch).any()):
+            loss = loss + args.label_coef * label_loss(out.decisions, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -76,7 +76,8 @@ class Batch:
 
 
 def make_batch(encoded: Sequence[EncodedItem], rows: Sequence[int], pad_id: int, domains: Sequence[str],
-               device: torch.device | str = "cpu") -> Batch:
+               device: torch.device | str = "cpu", *, only: str | None = None) -> Batch:
+    """`only`: score (and train on) the ids of spans of that domain only; other spans are context."""
     index = {d: i for i, d in enumerate(domains)}
     width = max(len(encoded[r]) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -85,7 +86,10 @@ def make_batch(encoded: Sequence[EncodedItem], rows: Sequence[int], pad_id: int,
     for b, r in enumerate(rows):
         e = encoded[r]
         ids[b, :len(e)] = torch.tensor(e.ids)
-        target[b, e.answer_start:len(e)] = True
+        if only is None:
+            target[b, e.answer_start:len(e)] = True
+        else:
+            target[b, e.answer_start:len(e)] = torch.tensor([d == only for d in e.span_domain])
         labels[b, :len(e)] = torch.tensor([index.get(d, -1) for d in e.position_domains()])
     return Batch(ids.to(device), target.to(device), labels.to(device), list(rows))
 

@@ -271,11 +271,26 @@ def sample_item(rng: random.Random, domains: Sequence[str], split: str = "train"
 
 
 def domain_items(domain: str, n: int, *, seed: int | str, split: str = "train",
-                 two_questions: float = 0.3) -> list[Item]:
+                 two_questions: float = 0.3, foreign: float = 0.0) -> list[Item]:
     """`n` items of one domain; a share `two_questions` asks two questions of that domain in one prompt (so an
-    adapter trained on its own domain alone still learns that a second answer follows the first)."""
-    rng = random.Random(f"domain:{domain}:{split}:{seed}")
-    return [sample_item(rng, [domain] * (2 if rng.random() < two_questions else 1), split) for _ in range(n)]
+    adapter trained on its own domain alone still learns that a second answer follows the first).
+
+    A share `foreign` (drawn first) asks one question of `domain` and one of another domain (DOMAINS), in
+    random order: the request shape of mixed requests. The foreign span is recorded with its own domain; an
+    adapter trained on its own domain takes the loss on its own spans only (domain_batches.make_batch(only=)),
+    so it learns to answer its question wherever it sits, and never learns the other domain's answers.
+    """
+    rng = random.Random(f"domain:{domain}:{split}:{seed}" + (f":foreign{foreign}" if foreign else ""))
+    others = [d for d in DOMAINS if d != domain]
+    items = []
+    for _ in range(n):
+        if foreign and rng.random() < foreign:
+            pair = [domain, rng.choice(others)]
+            rng.shuffle(pair)
+            items.append(sample_item(rng, pair, split))
+        else:
+            items.append(sample_item(rng, [domain] * (2 if rng.random() < two_questions else 1), split))
+    return items
 
 
 def mixed_items(n: int, *, seed: int | str, split: str = "heldout",
