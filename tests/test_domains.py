@@ -157,3 +157,22 @@ def test_bad_requests_are_clear_errors():
         sample_item(rng, ["count"], split="test")
     with pytest.raises(ShapesError, match="two domains"):
         mixed_items(3, seed=0, domains=["count"])
+
+
+def test_foreign_items_ask_one_question_of_another_domain_and_train_only_the_own_span():
+    from models.shapes.domain_batches import encode_item, make_batch
+    from models.tokenizer import build_tiny_tokenizer
+    items = domain_items("count", 300, seed=0, foreign=0.4)
+    foreign = [i for i in items if len(set(i.domains)) == 2]
+    assert 0.3 < len(foreign) / len(items) < 0.5
+    assert all("count" in i.domains and len(i.domains) == 2 for i in foreign)
+    assert {i.domains.index("count") for i in foreign} == {0, 1}  # the own question comes first or second
+    for item in foreign:
+        for question, span in zip(item.questions, item.spans):
+            assert normalise(span.text) == solve(item.scene, question)
+    tok = build_tiny_tokenizer([i.text for i in foreign[:20]])
+    encoded = [encode_item(tok, i) for i in foreign[:20]]
+    batch = make_batch(encoded, range(20), tok.vocab.pad_id, [], only="count")
+    for b, e in enumerate(encoded):
+        scored = batch.target[b, e.answer_start:len(e)].tolist()
+        assert scored == [d == "count" for d in e.span_domain] and any(scored) and not all(scored)
