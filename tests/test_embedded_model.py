@@ -28,7 +28,7 @@ def expected_adapter(prev_id: int, vocab, text: str | None, image: str | None) -
 
 
 def test_embedded_model_writes_an_image_and_pirate_text_in_one_pass(embedded):
-    assert embedded.adapters == {"outline": "image", "pirate": "text"}
+    assert {"outline": "image", "pirate": "text"}.items() <= embedded.adapters.items()  # + the domain adapters
     doc = embedded.generate("First, a green triangle in the center:", text_adapter="pirate",
                             image_adapter="outline", routing="vocab", seed=0)
     assert len(doc.images) >= 1 and all(im.size == (64, 64) for im in doc.images)
