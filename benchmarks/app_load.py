@@ -14,6 +14,8 @@ Nothing but 127.0.0.1 is contacted; every loop is bounded in count and time.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import random
 import resource
 import socket
@@ -85,6 +87,8 @@ def main() -> None:
     parser.add_argument("--sequential", action="store_true", help="also run the same requests one by one (S1)")
     parser.add_argument("--minutes", type=float, default=0.0, help="keep users coming for this long (load test)")
     parser.add_argument("--cancel", type=float, default=0.0, help="share of requests cancelled part-way")
+    parser.add_argument("--rounds", type=int, default=1, help="at least this many rounds of --users at once")
+    parser.add_argument("--no-solo", dest="solo", action="store_false", help="skip the solo runs (memory only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--same-length", action="store_true", help="every request a picture and text, 300 tokens")
     args = parser.parse_args()
@@ -103,6 +107,7 @@ def main() -> None:
         wall = 0.0
         lock = threading.Lock()
         rounds = 0
+        rss_rounds: list[float] = []
         while True:
             requests = [make_request(rng, args.same_length) for _ in range(args.users)]
             cancels = [rng.uniform(0.2, 2.0) if rng.random() < args.cancel else None for _ in requests]
@@ -112,39 +117,46 @@ def main() -> None:
                 results = list(pool.map(lambda args_: run(*args_), zip(clients, requests, cancels)))
             wall += time.perf_counter() - started
             rounds += 1
+            rss_rounds.append(rss_mib())
             with lock:
                 for req, (out, seconds) in zip(requests, results):
                     if out is None:
                         cancelled += 1
                     else:
                         done.append((req, out, seconds))
-            if time.monotonic() >= deadline or rounds >= 50:
+            if (time.monotonic() >= deadline and rounds >= args.rounds) or rounds >= 50:
                 break
         time.sleep(1.0)  # cancelled requests leave within one engine step; give the page's workers a moment
         stats = pipe.engine.stats()
         idle = stats["running"] == 0 and stats["waiting"] == 0 and not pipe.cache_stats()["pinned"]
         rss_after_load = rss_mib()
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back: what is left is really held
+        rss_trimmed = rss_mib()
         # the solo runs: the same requests, one at a time
         solo_client = connect(url)
         solo_started = time.perf_counter()
         mismatches, solo_seconds = 0, []
-        for req, out, _ in done:
+        for req, out, _ in (done if args.solo else []):
             alone, seconds = run(solo_client, req)
             solo_seconds.append(seconds)
             mismatches += alone != out
-        solo_wall = time.perf_counter() - solo_started
+        solo_wall = max(time.perf_counter() - solo_started, 1e-9)
         latencies = [s for _, _, s in done]
         print(f"users {args.users}, rounds {rounds}, completed {len(done)}, cancelled {cancelled}")
         print(f"together: {wall:.1f} s wall; per-user latency p50 {statistics.median(latencies):.2f} s, "
               f"max {max(latencies):.2f} s")
-        if args.sequential or args.minutes == 0:
+        if args.solo and (args.sequential or args.minutes == 0):
             print(f"one by one: {solo_wall:.1f} s wall; alone latency p50 {statistics.median(solo_seconds):.2f} s; "
                   f"a user's wait one by one p50 {statistics.median(_cumulative(solo_seconds)):.2f} s, "
                   f"max {max(_cumulative(solo_seconds)):.2f} s; throughput ratio {solo_wall / wall:.2f}x")
-        print(f"outputs equal to their solo runs: {len(done) - mismatches}/{len(done)}")
+        if args.solo:
+            print(f"outputs equal to their solo runs: {len(done) - mismatches}/{len(done)}")
         print(f"engine idle after the load (no running, waiting or pinned): {idle}")
         print(f"resident memory: {rss_before:.0f} MiB before, {rss_after_load:.0f} MiB after the load, "
-              f"{rss_mib():.0f} MiB after the solo runs")
+              f"{rss_trimmed:.0f} MiB once freed heap pages went back (malloc_trim), "
+              + (f"{rss_mib():.0f} MiB after the solo runs; " if args.solo else "") + "after each round: "
+              f"{', '.join(f'{r:.0f}' for r in rss_rounds)} MiB")
     finally:
         demo.close()
 
