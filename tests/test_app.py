@@ -352,7 +352,11 @@ def test_per_sequence_mode_says_which_adapter_it_uses_and_that_the_image_picker_
     assert "per-sequence: every token uses image_style" in stats
 
 
-def test_concurrent_visitors_share_forward_passes_and_stop_cancels_within_a_step(pipe):
+def test_concurrent_visitors_share_forward_passes_and_stop_cancels_the_request(pipe, monkeypatch):
+    ends: list[str] = []
+    real_end = pipe.engine._end
+    monkeypatch.setattr(pipe.engine, "_end", lambda job, reason=None, error=None: ends.append(reason) or real_end(
+        job, reason, error))
     port = free_port()
     demo = serve(pipe, host="127.0.0.1", port=port, concurrency=8, block=False)
     url = f"http://127.0.0.1:{port}/"
@@ -370,14 +374,15 @@ def test_concurrent_visitors_share_forward_passes_and_stop_cancels_within_a_step
             time.sleep(0.01)
         assert pipe.engine.stats()["running"] == 1
         time.sleep(0.2)
-        steps_at_cancel = pipe.engine.steps
+        ends.clear()
         job.cancel()  # what the Stop button and a closed tab do
         deadline = time.monotonic() + 10
         while pipe.engine.stats()["running"] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert pipe.engine.stats()["running"] == 0 and not pipe.cache_stats()["pinned"]
-        # freed long before its ~600 remaining tokens: the page's worker stops after its current event batch
-        assert pipe.engine.steps - steps_at_cancel < 100
+        # Gradio closes the page's generator once its current refresh is out (a fraction of a second); the engine
+        # then frees the request at its next step, long before its ~600-token budget would have ended it
+        assert ends == ["cancelled"]
     finally:
         demo.close()
 
