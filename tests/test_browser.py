@@ -129,7 +129,7 @@ def test_a_bad_adapter_upload_shows_an_error_in_the_page(page, tmp_path):
         zf.writestr("adapter_model.safetensors", "x")
     page.get_by_text("Upload your own adapter").click()
     page.locator("input[type=file]").set_input_files(str(archive))
-    page.get_by_text("evil.zip").first.wait_for(timeout=60_000)  # the upload reached the server
+    page.get_by_text("evil.zip").first.wait_for(timeout=180_000)  # the upload reached the server (slow on busy cores)
     page.get_by_role("button", name="Load adapter").click()
     toast = page.get_by_test_id("toast-text").filter(has_text="path traversal")
     toast.wait_for(timeout=60_000)
