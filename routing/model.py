@@ -282,14 +282,18 @@ class RoutedModel(nn.Module):
             if names:
                 self.cache.release(names)
 
-    def forward(self, input_ids: torch.Tensor, routers: Any = None, **hf_kwargs: Any) -> RoutedOutput:
-        """One forward of the HF model with every token routed; see the module docstring for the steps."""
+    def forward(self, input_ids: torch.Tensor, routers: Any = None, *, aux_losses: bool | None = None,
+                **hf_kwargs: Any) -> RoutedOutput:
+        """One forward of the HF model with every token routed; see the module docstring for the steps.
+        aux_losses: compute learned routing's load-balance and z-losses (default: when autograd is on, i.e. in
+        training; an inference forward never pays for them)."""
         if "inputs_embeds" in hf_kwargs:
             raise RoutingError("routing works from token ids; pass input_ids, not inputs_embeds")
         with self.routing_scope(input_ids, routers) as plan:
-            return self.run(input_ids, plan, **hf_kwargs)
+            return self.run(input_ids, plan, aux_losses=aux_losses, **hf_kwargs)
 
-    def run(self, input_ids: torch.Tensor, plan: CallRouting | None, **hf_kwargs: Any) -> RoutedOutput:
+    def run(self, input_ids: torch.Tensor, plan: CallRouting | None, *, aux_losses: bool | None = None,
+            **hf_kwargs: Any) -> RoutedOutput:
         """One HF forward under a routing the caller built and whose adapters the caller holds (the serving
         engine pins adapters per request, not per forward, and writes its routing tables in place)."""
         if self._takes_cache and "past_key_values" in hf_kwargs:
@@ -299,9 +303,10 @@ class RoutedModel(nn.Module):
             out = self.model(input_ids=input_ids, **hf_kwargs)
         finally:
             reset_routing(token)
-        return self._output(out, input_ids, plan)
+        return self._output(out, input_ids, plan, torch.is_grad_enabled() if aux_losses is None else aux_losses)
 
-    def _output(self, out: Any, input_ids: torch.Tensor, plan: CallRouting | None) -> RoutedOutput:
+    def _output(self, out: Any, input_ids: torch.Tensor, plan: CallRouting | None, aux_losses: bool
+                ) -> RoutedOutput:
         batch, length = input_ids.shape
         slot_names = {} if plan is None else {s: n for n, s in plan.slot_of.items()}
         past = _past_key_values(out)
@@ -323,6 +328,8 @@ class RoutedModel(nn.Module):
         routing = TokenRouting(top_s.view(batch, length, plan.k), top_w.view(batch, length, plan.k), slot_names)
         decisions = {b: [d for _, d in ds] for b, ds in plan.decisions.items()}
         flat = [d for ds in decisions.values() for d in ds]
+        if not aux_losses:
+            return RoutedOutput(out.logits, past, routing, loss, None, None, decisions)
         lb = torch.stack([load_balance_loss(d) for d in flat]).mean()
         z = torch.stack([router_z_loss(d) for d in flat]).mean()
         return RoutedOutput(out.logits, past, routing, loss, lb, z, decisions)

@@ -268,8 +268,9 @@ def test_learned_router_top2_mixes_with_softmax_weights(setup):
     routed.add_adapter(mixture)
     try:
         with torch.no_grad():
-            learned = routed(IDS, routers=LearnedRouter(gates, top_k=2))
+            learned = routed(IDS, routers=LearnedRouter(gates, top_k=2), aux_losses=True)
             want = routed(IDS, routers=SequenceRouter("mix"))
+            assert routed(IDS, routers=LearnedRouter(gates, top_k=2)).z_loss is None  # inference: no aux losses
         assert rel_err(learned.logits, want.logits) <= 1e-5
         assert torch.allclose(learned.routing.weights, torch.full_like(learned.routing.weights, 0.5))
         assert float(learned.load_balance_loss) == pytest.approx(1.0, abs=1e-6)  # uniform routing
