@@ -56,6 +56,9 @@ CUDA_MAX_ROWS = 64
 # Decode widths. On the CPU the narrowest is 4: a row's logits are bit-identical for every batch width >= 4 with
 # one torch thread (measured on the embedded model, 2026-11-30: widths 1-3 differ from 16 by up to 3e-5, widths
 # 4-15 by 0.0), so a request decodes exactly as alone whatever runs beside it.
+# The price, same run: a lone guided request (2 live rows) decodes a step in 8.5 ms at width 4 and 6.8 ms at width 2,
+# because MKL's small-matrix path (M < 4) is faster and rounds differently; padding only the matmuls to 4 rows keeps
+# the numbers exact but not the speed (8.4 ms). EngineConfig(exact_rows=False) takes the speed instead.
 CPU_MIN_WIDTH = 4
 # Eager steps read only the KV columns the batch has written, rounded up to this many (shapes stay few; the masked
 # columns beyond a row's own length add exact zeros, so a row's result does not depend on its neighbours' lengths).
@@ -89,13 +92,16 @@ class EngineConfig:
     """max_rows: rows decoded together (a CFG request takes two); max_len: positions per row (prompt + new
     tokens), default the model's; KV space is max_rows x max_len positions, allocated once.  cuda_graphs: capture
     the decode step per width on CUDA.  queue_timeout_s: how long a request may wait for room.  batch_prefill:
-    prefill requests admitted at the same step boundary in one forward."""
+    prefill requests admitted at the same step boundary in one forward.  exact_rows=False lets the CPU decode as
+    few rows as are live: a lone request is faster (one picture + ~60 words 2.4 s instead of 3.0-3.15 s on the
+    embedded model, quiet 2-core CPU), and a row's numbers may then differ slightly with the batch it shares."""
 
     max_rows: int | None = None
     max_len: int | None = None
     cuda_graphs: bool = True
     queue_timeout_s: float = 600.0
     batch_prefill: bool | None = None  # prefill newcomers together (default: on CUDA; see Engine._admit)
+    exact_rows: bool = True  # CPU: decode >= CPU_MIN_WIDTH rows so a row's numbers never depend on its batch
 
 
 @dataclass
@@ -196,7 +202,7 @@ class Engine:
                                   f"{self.max_len}")
         self.logits_size = logits_size or vocab.vocab_size
         self.use_graphs = on_cuda and self.config.cuda_graphs
-        low = 1 if on_cuda else min(CPU_MIN_WIDTH, self.max_rows)
+        low = 1 if on_cuda or not self.config.exact_rows else min(CPU_MIN_WIDTH, self.max_rows)
         self.widths = sorted({min(low << i, self.max_rows) for i in range(self.max_rows.bit_length() + 1)})
         self._lock = threading.Condition()
         self._incoming: list[_Job] = []

@@ -248,3 +248,13 @@ def test_a_request_that_does_not_fit_in_memory_fails_alone(model, monkeypatch):
         assert isinstance(items[-1], Done) and len(items) == 11
     assert routed.cache.pins("a") == 0 and engine.stats()["running"] == 0
     assert solo(engine, requests[0], config) == [(t.token, t.adapter) for t in results[0][:-1]]
+
+
+def test_exact_rows_off_lets_the_cpu_decode_only_the_live_rows(model):
+    routed, vocab = model
+    exact = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=64))
+    fast = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=64, exact_rows=False))
+    assert exact.widths[0] == 4 and fast.widths[0] == 1
+    config = GenerationConfig(max_new_tokens=12, min_new_tokens=12, seed=0, cfg_scale=1.0, **GREEDY)
+    tokens = solo(fast, Request(prompts(vocab, 1)[0], VocabRangeRouter(vocab, "a", "b")), config)
+    assert len(tokens) == 12 and {a for _, a in tokens} <= {"a", "b"}
