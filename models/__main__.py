@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text-adapter", default=None)
     p.add_argument("--image-adapter", default=None)
     p.add_argument("--routing", default="vocab", choices=ROUTING_MODES)
+    p.add_argument("--router", type=Path, default=None,
+                   help="learned-router gates (.safetensors; a config.json beside them is checked too) for --routing "
+                        "learned (default: the model's assets/router)")
     p.add_argument("--seed", type=int, default=None, help="0 to 2**31 - 1 (default: a fresh one, recorded)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--cfg-scale", type=float, default=None)
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         pipe = InterleavedPipeline.from_pretrained(args.model, adapters_dir=args.adapters_dir, device=args.device)
         for path in args.adapter:
             pipe.load_adapter(path)
+        if args.router is not None:
+            pipe.load_learned_router(args.router)
         prompt = [*images, args.prompt] if images else args.prompt
         doc = pipe.generate(prompt, text_adapter=args.text_adapter, image_adapter=args.image_adapter,
                             routing=args.routing, **overrides)

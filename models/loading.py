@@ -10,6 +10,7 @@ Missing pieces are reported all at once, by path, as a ModelDirError (a MoLoRAEr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Iterator
@@ -205,3 +206,10 @@ def load_model_dir(path: str | Path | None = None, *, adapters_dir: str | Path |
     log.info("loaded %s: vocab %d, %d adapters%s", model_dir, vocab.vocab_size, len(adapters),
              f", learned gates {gates}" if gates else "")
     return LoadedModel(model_dir, tokenizer, lm, image_tokenizer, adapters, gates, defaults)
+
+
+def adapter_weights_hash(folder: str | Path) -> str:
+    """First 16 hex digits of the SHA-256 of an adapter folder's adapter_model.safetensors: what a router's
+    config.json records for each adapter its gates were trained on (scripts/train_router.py)."""
+    return hashlib.sha256((Path(folder) / "adapter_model.safetensors").read_bytes()).hexdigest()[:16]
+

@@ -24,6 +24,7 @@ pinned in the hot set from admission to its last token.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -44,6 +45,7 @@ from models.loading import (
     LoadedModel,
     ModelDirError,
     adapter_rank,
+    adapter_weights_hash,
     load_model_dir,
     read_adapter_info,
 )
@@ -166,16 +168,29 @@ class InterleavedPipeline:
             return name
 
     def load_learned_router(self, path: str | Path, *, top_k: int | None = None) -> None:
-        """Load learned gates (routing.LearnedGates.save); their adapters must be loaded already."""
+        """Load learned gates (routing.LearnedGates.save); their adapters must be loaded already. A config.json
+        beside the gates (scripts/train_router.py writes one) gives the default top_k and the hash of every
+        adapter the gates were trained on: gates trained on other weights are refused. Nothing changes on error."""
+        path = Path(path)
         gates = LearnedGates.load(path, device=self.device)
         missing = [n for n in gates.adapters if n not in self.adapters]
         if missing:
             raise UnknownAdapterError(f"learned gates {path} route over adapters {missing} that are not loaded "
                                       f"(loaded: {', '.join(self.adapters) or 'none'})")
+        config = read_router_config(path.parent / "config.json")
+        for name, trained_on in config.get("adapter_sha256_16", {}).items():
+            info = self._adapters.get(name)
+            if info is None or info.modality == "merged" or not (info.path / "adapter_model.safetensors").is_file():
+                continue
+            loaded = adapter_weights_hash(info.path)
+            if loaded != trained_on:
+                raise AdapterError(f"learned gates {path} were trained on adapter {name!r} with weights {trained_on}, "
+                                   f"but the loaded {name!r} has weights {loaded}; load the adapters the router was "
+                                   "trained on, or train a router over these (scripts/train_router.py)")
         with self._lock:
             self.gates = gates
-            if top_k is not None:
-                self.learned_top_k = top_k
+            if top_k is not None or "top_k" in config:
+                self.learned_top_k = int(top_k if top_k is not None else config["top_k"])
 
     def cache_stats(self) -> dict:
         """Hot-set adapter cache counters: hits, misses, evictions, bytes_copied, slots, ..."""
@@ -355,6 +370,22 @@ class InterleavedPipeline:
                                       "ms_per_step": round(total_ms / max(steps, 1), 3),
                                       "prefill_ms": round(first_ms, 3), "decode_ms_per_step": round(decode_ms, 3)}
         return builder.finish(reason)
+
+
+def read_router_config(path: Path) -> dict:
+    """A router's config.json as a dict ({} when there is none); a file that is not a JSON object is an error."""
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelDirError(f"{path} is not a router config (JSON): {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelDirError(f"{path} is not a router config: expected a JSON object")
+    top_k = config.get("top_k", 1)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ModelDirError(f"{path}: top_k must be a whole number >= 1, got {top_k!r}")
+    return config
 
 
 def truncate_prompt(ids: list[int], limit: int, vocab: Any) -> list[int]:

@@ -28,7 +28,6 @@ loads <model>/../router/gates.safetensors by default (models/loading.py).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import random
@@ -44,7 +43,7 @@ from transformers import LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.data import Schedule  # noqa: E402
-from models.loading import ModelDirError, adapter_rank  # noqa: E402
+from models.loading import ModelDirError, adapter_rank, adapter_weights_hash  # noqa: E402
 from models.shapes.domain_batches import (  # noqa: E402
     EncodedItem,
     answer_loss,
@@ -114,8 +113,7 @@ def load_routed(model_dir: Path, adapters_dir: Path, names: list[str]) -> tuple[
 
 
 def file_hashes(adapters_dir: Path, names: list[str]) -> dict[str, str]:
-    return {n: hashlib.sha256((adapters_dir / n / "adapter_model.safetensors").read_bytes()).hexdigest()[:16]
-            for n in names}
+    return {n: adapter_weights_hash(adapters_dir / n) for n in names}
 
 
 # --- data --------------------------------------------------------------------------------------------------

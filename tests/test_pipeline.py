@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -336,3 +337,31 @@ def test_model_dir_generation_json_sets_the_defaults(tiny_assets, tmp_path):
     (model / "generation.json").write_text('{"cfg": 2}')
     with pytest.raises(ModelDirError, match=r"generation\.json.*unknown GenerationConfig fields"):
         InterleavedPipeline.from_pretrained(model)
+
+
+def test_router_config_sets_top_k_and_refuses_gates_trained_on_other_adapter_weights(tiny_assets, tmp_path):
+    from models.loading import adapter_weights_hash
+    from routing import LearnedGates
+
+    pipe = InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")
+    folder = tmp_path / "router"
+    folder.mkdir()
+    LearnedGates.for_model(pipe.routed, ["text_style", "image_style"]).save(folder / "gates.safetensors")
+    real = {n: adapter_weights_hash(tiny_assets / "adapters" / n) for n in ("text_style", "image_style")}
+    (folder / "config.json").write_text(json.dumps({"top_k": 1, "adapter_sha256_16": {**real,
+                                                                                       "text_style": "0" * 16}}))
+    with pytest.raises(AdapterError, match="trained on adapter 'text_style'"):
+        pipe.load_learned_router(folder / "gates.safetensors")
+    assert pipe.gates is None and pipe.learned_top_k == 2  # nothing changed
+    (folder / "config.json").write_text(json.dumps({"top_k": 1, "adapter_sha256_16": real}))
+    pipe.load_learned_router(folder / "gates.safetensors")
+    assert pipe.gates is not None and pipe.learned_top_k == 1
+
+
+def test_cli_names_a_router_file_and_refuses_a_missing_one(tiny_assets, tmp_path, capsys):
+    from models.__main__ import main as cli_main
+
+    code = cli_main(["x", "--model", str(tiny_assets / "model"), "--routing", "learned", "--router",
+                     str(tmp_path / "nope.safetensors"), "--out", str(tmp_path / "doc.html"), "--device", "cpu"])
+    assert code == 2 and "nope.safetensors" in capsys.readouterr().err
+    assert not (tmp_path / "doc.html").exists()
