@@ -167,6 +167,21 @@ class _Job:
         return self.config.text.temperature > 0 or self.config.image.temperature > 0
 
 
+@dataclass
+class _Batch:
+    """The running batch as the decode step needs it: jobs by row, their prompt rows [n], the positions in `rows`
+    of guided jobs and their twin rows [m] (None without guidance), the decode width, whether any job routes by
+    learned gates (then the step runs eagerly) and whether any filters by top-k / top-p."""
+
+    jobs: list[_Job]
+    rows: torch.Tensor
+    twin_of: torch.Tensor | None
+    twin_rows: torch.Tensor | None
+    width: int
+    learned: bool
+    filters: bool
+
+
 def _route_of(router: Any, vocab: UnifiedVocab) -> tuple[str | None, str | None, LearnedRouter | None]:
     """(text adapter, image adapter, learned router) of a request's router; the engine routes by tables."""
     if router is None:
@@ -217,7 +232,7 @@ class Engine:
         self.step_ms: list[float] | None = None  # set to a list to record each decode step's wall time
         self._graphs: dict[int, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._prefill_graphs: dict[tuple[int, int], tuple[Any, tuple, tuple]] = {}
-        self._index_cache: tuple | None = None
+        self._index_cache: _Batch | None = None
         _ENGINES.add(self)
 
     # --- the public side (any thread) ----------------------------------------------------------------------
@@ -585,21 +600,22 @@ class Engine:
         self._emit(jobs, tokens, producing[cond], done, len(self._running))
 
     # --- one decode step ------------------------------------------------------------------------------------
-    def _indices(self) -> tuple:
-        """Index tensors of the running batch, rebuilt only when a request joins or leaves."""
+    def _indices(self) -> _Batch:
+        """The running batch's index tensors and facts, rebuilt only when a request joins or leaves."""
         if self._index_cache is None:
             jobs = [self._running[r] for r in sorted(self._running)]
-            rows = torch.tensor([j.row for j in jobs], dtype=torch.long, device=self.device)
             pairs = [(i, j.twin) for i, j in enumerate(jobs) if j.twin is not None]
-            twin_of = twin_rows = None
-            if pairs:
-                twin_of = torch.tensor([i for i, _ in pairs], dtype=torch.long, device=self.device)
-                twin_rows = torch.tensor([t for _, t in pairs], dtype=torch.long, device=self.device)
             highest = max(max(j.row, j.twin if j.twin is not None else -1) for j in jobs)
-            width = next(w for w in self.widths if w > highest)
-            learned = any(j.learned is not None for j in jobs)
-            filters = any(j.config.text.filters or j.config.image.filters for j in jobs)
-            self._index_cache = (jobs, rows, twin_of, twin_rows, width, learned, filters)
+
+            def tensor(values: list[int]) -> torch.Tensor:
+                return torch.tensor(values, dtype=torch.long, device=self.device)
+
+            self._index_cache = _Batch(
+                jobs, tensor([j.row for j in jobs]),
+                tensor([i for i, _ in pairs]) if pairs else None, tensor([t for _, t in pairs]) if pairs else None,
+                width=next(w for w in self.widths if w > highest),
+                learned=any(j.learned is not None for j in jobs),
+                filters=any(j.config.text.filters or j.config.image.filters for j in jobs))
         return self._index_cache
 
     def _decode(self, width: int, jobs: list[_Job], learned: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -645,10 +661,11 @@ class Engine:
 
     def _step(self) -> None:
         started = time.perf_counter()
-        jobs, rows, twin_of, twin_rows, width, learned, filters = self._indices()
-        logits, producing = self._decode(width, jobs, learned)
+        batch = self._indices()
+        jobs, rows, twin_of, twin_rows = batch.jobs, batch.rows, batch.twin_of, batch.twin_rows
+        logits, producing = self._decode(batch.width, jobs, batch.learned)
         uncond = logits[self.states.twin[rows]] if twin_rows is not None else None
-        tokens = self.states.choose(rows, logits[rows], uncond, self._noise(jobs, logits.shape[-1]), filters)
+        tokens = self.states.choose(rows, logits[rows], uncond, self._noise(jobs, logits.shape[-1]), batch.filters)
         done = self.states.advance(rows, tokens, twin_of, twin_rows)
         self.steps += 1
         self._emit(jobs, tokens, producing[rows], done, len(jobs))
