@@ -139,7 +139,7 @@ def _remove_adapter(pipe: Any, name: str, retries: int) -> None:
     try:
         remove(name)
     except UnknownAdapterError:
-        pass  # already gone
+        return  # unloaded already (cleanup runs on unload and again at shutdown): nothing left to do
     except AdapterError:  # held by a running request: it ends soon (the session's tab is closed)
         if retries <= 0:
             log.warning("a closed session's adapter stayed in use for %d s; it stays loaded",
