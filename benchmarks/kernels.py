@@ -62,6 +62,7 @@ import kernels.dispatch as dispatch  # noqa: E402
 import kernels.triton_stacked as stacked_mod  # noqa: E402
 from kernels import build_routing_meta, routed_lora, routed_lora_topk  # noqa: E402
 from kernels.checks import check_inputs  # noqa: E402
+from kernels.graphs import capture_graph  # noqa: E402
 from kernels.reference import routed_lora_topk_reference  # noqa: E402
 
 DEV = "cpu" if ARGS.dry_run else "cuda"
@@ -79,15 +80,7 @@ def graphed(fn):
     """Capture fn in a CUDA graph (after warm-up on a side stream) and return its replay; eager on CPU."""
     if DEV == "cpu":
         return fn
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = capture_graph(fn, warmup=3)
     torch.cuda.synchronize()
     return graph.replay
 
