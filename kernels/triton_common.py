@@ -37,3 +37,12 @@ def dot_config(dtype: torch.dtype) -> tuple[object, str]:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def delta_target(x: torch.Tensor, d_out: int, out: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """Where a kernel writes the delta [N, d_out]: into `out` (accumulate: out += delta) or a new tensor in x's
+    dtype; and whether it accumulates."""
+    if out is not None:
+        return out, True
+    return torch.empty(x.shape[0], d_out, dtype=x.dtype, device=x.device), False
+

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from kernels.triton_common import HAS_TRITON, interpreting, next_pow2, tl, triton
+from kernels.triton_common import HAS_TRITON, delta_target, interpreting, next_pow2, tl, triton
 
 if HAS_TRITON:
     @triton.jit
@@ -85,9 +85,7 @@ def gather_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.
     n, d_in = x.shape
     s_count, r, _ = A.shape
     d_out = B.shape[1]
-    accumulate = out is not None
-    if out is None:
-        out = torch.empty(n, d_out, dtype=x.dtype, device=x.device)
+    out, accumulate = delta_target(x, d_out, out)
     if n == 0 or d_out == 0:
         return out
     k = slots.shape[1]

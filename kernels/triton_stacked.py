@@ -25,7 +25,7 @@ import functools
 import torch
 
 from kernels.errors import KernelInputError
-from kernels.triton_common import HAS_TRITON, dot_config, interpreting, next_pow2, tl, triton
+from kernels.triton_common import HAS_TRITON, delta_target, dot_config, interpreting, next_pow2, tl, triton
 
 if HAS_TRITON:
     @triton.jit
@@ -191,9 +191,7 @@ def stacked_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch
         raise KernelInputError(f"the stacked kernel takes S*r <= {MAX_WIDTH} (got S={s_count}, r={r}); "
                                "use path='grouped' or 'auto' for wider hot sets")
     d_out = B.shape[1]
-    accumulate = out is not None
-    if out is None:
-        out = torch.empty(n, d_out, dtype=x.dtype, device=x.device)
+    out, accumulate = delta_target(x, d_out, out)
     if n == 0 or d_out == 0:
         return out
     k = slots.shape[1]
