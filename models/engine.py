@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from kernels.graphs import capture_graph
 from models.generation import GenerationConfig, Request, open_image_span
 from models.kv_cache import RowKVCache
 from models.row_states import RowStates
@@ -445,17 +446,25 @@ class Engine:
     def _slot(self, job: _Job, name: str | None) -> int:
         return -1 if name is None else job.slot_of[name]
 
-    def _plan(self, ids: torch.Tensor, slots: torch.Tensor, groups: list[tuple[LearnedRouter, torch.Tensor | None,
-              dict[str, int]]], routed: bool = True) -> CallRouting | None:
-        """The CallRouting of one forward: static slots [N], plus one learned group per learned router; None
-        (plain base linears, no LoRA work) when `routed` is False: no request in the call holds an adapter."""
+    def _plan(self, ids: torch.Tensor, slots: torch.Tensor, members: list[tuple[_Job, int]],
+              routed: bool = True) -> CallRouting | None:
+        """The CallRouting of one forward: static slots [N], plus one learned group per learned router over the
+        batch rows its jobs hold (`members`: (job, batch row) for the call's rows); None (plain base linears, no
+        LoRA work) when `routed` is False: no request in the call holds an adapter."""
         if not routed:
             return None
         batch, length = ids.shape
+        by_router: dict[int, tuple[LearnedRouter, list[int], dict[str, int]]] = {}
+        for job, row in members:
+            if job.learned is not None:
+                _, rows, slot_of = by_router.setdefault(id(job.learned), (job.learned, [], {}))
+                rows.append(row)
+                slot_of.update(job.slot_of)
         learned = []
-        for router, rows, slot_of in groups:
+        for router, rows, slot_of in by_router.values():
+            index = None if len(rows) == batch else torch.tensor(rows, dtype=torch.long, device=self.device)
             expert = torch.tensor([slot_of[n] for n in router.gates.adapters], dtype=torch.long, device=self.device)
-            learned.append(LearnedGroup(router, rows, expert, router.gated(ids if rows is None else ids[rows])))
+            learned.append(LearnedGroup(router, index, expert, router.gated(ids if index is None else ids[index])))
         k = max((g.router.top_k for g in learned), default=1)
         return CallRouting(batch, length, slots, self.routed.cache.num_slots, learned=learned, k=k)
 
@@ -489,35 +498,29 @@ class Engine:
         positions = torch.arange(width).repeat(n_rows, 1)
         rows = torch.full((n_rows,), self.scratch_row, dtype=torch.long)
         table = torch.full((n_rows, 2), -1, dtype=torch.long)
-        groups: dict[int, tuple[LearnedRouter, list[int], dict[str, int]]] = {}
         for i, (job, row, prompt) in enumerate(entries):
             pad = width - len(prompt)
             ids[i, pad:] = torch.tensor(prompt)
             positions[i] = torch.cat([torch.arange(len(prompt), width), torch.arange(len(prompt))])
             rows[i] = row
             table[i] = torch.tensor([self._slot(job, job.text_adapter), self._slot(job, job.image_adapter)])
-            if job.learned is not None:
-                _, members, slot_of = groups.setdefault(id(job.learned), (job.learned, [], {}))
-                members.append(i)
-                slot_of.update(job.slot_of)
         inputs = (ids, positions, rows, table)
         if captured:
             logits, producing = self._replay_prefill(inputs)
             return logits[:n], producing[:n]
         ids, positions, rows, table = (t.to(self.device) for t in inputs)
-        plan_groups = [(r, None if len(members) == n else torch.tensor(members, device=self.device), slot_of)
-                       for r, members, slot_of in groups.values()]
-        return self._prefill_body(ids, positions, rows, table, plan_groups, self._columns(width),
+        members = [(job, i) for i, (job, _, _) in enumerate(entries)]
+        return self._prefill_body(ids, positions, rows, table, members, self._columns(width),
                                   routed=any(job.names for job, _, _ in entries))
 
     def _prefill_body(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, table: torch.Tensor,
-                      groups: list, length: int | None = None, routed: bool = True
+                      members: list[tuple[_Job, int]], length: int | None = None, routed: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         columns = self.columns if length is None else self.columns[:length]
         mask = torch.where(columns[None, None, :] <= positions[:, :, None], 0.0, float("-inf"))
         mask = mask.to(self.dtype)[:, None]
         slots = table.gather(1, self.states.modality[ids])
-        plan = self._plan(ids, slots.view(-1), groups, routed)
+        plan = self._plan(ids, slots.view(-1), members, routed)
         out = self._forward(ids, positions, rows, mask, plan, length=length)
         return out.logits[:, -1], _producing(out.routing, slots[:, -1])
 
@@ -536,17 +539,8 @@ class Engine:
         return outputs
 
     def _capture(self, body: Any) -> tuple[Any, Any]:
-        """Warm `body` up on a side stream (Triton compiles, the allocator settles), then capture it."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            outputs = body()
-        return graph, outputs
+        """Capture `body` into the engine's graph pool (all its graphs share one memory pool)."""
+        return capture_graph(body, pool=self._graph_pool)
 
     def _prefill(self, jobs: list[_Job]) -> None:
         """Prefill the jobs' rows (and CFG twins) in one forward, sample each job's first token, and let them
@@ -629,14 +623,8 @@ class Engine:
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         columns = self.columns if length is None else self.columns[:length]
         ids, positions, mask, slots = self.states.decode_inputs(width, columns, self.dtype)
-        groups: dict[int, tuple[LearnedRouter, list[int], dict[str, int]]] = {}
-        for job in jobs:
-            if job.learned is not None:
-                _, rows, slot_of = groups.setdefault(id(job.learned), (job.learned, [], {}))
-                rows += [job.row] + ([job.twin] if job.twin is not None else [])
-                slot_of.update(job.slot_of)
-        plan = self._plan(ids, slots, [(r, torch.tensor(rows, device=self.device), s) for r, rows, s in
-                                       groups.values()], routed)
+        members = [(job, row) for job in jobs for row in (job.row, job.twin) if row is not None]
+        plan = self._plan(ids, slots, members, routed)
         out = self._forward(ids, positions, self.all_rows[:width], mask, plan, leading=width, length=length)
         return out.logits[:, -1], _producing(out.routing, slots)
 
