@@ -1,11 +1,16 @@
-"""The kernels package's own error type.
+"""The project's base exception, and the kernels package's own error type.
 
-kernels/ must not import routing/ (where the project's base MoLoRAError lives), so bad input to the ops raises
-KernelInputError, a ValueError; routing/ catches it where it wants to re-raise its own type.
+`MoLoRAError` lives here, in the bottom layer, so that every package (kernels/, routing/, models/, app/,
+scripts/) can derive its errors from it without importing a layer above its own: a caller catches one type.
+routing/errors.py re-exports it with the routing errors.
 """
 
 from __future__ import annotations
 
 
-class KernelInputError(ValueError):
-    """A routed-LoRA op was called with tensors of the wrong shape, dtype or device."""
+class MoLoRAError(Exception):
+    """Base class of every error raised on purpose by this project."""
+
+
+class KernelInputError(MoLoRAError, ValueError):
+    """A routed-LoRA op was called with tensors of the wrong shape, dtype or device (a ValueError too)."""

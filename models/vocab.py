@@ -24,13 +24,15 @@ from pathlib import Path
 
 import torch
 
+from kernels.errors import MoLoRAError  # the bottom layer: routing/ imports this module (no cycle)
+
 TEXT = 0
 IMAGE = 1
 MODALITY_NAMES = ("text", "image")
 
 
-class VocabError(ValueError):
-    """A vocabulary layout that is inconsistent or does not fit a model."""
+class VocabError(MoLoRAError, ValueError):
+    """A vocabulary layout that is inconsistent or does not fit a model (a ValueError too)."""
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,15 @@
 
 Every error a user can cause (a bad adapter file, an unknown name, a full cache, a routing request the model
 cannot honour) is raised as a subclass of `MoLoRAError`, with a message that says what went wrong and what to do.
-Other packages subclass `MoLoRAError` for their own errors so callers can catch one type.
+Other packages subclass `MoLoRAError` for their own errors so callers can catch one type.  The base class itself is
+defined at the bottom layer (kernels/errors.py) so kernels/ can derive from it too; it is re-exported here.
 """
 
 from __future__ import annotations
 
+from kernels.errors import MoLoRAError
 
-class MoLoRAError(Exception):
-    """Base class of every error raised on purpose by this project."""
+__all__ = ["MoLoRAError", "AdapterError", "UnknownAdapterError", "CacheFullError", "RoutingError"]
 
 
 class AdapterError(MoLoRAError):

@@ -55,14 +55,14 @@ from models.shapes.domain_batches import (  # noqa: E402
 from models.shapes.domains import DOMAINS, domain_items, mixed_items  # noqa: E402
 from models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
 from models.tokenizer import UnifiedTokenizer  # noqa: E402
-from routing import LearnedGates, LearnedRouter, RoutedModel, attach_routed_lora  # noqa: E402
+from routing import LearnedGates, LearnedRouter, MoLoRAError, RoutedModel, attach_routed_lora  # noqa: E402
 
 log = logging.getLogger("train_router")
 REPO = Path(__file__).resolve().parents[1]
 
 
-class RouterDataError(ValueError):
-    """A --data file that cannot be used: says which line and what to fix."""
+class RouterDataError(MoLoRAError, ValueError):
+    """A --data file that cannot be used: says which line and what to fix (a ValueError too)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
