@@ -463,7 +463,7 @@ class Engine:
         learned = []
         for router, rows, slot_of in by_router.values():
             index = None if len(rows) == batch else torch.tensor(rows, dtype=torch.long, device=self.device)
-            expert = torch.tensor([slot_of[n] for n in router.gates.adapters], dtype=torch.long, device=self.device)
+            expert = router.gates.expert_slots(slot_of, self.device)
             learned.append(LearnedGroup(router, index, expert, router.gated(ids if index is None else ids[index])))
         k = max((g.router.top_k for g in learned), default=1)
         return CallRouting(batch, length, slots, self.routed.cache.num_slots, learned=learned, k=k)

@@ -64,4 +64,10 @@ def configure_cpu_threads(requested: int | None = None) -> int:
     return torch.get_num_threads()
 
 
-__all__ = ["DEFAULT_CPU_THREADS", "THREADS_ENV", "configure_cpu_threads", "cpu_threads"]
+def device_name(device: str | torch.device) -> str:
+    """What a results file records as the device: the GPU's name, or "cpu"."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+__all__ = ["DEFAULT_CPU_THREADS", "THREADS_ENV", "configure_cpu_threads", "cpu_threads", "device_name"]

@@ -232,8 +232,7 @@ class RoutedModel(nn.Module):
         groups: list[LearnedGroup] = []
 
         def learned_group(router: LearnedRouter, rows: torch.Tensor | None, ids: torch.Tensor) -> LearnedGroup:
-            expert_slots = torch.tensor([slot_of[n] for n in router.gates.adapters], dtype=torch.long, device=device)
-            return LearnedGroup(router, rows, expert_slots, router.gated(ids))
+            return LearnedGroup(router, rows, router.gates.expert_slots(slot_of, device), router.gated(ids))
 
         if not isinstance(routers, list):
             slots = routers.route(input_ids, slot_of).long()

@@ -20,7 +20,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +28,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from models.vocab import IMAGE, UnifiedVocab
 from routing.context import BlockDecision
 from routing.errors import RoutingError
+from routing.modality import IMAGE, ModalityTable
 
 
 @runtime_checkable
@@ -65,7 +65,7 @@ class VocabRangeRouter:
     route identically.  Ids beyond the vocabulary layout (e.g. a model's padded embedding rows) count as text.
     """
 
-    vocab: UnifiedVocab
+    vocab: ModalityTable  # the vocabulary's modality table (routing/modality.py), e.g. a family's layout
     text_adapter: str | None = None
     image_adapter: str | None = None
     _tables: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -116,9 +116,16 @@ class LabelRouter:
 # --- learned (MoLoRA) -------------------------------------------------------------------------------------
 
 class LearnedGates(nn.Module):
-    """One gate Linear(d_model, E) per transformer block over E named adapters (no bias, as in Switch)."""
+    """One gate Linear(d_model, E) per transformer block over E experts (no bias, as in Switch): the named
+    adapters, and with `base_expert` one more, last, that means "no adapter" (the base model's own output).
 
-    def __init__(self, d_model: int, adapters: Sequence[str], num_blocks: int, *, init_std: float = 0.02) -> None:
+    The base expert lets the gate leave context alone: domain adapters trained apart each act only on their own
+    answer positions and read the prompt as the base model wrote it (scripts/train_domain_adapters.py), so the
+    gate learns to send prompt positions to the base and answer positions to a domain.
+    """
+
+    def __init__(self, d_model: int, adapters: Sequence[str], num_blocks: int, *, base_expert: bool = False,
+                 init_std: float = 0.02) -> None:
         super().__init__()
         names = list(adapters)
         if len(names) < 1 or len(set(names)) != len(names):
@@ -126,19 +133,29 @@ class LearnedGates(nn.Module):
         if d_model < 1 or num_blocks < 1:
             raise RoutingError(f"LearnedGates needs d_model >= 1 and num_blocks >= 1, got {d_model}, {num_blocks}")
         self.adapters, self.d_model, self.num_blocks = names, d_model, num_blocks
-        self.gates = nn.ModuleList(nn.Linear(d_model, len(names), bias=False) for _ in range(num_blocks))
+        self.base_expert = bool(base_expert)
+        self.gates = nn.ModuleList(nn.Linear(d_model, self.num_experts, bias=False) for _ in range(num_blocks))
         for gate in self.gates:
             nn.init.normal_(gate.weight, std=init_std)
 
     @classmethod
-    def for_model(cls, routed: nn.Module, adapters: Sequence[str], **kw: float) -> LearnedGates:
+    def for_model(cls, routed: nn.Module, adapters: Sequence[str], **kw: Any) -> LearnedGates:
         """Gates sized for a RoutedModel (its hidden size and number of blocks), on its device."""
         gates = cls(routed.hidden_size, adapters, routed.num_blocks, **kw)
         return gates.to(routed.device)
 
     @property
     def num_experts(self) -> int:
-        return len(self.adapters)
+        return len(self.adapters) + self.base_expert
+
+    @property
+    def experts(self) -> list[str | None]:
+        """The gate's outputs in order: adapter names, then None for the base expert."""
+        return [*self.adapters, *([None] if self.base_expert else [])]
+
+    def expert_slots(self, slot_of: Mapping[str, int], device: torch.device | str) -> torch.Tensor:
+        """[E] long: the hot-set slot of each expert (-1, no adapter, for the base expert)."""
+        return torch.tensor([_slot(slot_of, n) for n in self.experts], dtype=torch.long, device=device)
 
     def logits(self, block: int, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 gate logits [n, E] of block `block` for block inputs `hidden` [n, d_model]."""
@@ -158,19 +175,21 @@ class LearnedGates(nn.Module):
         if missing:
             raise RoutingError(f"with_adapters keeps every adapter of these gates; {missing} are missing from {names}")
         weight = self.gates[0].weight
-        new = LearnedGates(self.d_model, names, self.num_blocks).to(device=weight.device, dtype=weight.dtype)
+        new = LearnedGates(self.d_model, names, self.num_blocks, base_expert=self.base_expert).to(
+            device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             for old, gate in zip(self.gates, new.gates):
                 gate.weight.zero_()
-                for i, n in enumerate(self.adapters):
-                    gate.weight[names.index(n)] = old.weight[i]
+                for i, n in enumerate(self.experts):
+                    gate.weight[new.experts.index(n)] = old.weight[i]
         return new
 
     def save(self, path: str | Path) -> None:
         """Safetensors file; the adapter names and sizes go in its metadata."""
         tensors = {f"gates.{i}.weight": g.weight.detach().cpu().contiguous() for i, g in enumerate(self.gates)}
         meta = {"adapters": json.dumps(self.adapters), "d_model": str(self.d_model),
-                "num_blocks": str(self.num_blocks), "format": "molora-gates"}
+                "num_blocks": str(self.num_blocks), "base_expert": json.dumps(self.base_expert),
+                "format": "molora-gates"}
         save_file(tensors, str(path), metadata=meta)
 
     @classmethod
@@ -184,9 +203,12 @@ class LearnedGates(nn.Module):
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
             adapters = json.loads(meta["adapters"])
             d_model, num_blocks = int(meta["d_model"]), int(meta["num_blocks"])
+            base_expert = json.loads(meta.get("base_expert", "false"))
+            if not isinstance(base_expert, bool):
+                raise ValueError(f"base_expert must be true or false, got {base_expert!r}")
         except Exception as e:
             raise RoutingError(f"{path} is not a gate file written by LearnedGates.save ({type(e).__name__}: {e})") from e
-        gates = cls(d_model, adapters, num_blocks)
+        gates = cls(d_model, adapters, num_blocks, base_expert=base_expert)
         expected = {f"gates.{i}.weight" for i in range(num_blocks)}
         if set(tensors) != expected:
             raise RoutingError(f"{path}: tensors {sorted(tensors)} do not match {num_blocks} gates")
@@ -210,7 +232,7 @@ class LearnedRouter:
 
     gates: LearnedGates
     top_k: int = 2
-    vocab: UnifiedVocab | None = None
+    vocab: ModalityTable | None = None
     image_adapter: str | None = None
     _vocab_router: VocabRangeRouter | None = field(default=None, init=False, repr=False)
 

@@ -6,21 +6,25 @@ from one teacher-forced forward per batch (models/shapes/domain_batches.py: iden
 every causal routing). Rows:
 
     base              no adapter
-    single:<name>     one adapter on every position (RoutedModel + SequenceRouter)
+    single:<name>     one adapter on every answer position, the prompt read by the base model (the contract the
+                      domain adapters are trained with: scripts/train_domain_adapters.py)
     oracle_request    per request, the best of the adapters of its true domains (max over them, per item)
     peft_cat / peft_ties / peft_dare_ties   peft add_weighted_adapter of all domain adapters (weights 1,
                       density 0.5 for ties / dare_ties; dare is seeded)
     peft_arrow        peft create_arrow_model (ArrowConfig top_k = 2): training-free per-token top-k
     peft_xlora        peft X-LoRA, its classifier trained on the router's data and steps budget (--xlora-steps)
     ours_top1 / ours_top2   learned gates (--router) at k = 1 / 2
-    oracle_span       every position routed to the true domain of the span it predicts (LabelRouter)
+    oracle_span       every answer position routed to the true domain of the span it predicts, the prompt to
+                      the base model (LabelRouter)
     oracle_span_rerun not one pass: each span scored with its own domain's adapter on the whole sequence
 
 Mixed requests are scored twice: the whole answer (both spans), and per span given the right earlier span
 (mixed_spans, teacher forced).
 
 Reports per row: accuracy per domain and on mixed requests; oracle recovery on mixed requests
-(ours - base) / (oracle_span - base); routing agreement of the gates' top-1 with the span labels per block.
+(ours - base) / (oracle_span - base); routing agreement of the gates' top-1 with the span labels per block, and
+the share of prompt positions the gates send to their base expert. peft's rows apply adapters to every position
+(peft has no per-position routing besides Arrow's and X-LoRA's own).
 
     python scripts/eval_molora.py --json benchmarks/molora_eval.json
     python scripts/eval_molora.py --rows base ours oracle_span --n 50     # a quick look
@@ -44,9 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_router import load_routed  # noqa: E402
 
+from models.runtime import device_name  # noqa: E402
 from models.shapes.domain_batches import EncodedItem, encode_item, exact_matches, make_batch  # noqa: E402
 from models.shapes.domains import DOMAINS, domain_items, mixed_items  # noqa: E402
-from routing import LabelRouter, LearnedGates, LearnedRouter, SequenceRouter  # noqa: E402
+from routing import LabelRouter, LearnedGates, LearnedRouter  # noqa: E402
 
 log = logging.getLogger("eval_molora")
 REPO = Path(__file__).resolve().parents[1]
@@ -64,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
     p.add_argument("--batch-size", type=int, default=50)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--xlora-steps", type=int, default=0, help="0: the router's steps (its config.json)")
     p.add_argument("--json", type=Path, default=None, help="write (and merge into) this results file")
     return p.parse_args(argv)
@@ -85,13 +91,13 @@ Hits = tuple[list[bool], list[list[bool]]]  # per item: whole answer right; per 
 
 @torch.no_grad()
 def score(logits_of: Callable, encoded: list[EncodedItem], pad: int, adapters: list[str], size: int,
-          on_output: Callable | None = None) -> Hits:
+          device: str, on_output: Callable | None = None) -> Hits:
     """Per item: greedy exact match of the whole answer, and of each span given the right earlier spans
     (teacher forced). logits_of(batch) -> logits [B, T, V] (or an output with .logits)."""
     whole: list[bool] = [False] * len(encoded)
     spans: list[list[bool]] = [[] for _ in encoded]
     for rows in batch_rows(encoded, size):
-        batch = make_batch(encoded, rows, pad, adapters)
+        batch = make_batch(encoded, rows, pad, adapters, device)
         out = logits_of(batch)
         logits = out if isinstance(out, torch.Tensor) else out.logits
         if on_output is not None:
@@ -116,11 +122,11 @@ def summarise(hits: Hits, encoded: list[EncodedItem]) -> dict:
 
 # --- peft baselines ----------------------------------------------------------------------------------------
 
-def fresh_lm(model_dir: Path):
+def fresh_lm(model_dir: Path, device: str):
     from transformers import LlamaForCausalLM
 
     from models.testing import set_base_model_name
-    lm = LlamaForCausalLM.from_pretrained(model_dir / "lm", dtype=torch.float32)
+    lm = LlamaForCausalLM.from_pretrained(model_dir / "lm", dtype=torch.float32).to(device)
     set_base_model_name(lm)
     return lm.eval().requires_grad_(False)
 
@@ -128,7 +134,7 @@ def fresh_lm(model_dir: Path):
 def peft_merges(args, adapters: list[str]) -> dict[str, Callable]:
     """One peft model with every domain adapter, and the three weighted merges built from them."""
     from peft import PeftModel
-    model = PeftModel.from_pretrained(fresh_lm(args.model_dir), str(args.adapters_dir / adapters[0]),
+    model = PeftModel.from_pretrained(fresh_lm(args.model_dir, args.device), str(args.adapters_dir / adapters[0]),
                                       adapter_name=adapters[0])
     for name in adapters[1:]:
         model.load_adapter(str(args.adapters_dir / name), adapter_name=name)
@@ -149,7 +155,7 @@ def arrow_model(args, adapters: list[str]):
     """peft's Arrow over the same adapter folders: per token, top-2 of the adapters by the alignment of the
     token's hidden state with each adapter's principal direction (training-free)."""
     from peft import ArrowConfig, create_arrow_model
-    model = create_arrow_model(fresh_lm(args.model_dir), [str(args.adapters_dir / a) for a in adapters],
+    model = create_arrow_model(fresh_lm(args.model_dir, args.device), [str(args.adapters_dir / a) for a in adapters],
                                ArrowConfig(top_k=2, router_temperature=1.0, rng_seed=0))
     return model.eval()
 
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
     adapters = list(dict.fromkeys(args.adapters))
-    routed, tok = load_routed(args.model_dir, args.adapters_dir, adapters)
+    routed, tok = load_routed(args.model_dir, args.adapters_dir, adapters, args.device)
     routed.eval()
     pad = tok.vocab.pad_id
     encoded = eval_items(tok, adapters, args.n)
@@ -185,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     def routed_row(name: str, make_router: Callable, on_output: Callable | None = None, **extra) -> None:
         t0 = time.time()
         hits = score(lambda b: routed(b.ids, routers=make_router(b), use_cache=False), encoded, pad, adapters,
-                     args.batch_size, on_output)
+                     args.batch_size, args.device, on_output)
         record(name, hits, time.time() - t0, **extra)
 
     want = set(args.rows)
@@ -193,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
         routed_row("base", lambda b: None)
     if "single" in want or "oracle_request" in want:
         for a in adapters:
-            routed_row(f"single:{a}", lambda b, a=a: SequenceRouter(a))
+            routed_row(f"single:{a}", lambda b, a=a: LabelRouter([a], torch.where(b.labels >= 0, 0, -1)))
     if "oracle_request" in want:
         # per request, the one adapter of its true domains that gets the most spans right (whole answer first)
         whole, spans = [], []
@@ -210,37 +216,44 @@ def main(argv: list[str] | None = None) -> dict:
     if "oracle_span" in want:
         routed_row("oracle_span", lambda b: LabelRouter(adapters, b.labels))
     if "ours" in want:
-        gates = LearnedGates.load(args.router)
+        gates = LearnedGates.load(args.router, device=args.device)
         if gates.adapters != adapters:
             raise SystemExit(f"{args.router} routes over {gates.adapters}, not the evaluated adapters {adapters}")
         for k in (1, 2):
             agree = torch.zeros(routed.num_blocks)
-            counted = [0]
+            to_base = torch.zeros(routed.num_blocks)
+            counted = [0, 0]
 
-            def on_output(batch, out, agree=agree, counted=counted):
+            def on_output(batch, out, agree=agree, to_base=to_base, counted=counted):
                 sel = torch.zeros_like(batch.target)
                 sel[:, :-1] = batch.target[:, 1:]
                 sel &= batch.labels >= 0
                 flat = sel.reshape(-1)
+                context = (batch.valid & (batch.labels < 0)).reshape(-1)
                 for block, ds in out.decisions.items():
-                    agree[block] += float((ds[0].topk[:, 0][flat] == batch.labels.reshape(-1)[flat]).sum())
+                    top1 = ds[0].topk[:, 0]
+                    agree[block] += float((top1[flat] == batch.labels.reshape(-1)[flat]).sum())
+                    to_base[block] += float((top1[context] == len(adapters)).sum())
                 counted[0] += int(flat.sum())
+                counted[1] += int(context.sum())
             routed_row(f"ours_top{k}", lambda b, k=k: LearnedRouter(gates, top_k=k, vocab=tok.vocab), on_output)
             per_block = (agree / max(1, counted[0])).tolist()
             rows[f"ours_top{k}"]["agreement_per_block"] = [round(a, 4) for a in per_block]
             rows[f"ours_top{k}"]["agreement"] = round(sum(per_block) / len(per_block), 4)
+            if gates.base_expert:
+                rows[f"ours_top{k}"]["context_to_base"] = round(float(to_base.mean()) / max(1, counted[1]), 4)
     for kind in ("cat", "ties", "dare_ties"):
         if f"peft_{kind}" in want:
             merges = peft_merges(args, adapters)
             for name, fn in merges.items():
                 if name in want:
                     t0 = time.time()
-                    record(name, score(fn, encoded, pad, adapters, args.batch_size), time.time() - t0)
+                    record(name, score(fn, encoded, pad, adapters, args.batch_size, args.device), time.time() - t0)
             break
     if "peft_arrow" in want:
         t0 = time.time()
         fn = peft_arrow(args, adapters)
-        record("peft_arrow", score(fn, encoded, pad, adapters, args.batch_size), time.time() - t0)
+        record("peft_arrow", score(fn, encoded, pad, adapters, args.batch_size, args.device), time.time() - t0)
     if "peft_xlora" in want:
         from molora_xlora import xlora_row
         xlora_row(args, adapters, tok, encoded, pad, record)
@@ -257,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
     import peft
     import transformers
     results["setup"] = {"n_per_domain": args.n, "n_mixed": args.n, "adapters": adapters, "router": str(args.router),
-                        "split": "heldout", "seed": "eval", "device": "cpu", "threads": args.threads,
+                        "split": "heldout", "seed": "eval", "device": device_name(args.device), "threads": args.threads,
                         "torch": torch.__version__, "transformers": transformers.__version__,
                         "peft": peft.__version__, "python": platform.python_version()}
     if args.json:

@@ -34,7 +34,7 @@ def xlora_row(args, adapters: list[str], tok, encoded, pad: int, record) -> None
     steps = args.xlora_steps or int(cfg["steps"])
     batch_size, lr, seed = int(cfg["batch_size"]), float(cfg["lr"]), int(cfg["seed"])
     torch.manual_seed(seed)
-    lm = fresh_lm(args.model_dir)
+    lm = fresh_lm(args.model_dir, args.device)
     lm.config.use_cache = False
     xcfg = XLoraConfig(task_type="CAUSAL_LM", hidden_size=int(lm.config.hidden_size), xlora_depth=1,
                        layerwise_scalings=True,
@@ -52,7 +52,7 @@ def xlora_row(args, adapters: list[str], tok, encoded, pad: int, record) -> None
         if len(order) < batch_size:
             order += rng.sample(range(len(train)), len(train))
         rows, order = order[:batch_size], order[batch_size:]
-        batch = make_batch(train, rows, pad, adapters)
+        batch = make_batch(train, rows, pad, adapters, args.device)
         for group in opt.param_groups:
             group["lr"] = lr * sched.factor(step)
         loss = answer_loss(model(input_ids=batch.ids).logits, batch)
@@ -62,6 +62,6 @@ def xlora_row(args, adapters: list[str], tok, encoded, pad: int, record) -> None
     train_s = time.time() - t0
     model.eval()
     t0 = time.time()
-    hits = score(lambda b: model(input_ids=b.ids).logits, encoded, pad, adapters, args.batch_size)
+    hits = score(lambda b: model(input_ids=b.ids).logits, encoded, pad, adapters, args.batch_size, args.device)
     record("peft_xlora", hits, time.time() - t0, train_steps=steps, train_seconds=round(train_s, 1),
            classifier_params=sum(p.numel() for p in params), final_train_loss=round(float(loss.detach()), 4))

@@ -1,6 +1,11 @@
 """Train one LoRA per question domain (models/shapes/domains.py), each independently on its own domain only,
-through the project's routed path: RoutedModel + SequenceRouter, the LoRA living in the hot-set slot and trained
+through the project's routed path: RoutedModel + LabelRouter, the LoRA living in the hot-set slot and trained
 through the kernels' autograd (kernels/autograd.py). The base stays frozen; the routing rule exists once.
+
+The adapter acts only on the positions that predict its own answer span; the prompt (scene and questions) and
+other domains' spans are read as the base model writes them. This is the contract that lets adapters trained
+apart compose token by token in one pass: whichever adapters a request mixes, each meets the context it was
+trained on (the learned gates send context positions to their base expert).
 
 Per domain: a fresh PEFT-initialised LoRA (A kaiming-uniform, B zero, scale alpha / r) on every routed linear,
 AdamW on the answer ids (prompt = context), warmup + cosine, then exact-match accuracy (greedy, teacher-forced:
@@ -30,11 +35,12 @@ from transformers import LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.data import Schedule  # noqa: E402
+from models.runtime import device_name  # noqa: E402
 from models.shapes.domain_batches import answer_loss, encode_item, exact_matches, make_batch  # noqa: E402
 from models.shapes.domains import ALL_DOMAINS, DESCRIPTIONS, domain_items  # noqa: E402
 from models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
 from models.tokenizer import UnifiedTokenizer  # noqa: E402
-from routing import SequenceRouter  # noqa: E402
+from routing import LabelRouter  # noqa: E402
 from routing.adapters import LoraAdapter, save_peft_adapter  # noqa: E402
 from routing.lora import RoutedLoRALinear  # noqa: E402
 from routing.model import RoutedModel, attach_routed_lora  # noqa: E402
@@ -59,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 keeps a shared machine usable)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the shipped adapters: see their domain_metrics.json)")
     p.add_argument("--max-minutes", type=float, default=0.0, help="per domain; 0 = no time limit")
     return p.parse_args(argv)
 
@@ -96,11 +103,20 @@ def read_slot(routed: RoutedModel, adapter: LoraAdapter, slot: int) -> LoraAdapt
     return LoraAdapter(adapter.name, weights, dict(adapter.scales), dict(adapter.config))
 
 
+def own_span_router(domain: str, batch) -> LabelRouter:
+    """The adapter on the positions that predict its own span's ids; the base model everywhere else."""
+    return LabelRouter([domain], batch.labels)
+
+
 @torch.no_grad()
-def accuracy(routed: RoutedModel, router, encoded, pad_id: int, batch_size: int = 64) -> float:
+def accuracy(routed: RoutedModel, domain: str | None, encoded, pad_id: int, device: str, batch_size: int = 64
+             ) -> float:
+    """Held-out exact match with the adapter on its own spans (domain None: the base model alone)."""
     hits = []
     for i in range(0, len(encoded), batch_size):
-        batch = make_batch(encoded, range(i, min(i + batch_size, len(encoded))), pad_id, [])
+        batch = make_batch(encoded, range(i, min(i + batch_size, len(encoded))), pad_id, [domain] if domain else [],
+                           device)
+        router = own_span_router(domain, batch) if domain else None
         logits = routed(batch.ids, routers=router, use_cache=False).logits
         hits += exact_matches(logits, batch, encoded)[0]
     return sum(hits) / max(1, len(hits))
@@ -109,7 +125,7 @@ def accuracy(routed: RoutedModel, router, encoded, pad_id: int, batch_size: int 
 def train_domain(args: argparse.Namespace, tok: UnifiedTokenizer, domain: str) -> dict:
     t0 = time.time()
     torch.manual_seed(args.seed)
-    lm = LlamaForCausalLM.from_pretrained(args.model_dir / "lm", dtype=torch.float32)
+    lm = LlamaForCausalLM.from_pretrained(args.model_dir / "lm", dtype=torch.float32).to(args.device)
     set_base_model_name(lm)
     lm.requires_grad_(False).train()  # dropout is 0: train mode only avoids building a KV cache
     routed = attach_routed_lora(lm, target_modules=LORA_TARGETS, num_slots=1, r_max=args.rank)
@@ -117,13 +133,12 @@ def train_domain(args: argparse.Namespace, tok: UnifiedTokenizer, domain: str) -
     adapter = fresh_adapter(routed, domain, args.rank, args.alpha, gen)
     routed.add_adapter(adapter)
     slot, params = trainable_slot(routed, domain)
-    router = SequenceRouter(domain)
     pad = tok.vocab.pad_id
 
     items = domain_items(domain, args.n_train, seed=f"{args.seed}", split="train", foreign=args.foreign)
     train = [encode_item(tok, it) for it in items]
     val = [encode_item(tok, it) for it in domain_items(domain, args.n_val, seed=f"val{args.seed}", split="heldout")]
-    base_acc = accuracy(routed, None, val, pad)
+    base_acc = accuracy(routed, None, val, pad, args.device)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = Schedule(args.steps, max(1, args.steps // 10), args.max_minutes)
     rng = random.Random(f"{args.seed}:{domain}:order")
@@ -134,10 +149,10 @@ def train_domain(args: argparse.Namespace, tok: UnifiedTokenizer, domain: str) -
         if len(order) < args.batch_size:
             order += rng.sample(range(len(train)), len(train))
         rows, order = order[:args.batch_size], order[args.batch_size:]
-        batch = make_batch(train, rows, pad, [], only=domain)
+        batch = make_batch(train, rows, pad, [domain], args.device, only=domain)
         for group in opt.param_groups:
             group["lr"] = args.lr * sched.factor(step)
-        logits = routed(batch.ids, routers=router, use_cache=False).logits
+        logits = routed(batch.ids, routers=own_span_router(domain, batch), use_cache=False).logits
         loss = answer_loss(logits, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -151,18 +166,20 @@ def train_domain(args: argparse.Namespace, tok: UnifiedTokenizer, domain: str) -
     bar.close()
     for p in params:
         p.requires_grad_(False)
-    acc = accuracy(routed, router, val, pad)
+    acc = accuracy(routed, domain, val, pad, args.device)
     trained = read_slot(routed, adapter, slot)
     folder = args.out / domain
     save_peft_adapter(trained, folder)
     (folder / "molora.json").write_text(json.dumps(
-        {"modality": "text", "domain": domain, "description": DESCRIPTIONS[domain]}, indent=2))
+        {"modality": "text", "domain": domain, "description": DESCRIPTIONS[domain],
+         "context": "base: the adapter acts on the positions that predict its own answer span only"}, indent=2))
     metrics = {"val_exact_match": round(acc, 4), "val_exact_match_base": round(base_acc, 4), "val_items": len(val),
                "train_items": len(train), "steps": step, "planned_steps": args.steps, "batch_size": args.batch_size,
                "lr": args.lr, "foreign": args.foreign, "rank": args.rank, "alpha": args.alpha, "seed": args.seed,
                "threads": args.threads,
                "train_loss": curve[-1][1] if curve else None, "loss_curve": curve,
-               "seconds": round(time.time() - t0, 1), "device": "cpu"}
+               "seconds": round(time.time() - t0, 1), "device": device_name(args.device),
+               "torch": torch.__version__}
     log.info("%s: held-out exact match %.3f (base %.3f) after %d steps, %.0f s", domain, acc, base_acc, step,
              metrics["seconds"])
     return metrics

@@ -5,7 +5,8 @@ Per transformer block a gate Linear(d_model, E) on the block input picks the top
 is the next-token loss on the answer ids (the whole text when a record has no prompt) + lb * Switch load-balance
 loss + z * router z-loss (both from RoutedModel.forward, averaged over blocks; computed in training only), and,
 when records carry domain labels and --label-coef > 0, a cross-entropy of every block's gate logits against the
-labels on the positions that predict an answer id (a scene position before any question has no knowable domain).
+labels: the domain on the positions that predict an answer id, and (with the base expert, the default) "base" on
+the prompt positions, which domain adapters read as the base model wrote them (scripts/train_domain_adapters.py).
 Top-k is the k of training; the gates are trained at k = 2 (softmax over the two kept logits: at k = 1 the kept
 weight is always 1 and the next-token loss gives the gate no gradient) and serve at k = 1 or 2.
 
@@ -44,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.data import Schedule  # noqa: E402
 from models.loading import ModelDirError, adapter_rank, adapter_weights_hash  # noqa: E402
+from models.runtime import device_name  # noqa: E402
 from models.shapes.domain_batches import (  # noqa: E402
     EncodedItem,
     answer_loss,
@@ -84,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--label-coef", type=float, default=0.0, help="gate cross-entropy on domain labels (if given)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--base-expert", action=argparse.BooleanOptionalAction, default=True,
+                   help="one more gate output meaning 'no adapter' (context positions go there)")
     p.add_argument("--max-minutes", type=float, default=0.0)
     p.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: at the end only)")
     p.add_argument("--init-from", type=Path, default=None,
@@ -95,14 +100,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # --- model and adapters ------------------------------------------------------------------------------------
 
-def load_routed(model_dir: Path, adapters_dir: Path, names: list[str]) -> tuple[RoutedModel, UnifiedTokenizer]:
-    """The frozen base (fp32, CPU) with the named adapter folders loaded into a hot set that holds them all."""
+def load_routed(model_dir: Path, adapters_dir: Path, names: list[str], device: str = "cpu"
+                ) -> tuple[RoutedModel, UnifiedTokenizer]:
+    """The frozen base (fp32) with the named adapter folders loaded into a hot set that holds them all."""
     missing = [n for n in names if not (adapters_dir / n / "adapter_config.json").is_file()]
     if missing:
         raise ModelDirError(f"no adapter folder for {missing} under {adapters_dir} (each needs adapter_config.json "
                             "and adapter_model.safetensors)")
     tok = UnifiedTokenizer.load(model_dir)
-    lm = LlamaForCausalLM.from_pretrained(model_dir / "lm", dtype=torch.float32)
+    lm = LlamaForCausalLM.from_pretrained(model_dir / "lm", dtype=torch.float32).to(device)
     set_base_model_name(lm)
     lm.requires_grad_(False).train()  # no dropout in this model; train mode skips building a KV cache
     r_max = max([8, *(adapter_rank(adapters_dir / n) for n in names)])
@@ -158,21 +164,27 @@ def shapes_data(tok: UnifiedTokenizer, adapters: list[str], n: int, seed: str, s
 def validate(routed: RoutedModel, router: LearnedRouter | None, data: list[EncodedItem], pad: int,
              adapters: list[str], batch_size: int = 64) -> dict:
     """Exact match per kind (domain / mixed) and routing agreement of every block's top-1 with the labels on the
-    positions that predict an answer id."""
+    positions that predict an answer id (and, with a base expert, the share of prompt positions sent to it)."""
     hits: dict[str, list[bool]] = {}
     agree = torch.zeros(routed.num_blocks)
-    counted = 0
+    to_base = torch.zeros(routed.num_blocks)
+    counted = counted_context = 0
+    device = routed.device
     for i in range(0, len(data), batch_size):
-        batch = make_batch(data, range(i, min(i + batch_size, len(data))), pad, adapters)
+        batch = make_batch(data, range(i, min(i + batch_size, len(data))), pad, adapters, device)
         out = routed(batch.ids, routers=router, use_cache=False)
         whole, _ = exact_matches(out.logits, batch, data)
         for r, ok in zip(batch.rows, whole):
             hits.setdefault(data[r].kind, []).append(ok)
         if out.decisions:
             flat = answer_positions(batch).reshape(-1)
+            context = context_positions(batch).reshape(-1)
             for block, ds in out.decisions.items():
-                agree[block] += float((ds[0].topk[:, 0][flat] == batch.labels.reshape(-1)[flat]).sum())
+                top1 = ds[0].topk[:, 0]
+                agree[block] += float((top1[flat] == batch.labels.reshape(-1)[flat]).sum())
+                to_base[block] += float((top1[context] == len(adapters)).sum())
             counted += int(flat.sum())
+            counted_context += int(context.sum())
     metrics = {f"exact_{k}": round(sum(v) / len(v), 4) for k, v in sorted(hits.items())}
     every = [x for v in hits.values() for x in v]
     metrics["exact_all"] = round(sum(every) / max(1, len(every)), 4)
@@ -180,6 +192,8 @@ def validate(routed: RoutedModel, router: LearnedRouter | None, data: list[Encod
         per_block = (agree / counted).tolist()
         metrics["agreement_per_block"] = [round(a, 4) for a in per_block]
         metrics["agreement"] = round(sum(per_block) / len(per_block), 4)
+    if counted_context and router is not None and router.gates.base_expert:
+        metrics["context_to_base"] = round(float(to_base.mean()) / counted_context, 4)
     return metrics
 
 
@@ -192,11 +206,23 @@ def answer_positions(batch) -> torch.Tensor:
     return sel & (batch.labels >= 0)
 
 
-def label_loss(decisions: dict, batch) -> torch.Tensor:
-    """Cross-entropy of every block's gate logits against the domain labels, on the positions that predict an
-    answer id only: a prompt position (the scene, before any question) has no knowable domain."""
-    keep = answer_positions(batch).reshape(-1)
-    flat = batch.labels.reshape(-1)[keep]
+def context_positions(batch) -> torch.Tensor:
+    """[B, T] bool: real positions that predict a prompt id (context, no domain)."""
+    return batch.valid & (batch.labels < 0)
+
+
+def label_loss(decisions: dict, batch, base_expert: int | None) -> torch.Tensor:
+    """Cross-entropy of every block's gate logits against the domain labels on the positions that predict an
+    answer id, and against the base expert (index `base_expert`, when there is one) on context positions."""
+    answer = answer_positions(batch)
+    targets = batch.labels
+    keep = answer
+    if base_expert is not None:
+        context = context_positions(batch)
+        keep = answer | context
+        targets = torch.where(context, torch.full_like(targets, base_expert), targets)
+    keep = keep.reshape(-1)
+    flat = targets.reshape(-1)[keep]
     losses = [F.cross_entropy(d.logits[keep], flat) for ds in decisions.values() for d in ds]
     return torch.stack(losses).mean()
 
@@ -204,15 +230,16 @@ def label_loss(decisions: dict, batch) -> torch.Tensor:
 def train_gates(routed: RoutedModel, tok: UnifiedTokenizer, adapters: list[str], train: list[EncodedItem],
                 val: list[EncodedItem], args: argparse.Namespace) -> tuple[LearnedGates, dict]:
     torch.manual_seed(args.seed)
-    gates = LearnedGates.for_model(routed, adapters)
+    gates = LearnedGates.for_model(routed, adapters, base_expert=args.base_expert)
     if args.init_from is not None:
         old = LearnedGates.load(args.init_from, device=routed.device)
         gates = old.with_adapters(adapters)
         if args.train_new_only:
-            frozen = torch.tensor([n in old.adapters for n in adapters], device=routed.device)
+            frozen = torch.tensor([n is None or n in old.adapters for n in gates.experts], device=routed.device)
             for gate in gates.gates:
                 gate.weight.register_hook(lambda g: g.masked_fill(frozen[:, None], 0.0))
-    router = LearnedRouter(gates, top_k=min(args.top_k, len(adapters)), vocab=tok.vocab)
+    router = LearnedRouter(gates, top_k=min(args.top_k, gates.num_experts), vocab=tok.vocab)
+    base_index = len(adapters) if gates.base_expert else None
     opt = torch.optim.AdamW(gates.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = Schedule(args.steps, max(1, args.steps // 10), args.max_minutes)
     rng = random.Random(f"{args.seed}:router-order")
@@ -224,14 +251,14 @@ def train_gates(routed: RoutedModel, tok: UnifiedTokenizer, adapters: list[str],
         if len(order) < args.batch_size:
             order += rng.sample(range(len(train)), len(train))
         rows, order = order[:args.batch_size], order[args.batch_size:]
-        batch = make_batch(train, rows, pad, adapters)
+        batch = make_batch(train, rows, pad, adapters, routed.device)
         for group in opt.param_groups:
             group["lr"] = args.lr * sched.factor(step)
         out = routed(batch.ids, routers=router, use_cache=False)
         nll = answer_loss(out.logits, batch)
         loss = nll + args.lb_coef * out.load_balance_loss + args.z_coef * out.z_loss
         if args.label_coef > 0 and bool(answer_positions(batch).any()):
-            loss = loss + args.label_coef * label_loss(out.decisions, batch)
+            loss = loss + args.label_coef * label_loss(out.decisions, batch, base_index)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -246,7 +273,7 @@ def train_gates(routed: RoutedModel, tok: UnifiedTokenizer, adapters: list[str],
             log.info("step %d: %s", step, history[-1])
     bar.close()
     metrics = {}
-    for k in sorted({1, min(2, len(adapters))}):
+    for k in sorted({1, min(2, gates.num_experts)}):
         m = validate(routed, LearnedRouter(gates, top_k=k, vocab=tok.vocab), val, pad, adapters)
         metrics[f"top{k}"] = m
     log.info("validation: %s", metrics)
@@ -259,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     t0 = time.time()
     adapters = list(dict.fromkeys(args.adapters))
-    routed, tok = load_routed(args.model_dir, args.adapters_dir, adapters)
+    routed, tok = load_routed(args.model_dir, args.adapters_dir, adapters, args.device)
     if args.data is not None:
         data = read_jsonl(args.data, tok, adapters)
         if args.val_data is not None:
@@ -277,14 +304,16 @@ def main(argv: list[str] | None = None) -> dict:
     gates, result = train_gates(routed, tok, adapters, train, val, args)
     args.out.mkdir(parents=True, exist_ok=True)
     gates.save(args.out / "gates.safetensors")
-    config = {"format": "molora-router", "adapters": adapters, "top_k": args.top_k, "d_model": gates.d_model,
+    config = {"format": "molora-router", "adapters": adapters, "base_expert": gates.base_expert,
+              "top_k": args.top_k, "d_model": gates.d_model,
               "num_blocks": gates.num_blocks, "hierarchical": "text positions gated; image positions by vocabulary",
               "loss": {"next_token": 1.0, "load_balance": args.lb_coef, "z": args.z_coef, "label": args.label_coef},
               "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed,
               "init_from": str(args.init_from) if args.init_from else None, "train_new_only": args.train_new_only,
               "train_records": len(train),
               "val_records": len(val), **source, "adapter_sha256_16": file_hashes(args.adapters_dir, adapters),
-              "seconds": round(time.time() - t0, 1), "device": "cpu", "threads": args.threads, **result}
+              "seconds": round(time.time() - t0, 1), "device": device_name(args.device), "threads": args.threads,
+              "torch": torch.__version__, **result}
     (args.out / "config.json").write_text(json.dumps(config, indent=2))
     return config
 

@@ -9,8 +9,10 @@ right prefix is the right id (<eos> included). So `exact_matches` scores greedy 
 teacher-forced forward pass per batch, for any causal routing (static, per-span oracle, learned gates decided on
 the block input), without a decode loop.
 
-Routing labels: position t predicts id t+1, so it is labelled with the domain of the span id t+1 belongs to;
-prompt positions take the first span's domain (what a per-request choice would use there).
+Routing labels: position t predicts id t+1, so it is labelled with the domain of the span id t+1 belongs to.
+Positions that predict prompt ids are context: no domain (None, label -1), read by every adapter as the base
+model wrote them. That is how domain adapters are trained (scripts/train_domain_adapters.py: an adapter acts only
+on the positions that predict its own span), so adapters trained apart meet the same context when composed.
 """
 
 from __future__ import annotations
@@ -34,10 +36,9 @@ class EncodedItem:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def position_domains(self) -> list[str]:
-        """Domain label of every position (what it predicts): prompt positions -> the first span's domain."""
-        first = self.span_domain[0]
-        labels = [first] * (self.answer_start - 1) + list(self.span_domain)
+    def position_domains(self) -> list[str | None]:
+        """Domain label of every position (what it predicts): None where it predicts a prompt id (context)."""
+        labels: list[str | None] = [None] * (self.answer_start - 1) + list(self.span_domain)
         return labels + [self.span_domain[-1]]  # the <eos> position predicts nothing; keep its span's label
 
 
@@ -71,8 +72,9 @@ def encode_prompt_answer(tokenizer, prompt: str, answer: str | None, domain: str
 class Batch:
     ids: torch.Tensor  # [B, T] right-padded
     target: torch.Tensor  # [B, T] bool: ids[:, t] is a scored target (answer or <eos>)
-    labels: torch.Tensor  # [B, T] long: domain index of each position (what it predicts); -1 = padding / none
+    labels: torch.Tensor  # [B, T] long: domain index of each position (what it predicts); -1 = context / padding
     rows: list[int]  # indices of the items in this batch
+    valid: torch.Tensor  # [B, T] bool: a real position (not padding)
 
 
 def make_batch(encoded: Sequence[EncodedItem], rows: Sequence[int], pad_id: int, domains: Sequence[str],
@@ -83,6 +85,7 @@ def make_batch(encoded: Sequence[EncodedItem], rows: Sequence[int], pad_id: int,
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     target = torch.zeros((len(rows), width), dtype=torch.bool)
     labels = torch.full((len(rows), width), -1, dtype=torch.long)
+    valid = torch.zeros((len(rows), width), dtype=torch.bool)
     for b, r in enumerate(rows):
         e = encoded[r]
         ids[b, :len(e)] = torch.tensor(e.ids)
@@ -91,7 +94,8 @@ def make_batch(encoded: Sequence[EncodedItem], rows: Sequence[int], pad_id: int,
         else:
             target[b, e.answer_start:len(e)] = torch.tensor([d == only for d in e.span_domain])
         labels[b, :len(e)] = torch.tensor([index.get(d, -1) for d in e.position_domains()])
-    return Batch(ids.to(device), target.to(device), labels.to(device), list(rows))
+        valid[b, :len(e)] = True
+    return Batch(ids.to(device), target.to(device), labels.to(device), list(rows), valid.to(device))
 
 
 def batches(encoded: Sequence[EncodedItem], batch_size: int, *, order: Sequence[int] | None = None
