@@ -15,8 +15,9 @@ A check is a callable  check(documents) -> list[bool]  made for one pipeline by 
     register_check("my_clip_check", lambda pipe: MyCheck(pipe))
     pipe.generate(prompts, best_of=4, check="my_clip_check")
 Checks are named (not passed as objects) so a document's recorded config says how it was chosen.
-Built in: "shapes_caption" (models/shapes/self_check.py): the same model captions each generated picture, and the
-caption must name exactly the objects the text before the picture introduced.
+Model families register their own checks (models/family.py): the shapes family's "shapes_caption"
+(models/shapes/self_check.py) has the same model caption each generated picture, and the caption must name exactly
+the objects the text before the picture introduced.
 """
 
 from __future__ import annotations
@@ -38,13 +39,7 @@ Check = Callable[[Sequence[Document]], list[bool]]
 StreamRows = Callable[[list[int], GenerationConfig], Iterator[Any]]
 
 
-def _shapes_caption(pipe: Any) -> Check:
-    from models.shapes.self_check import CaptionCheck  # the shapes world's parser, loaded only when asked for
-
-    return CaptionCheck(pipe)
-
-
-CHECKS: dict[str, Callable[[Any], Check]] = {"shapes_caption": _shapes_caption}
+CHECKS: dict[str, Callable[[Any], Check]] = {}  # filled by register_check (model families register theirs)
 
 
 def register_check(name: str, factory: Callable[[Any], Check]) -> None:
@@ -57,6 +52,10 @@ def register_check(name: str, factory: Callable[[Any], Check]) -> None:
 
 
 def make_check(name: str, pipe: Any) -> Check:
+    if name not in CHECKS:
+        from models.family import load_builtin_families  # the built-in families register their checks
+
+        load_builtin_families()
     if name not in CHECKS:
         raise GenerationError(f"unknown check {name!r}; registered checks: {', '.join(sorted(CHECKS))} "
                               "(add one with models.best_of.register_check)")

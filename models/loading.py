@@ -56,6 +56,8 @@ class LoadedModel:
     adapters: list[AdapterInfo] = field(default_factory=list)
     gates_path: Path | None = None
     generation_defaults: dict = field(default_factory=dict)
+    family: str = "shapes"  # models/family.py: the family that loaded it
+    lora_targets: Any = None  # the LM linears routed LoRA wraps (regex or name suffixes); None = routing's defaults
 
     @property
     def vocab(self) -> Any:
@@ -63,7 +65,9 @@ class LoadedModel:
 
     @property
     def max_positions(self) -> int:
-        return int(getattr(self.lm.config, "max_position_embeddings", 2048))
+        config = self.lm.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return int(getattr(text, "max_position_embeddings", 2048))
 
 
 def missing_model_files(model_dir: Path) -> list[str]:

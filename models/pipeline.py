@@ -39,6 +39,7 @@ from models.best_of import candidate_config, make_check, stream_best_of
 from models.document import Document, DocumentBuilder
 from models.engine import Done, Engine, EngineConfig
 from models.events import Finished, StepTiming
+from models.family import load_family_model
 from models.generation import GenerationConfig, Request, open_image_span
 from models.loading import (
     AdapterInfo,
@@ -46,7 +47,6 @@ from models.loading import (
     ModelDirError,
     adapter_rank,
     adapter_weights_hash,
-    load_model_dir,
     read_adapter_info,
 )
 from models.sampling import GenerationError
@@ -78,8 +78,10 @@ class InterleavedPipeline:
         self.image_tokenizer = loaded.image_tokenizer
         self.max_positions = loaded.max_positions
         ranks = [adapter_rank(a.path) for a in loaded.adapters]
+        targets = {} if loaded.lora_targets is None else {"target_modules": loaded.lora_targets}
+        self.family = loaded.family
         self.routed = attach_routed_lora(loaded.lm, num_slots=num_slots or max(4, min(8, len(loaded.adapters))),
-                                         r_max=r_max or max([16, *ranks]))
+                                         r_max=r_max or max([16, *ranks]), **targets)
         self.device = self.routed.device
         self._lock = threading.RLock()
         self._adapters: dict[str, AdapterInfo] = {}
@@ -102,15 +104,20 @@ class InterleavedPipeline:
     def from_pretrained(cls, path: str | Path | None = None, *, adapters_dir: str | Path | None = None,
                         device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                         num_slots: int | None = None, r_max: int | None = None,
-                        engine: EngineConfig | None = None) -> InterleavedPipeline:
+                        engine: EngineConfig | None = None, family: str | None = None,
+                        **family_options: Any) -> InterleavedPipeline:
         """Load a model directory (None = the repo's assets/model) and every adapter beside it.
 
-        `path` may be a model directory (vocab.json, tokenizer.json, lm/, vq/) or a folder holding model/ and
-        adapters/. Adapters come from `adapters_dir`, else <path>/adapters, else the sibling adapters/ folder.
-        `engine` sets the serving engine's rows and positions (models/engine.py EngineConfig).
+        The model family is recognised from the directory (models/family.py: a transformers config.json's
+        `model_type`, e.g. "emu3", or the embedded model's own files), or named by `family`; `family_options` go
+        to its loader (Emu3: grid=(rows, cols) of the pictures it writes).
+        For the embedded model, `path` may be a model directory (vocab.json, tokenizer.json, lm/, vq/) or a folder
+        holding model/ and adapters/. Adapters come from `adapters_dir`, else <path>/adapters, else the sibling
+        adapters/ folder. `engine` sets the serving engine's rows and positions (models/engine.py EngineConfig).
         Raises ModelDirError (a MoLoRAError) naming every missing file.
         """
-        loaded = load_model_dir(path, adapters_dir=adapters_dir, device=device, dtype=dtype)
+        loaded = load_family_model(path, family=family, adapters_dir=adapters_dir, device=device, dtype=dtype,
+                                   **family_options)
         return cls(loaded, num_slots=num_slots, r_max=r_max, engine=engine)
 
     # --- adapters ---------------------------------------------------------------------------------

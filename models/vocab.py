@@ -25,10 +25,7 @@ from pathlib import Path
 import torch
 
 from kernels.errors import MoLoRAError  # the bottom layer: routing/ imports this module (no cycle)
-
-TEXT = 0
-IMAGE = 1
-MODALITY_NAMES = ("text", "image")
+from routing.modality import IMAGE, MODALITY_NAMES, TEXT  # noqa: F401  (routers read the table built here)
 
 
 class VocabError(MoLoRAError, ValueError):

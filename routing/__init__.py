@@ -9,6 +9,7 @@ from routing.adapters import LoraAdapter, load_peft_adapter, merge_adapters, sav
 from routing.cache import HotSetCache
 from routing.errors import AdapterError, CacheFullError, MoLoRAError, RoutingError, UnknownAdapterError
 from routing.lora import RoutedLoRALinear
+from routing.modality import ModalityMap, ModalityTable
 from routing.model import RoutedModel, RoutedOutput, TokenRouting, attach_routed_lora
 from routing.routers import (
     LabelRouter,
@@ -26,5 +27,5 @@ __all__ = [
     "LoraAdapter", "load_peft_adapter", "merge_adapters", "save_peft_adapter",
     "attach_routed_lora", "RoutedModel", "RoutedOutput", "HotSetCache", "RoutedLoRALinear",
     "VocabRangeRouter", "SequenceRouter", "LabelRouter", "LearnedRouter", "LearnedGates", "Router", "TokenRouting",
-    "load_balance_loss", "router_z_loss",
+    "load_balance_loss", "router_z_loss", "ModalityMap", "ModalityTable",
 ]
