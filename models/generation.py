@@ -134,18 +134,47 @@ class Request:
     router: Any = None
 
 
+def span_tables(vocab: UnifiedVocab) -> tuple[torch.Tensor, torch.Tensor]:
+    """(phase, mask-table row) [tokens_per_image + 1] of the token at each position p of an image span (p tokens
+    after <boi>): the forced prefix, then per row the codes and the row's marker, then the forced suffix, and at
+    p = tokens_per_image the forced <eoi>. A forced id has a mask-table row of its own (build_phase_masks) and the
+    marker phase (one allowed id)."""
+    rows, cols = vocab.image_grid
+    prefix, suffix = vocab.image_prefix_ids, vocab.image_suffix_ids
+    forced_row = ROW_MARKER_MASKS + len(vocab.row_ends)  # the first table row of the forced ids
+    phase, mask = [], []
+    for j in range(len(prefix)):
+        phase.append(ROW_END_PHASE)
+        mask.append(forced_row + j)
+    for r in range(rows):
+        phase += [CODE_PHASE] * cols
+        mask += [CODE_PHASE] * cols
+        if vocab.row_end_ids:
+            phase.append(ROW_END_PHASE)
+            mask.append(ROW_MARKER_MASKS + r)
+    for j in range(len(suffix)):
+        phase.append(ROW_END_PHASE)
+        mask.append(forced_row + len(prefix) + j)
+    phase.append(EOI_PHASE)
+    mask.append(EOI_PHASE)
+    return torch.tensor(phase, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+
+
 def build_phase_masks(vocab: UnifiedVocab, device: torch.device | str, width: int | None = None) -> torch.Tensor:
-    """bool [5 + marker rows, width]: the ids allowed next in each phase (width = the LM's logits, >= vocab_size;
-    ids past the vocabulary, e.g. padded embedding rows, are never allowed), then, where the vocabulary has row
-    markers, one table row per image row allowing that row's marker. Built once, indexed each step."""
+    """bool [5 + marker rows + forced ids, width]: the ids allowed next in each phase (width = the LM's logits,
+    >= vocab_size; ids past the vocabulary, e.g. padded embedding rows, are never allowed), then, where the
+    vocabulary has row markers, one table row per image row allowing that row's marker, then one row per forced
+    id of an image span's prefix and suffix (span_tables indexes them). Built once, indexed each step."""
     row_ends = vocab.row_ends
-    masks = torch.zeros(ROW_MARKER_MASKS + len(row_ends), width or vocab.vocab_size, dtype=torch.bool)
+    forced = (*vocab.image_prefix_ids, *vocab.image_suffix_ids)
+    masks = torch.zeros(ROW_MARKER_MASKS + len(row_ends) + len(forced), width or vocab.vocab_size, dtype=torch.bool)
     masks[TEXT_PHASE, vocab.text_start:vocab.text_start + vocab.text_size] = True
     masks[TEXT_PHASE, vocab.eos_id] = True
     masks[TEXT_PHASE, vocab.boi_id] = True
     masks[CODE_PHASE, vocab.image_start:vocab.image_start + vocab.image_size] = True
     masks[ROW_END_PHASE, list(vocab.row_end_ids)] = True  # any marker; the loop picks the row's own table row
     masks[ROW_MARKER_MASKS + torch.arange(len(row_ends)), list(row_ends)] = True
+    masks[ROW_MARKER_MASKS + len(row_ends) + torch.arange(len(forced)), list(forced)] = True
     masks[EOI_PHASE, vocab.eoi_id] = True
     masks[DONE_PHASE, vocab.pad_id] = True
     return masks.to(device)

@@ -17,12 +17,11 @@ import torch
 
 from models.generation import (
     CODE_PHASE,
-    EOI_PHASE,
     ROW_END_PHASE,
-    ROW_MARKER_MASKS,
     TEXT_PHASE,
     GenerationConfig,
     build_phase_masks,
+    span_tables,
 )
 from models.sampling import guide, sample
 from models.vocab import IMAGE, UnifiedVocab
@@ -39,7 +38,8 @@ class RowStates:
         self.modality = vocab.modality_table(device).long()  # input id -> TEXT / IMAGE
         self.feeds_uncond = self.modality == IMAGE  # ids an unconditional twin is fed (image-span inputs)
         self.tokens_per_image = vocab.tokens_per_image
-        self.row_period = vocab.image_grid[1] + 1 if vocab.row_end_ids else 0
+        # phase and mask-table row of each position of an image span (forced prefix, codes, row markers, suffix, <eoi>)
+        self.span_phase, self.span_mask = (t.to(device) for t in span_tables(vocab))
 
         def zeros(dtype: torch.dtype, *shape: int) -> torch.Tensor:
             return torch.zeros(max_rows, *shape, dtype=dtype, device=device)
@@ -97,15 +97,10 @@ class RowStates:
     # --- one step --------------------------------------------------------------------------------------------
     def phase(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(phase [n], phase-mask table row [n]) of the next token of prompt rows `rows` (no host sync)."""
-        image_pos = self.image_pos[rows]
-        phase = torch.where(image_pos >= self.tokens_per_image, EOI_PHASE, CODE_PHASE)
-        if self.row_period:
-            row_end = (image_pos % self.row_period) == self.row_period - 1
-            phase = torch.where(row_end & (phase == CODE_PHASE), ROW_END_PHASE, phase)
-        phase = torch.where(self.in_image[rows], phase, TEXT_PHASE)
-        mask_row = phase
-        if self.row_period:  # where image row r ends, only row r's marker
-            mask_row = torch.where(phase == ROW_END_PHASE, ROW_MARKER_MASKS + image_pos // self.row_period, phase)
+        image_pos = self.image_pos[rows].clamp(max=self.tokens_per_image)
+        in_image = self.in_image[rows]
+        phase = torch.where(in_image, self.span_phase[image_pos], TEXT_PHASE)
+        mask_row = torch.where(in_image, self.span_mask[image_pos], TEXT_PHASE)  # a row's end: only its own marker
         return phase, mask_row
 
     def choose(self, rows: torch.Tensor, logits: torch.Tensor, uncond_logits: torch.Tensor | None,

@@ -49,10 +49,21 @@ class UnifiedVocab:
     # so that row k ends with row_end_ids[k] and every later code can see which row it is in
     row_end_ids: tuple[int, ...] = ()
     special_tokens: dict[str, int] = field(default_factory=dict)
+    # forced ids of every image span after <boi> and after the grid, before <eoi> (Emu3: the size as text
+    # "H*W" + <|image token|>, and <|extra_201|> end of frame); () for the embedded model
+    image_prefix_ids: tuple[int, ...] = ()
+    image_suffix_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "image_grid", tuple(self.image_grid))
         object.__setattr__(self, "row_end_ids", tuple(int(i) for i in self.row_end_ids))
+        object.__setattr__(self, "image_prefix_ids", tuple(int(i) for i in self.image_prefix_ids))
+        object.__setattr__(self, "image_suffix_ids", tuple(int(i) for i in self.image_suffix_ids))
+        for token_id in (*self.image_prefix_ids, *self.image_suffix_ids):
+            if not 0 <= token_id < self.vocab_size or self.is_image_code(token_id) \
+                    or token_id in (self.boi_id, self.eoi_id, self.eos_id):
+                raise VocabError(f"forced image-span id {token_id} must lie in [0, {self.vocab_size}) outside the "
+                                 "image codes, <boi>, <eoi> and <eos>")
         if self.text_start < 0 or self.text_start + self.text_size > self.vocab_size:
             raise VocabError(f"text range [{self.text_start}, {self.text_start + self.text_size}) "
                              f"does not fit vocab_size {self.vocab_size}")
@@ -84,8 +95,9 @@ class UnifiedVocab:
     # --- id ranges ---------------------------------------------------------------------------
     @property
     def tokens_per_image(self) -> int:
+        """Ids between <boi> and <eoi>: the forced prefix, the grid (and its row markers), the forced suffix."""
         rows, cols = self.image_grid
-        return rows * (cols + (1 if self.row_end_ids else 0))
+        return len(self.image_prefix_ids) + rows * (cols + (1 if self.row_end_ids else 0)) + len(self.image_suffix_ids)
 
     @property
     def image_span_tokens(self) -> int:
@@ -96,7 +108,9 @@ class UnifiedVocab:
         """That one number, explained: what the app's slider and progress bar and the API's errors say."""
         rows, cols = self.image_grid
         row_ends = f" and {rows} row ends" if self.row_end_ids else ""
-        return f"an image is {self.image_span_tokens} tokens: <boi>, {rows * cols} codes{row_ends}, <eoi>"
+        forced = len(self.image_prefix_ids) + len(self.image_suffix_ids)
+        fixed = f", {forced} fixed header and trailer tokens" if forced else ""
+        return f"an image is {self.image_span_tokens} tokens: <boi>, {rows * cols} codes{row_ends}{fixed}, <eoi>"
 
     def row_end_id(self, row: int) -> int:
         """The marker that closes row `row` of an image (the vocabulary must have row markers)."""
@@ -119,6 +133,9 @@ class UnifiedVocab:
         table[self.image_start:self.image_start + self.image_size] = IMAGE
         table[self.boi_id] = IMAGE
         table[list(self.row_end_ids)] = IMAGE
+        text_end = self.text_start + self.text_size
+        forced = [i for i in (*self.image_prefix_ids, *self.image_suffix_ids) if not self.text_start <= i < text_end]
+        table[forced] = IMAGE  # span markers of their own (Emu3's <|image token|>, end of frame); forced digits stay text
         return table.to(device) if device is not None else table
 
     def with_row_markers(self) -> UnifiedVocab:

@@ -1,0 +1,239 @@
+"""Emu3 (transformers' Emu3ForConditionalGeneration + Emu3VQVAE + Emu3Processor) as a model family.
+
+A directory written by `model.save_pretrained(d)` and `processor.save_pretrained(d)` (config.json `model_type`
+"emu3") is recognised by models/family.py; its adapters sit in d/adapters (or adapters_dir=).
+
+Vocabulary (mapped onto models.vocab.UnifiedVocab):
+    text            [0, first added token): the BPE text ids
+    image codes     `<|visual token 000000|>` ... (model.vocabulary_mapping.img2bpe; they must be contiguous ids)
+    <boi> / <eoi>   `<|image start|>` / `<|image end|>`
+    row markers     `<|extra_200|>`, one shared end-of-line marker after each row of codes
+    forced prefix   the picture's size as text "H*W" and `<|image token|>` (image_prefix_ids)
+    forced suffix   `<|extra_201|>`, end of frame (image_suffix_ids)
+so a picture is  <|image start|> H*W <|image token|> (W codes <|extra_200|>) x H <|extra_201|> <|image end|>,
+Emu3's own grammar; the engine forces everything but the codes.  Routing by input id: `<|image start|>`,
+`<|image token|>`, codes, end-of-line and end-of-frame go to the image adapter; the size digits are text ids, so
+they go to the text adapter (they are forced: whatever adapter predicts them, nothing changes).
+
+The picture size (`grid`, in codes) is not saved by save_pretrained: pass grid=(rows, cols) to from_pretrained,
+else it comes from the processor's image_area and ratio 1:1 (the real checkpoints' default: 90x90 codes, 720 px).
+Decoding: `vqmodel.decode(codes)` gives CLIP-normalised pixels; Emu3Processor.postprocess makes the PIL images.
+
+Routed LoRA wraps only the language model's linears (`model.text_model.layers.*`): the VQ-VAE has its own
+q_proj / k_proj / v_proj, which a suffix match would catch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from models.family import ModelFamily, config_model_type, register_family
+from models.loading import LoadedModel, ModelDirError, find_adapters
+from models.runtime import configure_cpu_threads
+from models.vocab import UnifiedVocab, VocabError
+
+log = logging.getLogger(__name__)
+
+# the language model's linears, never the VQ-VAE's (PEFT's regex convention: a full match of the module name)
+LORA_TARGETS = r"model\.text_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+EOL, EOF = "<|extra_200|>", "<|extra_201|>"
+BOI, EOI, IMAGE_WRAPPER = "<|image start|>", "<|image end|>", "<|image token|>"
+DOWNSAMPLE = 8  # Emu3Processor.downsample_ratio: pixels per code along each side
+
+
+class Emu3Tokenizer:
+    """Text and image spans <-> Emu3 ids (models/family.py FamilyTokenizer) over a transformers tokenizer."""
+
+    def __init__(self, hf_tokenizer: Any, vocab: UnifiedVocab, img2bpe: torch.Tensor) -> None:
+        self.hf, self.vocab = hf_tokenizer, vocab
+        self.img2bpe = img2bpe  # [codebook] long
+
+    def encode_text(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise VocabError(f"encode_text expects a str, got {type(text).__name__}")
+        return list(self.hf.encode(text, add_special_tokens=False)) if text else []
+
+    def decode_text(self, ids: Iterable[int] | torch.Tensor) -> str:
+        v = self.vocab
+        ids = ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
+        return self.hf.decode([i for i in ids if v.text_start <= i < v.text_start + v.text_size],
+                              skip_special_tokens=True)
+
+    def token_piece(self, token_id: int) -> str:
+        v = self.vocab
+        if v.is_image_code(token_id):
+            return f"<img:{token_id - v.image_start}>"
+        if v.text_start <= token_id < v.text_start + v.text_size:
+            return self.hf.decode([int(token_id)])
+        return str(self.hf.convert_ids_to_tokens(int(token_id)))  # a special: <|image start|>, <|extra_200|>, ...
+
+    def image_ids(self, codes: torch.Tensor) -> list[int]:
+        """The ids between <boi> and <eoi> of one picture's codes [rows, cols]: header, rows + EOL, end of frame."""
+        v = self.vocab
+        rows, cols = v.image_grid
+        codes = torch.as_tensor(codes).long().reshape(-1).cpu()
+        if codes.numel() != rows * cols or int(codes.min()) < 0 or int(codes.max()) >= v.image_size:
+            raise VocabError(f"a picture is {rows}x{cols} codes in [0, {v.image_size}); got {codes.numel()} codes")
+        grid = self.img2bpe[codes].reshape(rows, cols)
+        grid = torch.cat([grid, torch.full((rows, 1), v.row_end_ids[0], dtype=torch.long)], dim=1)
+        return [*v.image_prefix_ids, *grid.reshape(-1).tolist(), *v.image_suffix_ids]
+
+    def image_span(self, codes: torch.Tensor) -> list[int]:
+        return [self.vocab.boi_id, *self.image_ids(codes), self.vocab.eoi_id]
+
+    def codes_from_ids(self, ids: Iterable[int] | torch.Tensor) -> torch.Tensor:
+        """LongTensor [rows, cols] of codebook indices from the ids between <boi> and <eoi>."""
+        v = self.vocab
+        ids = ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
+        if len(ids) != v.tokens_per_image:
+            raise VocabError(f"an Emu3 picture span holds {v.tokens_per_image} ids, got {len(ids)}")
+        if tuple(ids[:len(v.image_prefix_ids)]) != v.image_prefix_ids or \
+                tuple(ids[len(ids) - len(v.image_suffix_ids):]) != v.image_suffix_ids:
+            raise VocabError("an Emu3 picture span must start with its size header and end with end-of-frame")
+        rows, cols = v.image_grid
+        body = torch.tensor(ids[len(v.image_prefix_ids):len(ids) - len(v.image_suffix_ids)]).reshape(rows, cols + 1)
+        if not bool((body[:, -1] == v.row_end_ids[0]).all()):
+            raise VocabError("every row of an Emu3 picture must end with <|extra_200|>")
+        codes = body[:, :-1]
+        if not bool(((codes >= v.image_start) & (codes < v.image_start + v.image_size)).all()):
+            raise VocabError("the rows of an Emu3 picture must hold visual tokens only")
+        return codes - v.image_start
+
+
+class Emu3ImageCodec:
+    """Pictures <-> VQ codes with Emu3's own VQ-VAE (models/family.py ImageCodec)."""
+
+    def __init__(self, vqmodel: Any, processor: Any, grid: tuple[int, int]) -> None:
+        self.vq, self.processor = vqmodel, processor
+        self.grid = tuple(grid)
+        self.codebook_size = int(vqmodel.config.codebook_size)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) in pixels of the pictures of this grid."""
+        return self.grid[1] * DOWNSAMPLE, self.grid[0] * DOWNSAMPLE
+
+    @torch.no_grad()
+    def encode(self, images: Image.Image | Sequence[Image.Image]) -> torch.Tensor:
+        """Codes [N, rows, cols]: each picture resized to the grid's size, normalised as Emu3's image processor
+        does, then quantised by the VQ-VAE."""
+        images = [images] if isinstance(images, Image.Image) else list(images)
+        ip = self.processor.image_processor
+        mean = torch.tensor(ip.image_mean).view(1, 3, 1, 1)
+        std = torch.tensor(ip.image_std).view(1, 3, 1, 1)
+        pixels = torch.stack([torch.from_numpy(np.asarray(im.convert("RGB").resize(self.size, Image.BICUBIC),
+                                                          dtype=np.float32)).permute(2, 0, 1) / 255.0
+                              for im in images])
+        pixels = ((pixels - mean) / std).to(self.vq.device, self.vq.dtype)
+        sizes = torch.tensor([[self.size[1], self.size[0]]] * len(images))
+        out = self.vq.encode(pixels, sizes, return_dict=True)
+        return torch.stack([t.long().cpu() for t in out.image_tokens])
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor) -> list[Image.Image]:
+        """PIL pictures of codes [N, rows, cols] (the VQ-VAE's pixels are CLIP-normalised: the processor's
+        postprocess undoes that)."""
+        pixels = self.vq.decode(torch.as_tensor(codes).long().to(self.vq.device))
+        return list(self.processor.postprocess(pixels.float().cpu(), return_tensors="PIL.Image.Image")["pixel_values"])
+
+
+def _detect(path: Path) -> bool:
+    return config_model_type(path) == "emu3"
+
+
+def emu3_vocab(hf_tokenizer: Any, vocabulary_mapping: Any, grid: tuple[int, int], vocab_size: int) -> UnifiedVocab:
+    """The engine's layout of an Emu3 vocabulary (see the module docstring); a layout the engine cannot serve
+    (visual tokens that are not contiguous ids, missing markers) raises ModelDirError."""
+    ids = hf_tokenizer.convert_tokens_to_ids
+    named = {name: ids(name) for name in (BOI, EOI, IMAGE_WRAPPER, EOL, EOF)}
+    unknown = [n for n, i in named.items() if i is None or i == hf_tokenizer.unk_token_id]
+    if unknown:
+        raise ModelDirError(f"the Emu3 tokenizer lacks the tokens {unknown}")
+    img2bpe = vocabulary_mapping.img2bpe
+    codebook = len(img2bpe)
+    start = min(img2bpe.values())
+    if any(img2bpe.get(c) != start + c for c in range(codebook)):
+        raise ModelDirError("the Emu3 visual tokens are not contiguous ids in code order; the engine masks and "
+                            "routes image codes as one id range")
+    added = [i for i in hf_tokenizer.added_tokens_decoder if i < start]
+    text_size = min(added) if added else start
+    rows, cols = grid
+    header = hf_tokenizer.encode(f"{rows}*{cols}", add_special_tokens=False) + [named[IMAGE_WRAPPER]]
+    eos = hf_tokenizer.eos_token_id
+    pad = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else eos
+    bos = hf_tokenizer.bos_token_id if hf_tokenizer.bos_token_id is not None else eos
+    try:
+        return UnifiedVocab(
+            vocab_size=max(vocab_size, start + codebook), text_start=0, text_size=text_size, image_start=start,
+            image_size=codebook, pad_id=pad, bos_id=bos, eos_id=eos, boi_id=named[BOI], eoi_id=named[EOI],
+            image_grid=(rows, cols), row_end_ids=(named[EOL],), image_prefix_ids=tuple(header),
+            image_suffix_ids=(named[EOF],), special_tokens={n: i for n, i in named.items()})
+    except VocabError as exc:
+        raise ModelDirError(f"the Emu3 vocabulary does not fit the engine's layout: {exc}") from exc
+
+
+def default_grid(processor: Any) -> tuple[int, int]:
+    """The processor's default picture size in codes (image_area at ratio 1:1)."""
+    return tuple(processor.calculate_generate_size("1:1", processor.image_area, DOWNSAMPLE))
+
+
+def load_emu3(path: str | Path, *, adapters_dir: str | Path | None = None, device: torch.device | str | None = None,
+              dtype: torch.dtype | None = None, grid: tuple[int, int] | None = None,
+              threads: int | None = None) -> LoadedModel:
+    """Load an Emu3 directory (model + processor) and the adapters beside it; missing LM weights are an error."""
+    from transformers import Emu3ForConditionalGeneration, Emu3Processor
+
+    path = Path(path)
+    configure_cpu_threads(threads)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    try:
+        processor = Emu3Processor.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+        raise ModelDirError(f"cannot load the Emu3 processor (tokenizer + image processor) from {path}: {exc}") from exc
+    try:
+        lm, info = Emu3ForConditionalGeneration.from_pretrained(str(path), dtype=dtype, use_safetensors=True,
+                                                                output_loading_info=True)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise ModelDirError(f"cannot load Emu3ForConditionalGeneration from {path}: {exc}") from exc
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:  # transformers only warns and leaves them random
+        raise ModelDirError(f"{path}: {len(missing)} weights of Emu3ForConditionalGeneration are missing from the "
+                            f"checkpoint (e.g. {missing[:3]}); it was saved from another class or is incomplete")
+    lm = lm.to(device).eval().requires_grad_(False)
+    lm.name_or_path = getattr(lm.config, "molora_base_model", None) or lm.name_or_path
+    mapping = lm.model.vocabulary_mapping
+    grid = tuple(int(g) for g in (grid or default_grid(processor)))
+    if len(grid) != 2 or min(grid) < 1:
+        raise ModelDirError(f"grid must be (rows, cols) of codes, both >= 1; got {grid}")
+    vocab = emu3_vocab(processor.tokenizer, mapping, grid, int(lm.config.get_text_config().vocab_size))
+    img2bpe = torch.tensor([mapping.img2bpe[c] for c in range(vocab.image_size)], dtype=torch.long)
+    vq = lm.model.vqmodel.float()  # decode in float32 whatever the LM's dtype
+    codec = Emu3ImageCodec(vq, processor, grid)
+    if codec.codebook_size != vocab.image_size:
+        raise ModelDirError(f"{path}: the VQ-VAE has {codec.codebook_size} codes but the vocabulary "
+                            f"{vocab.image_size} visual tokens")
+    adapters_path = Path(adapters_dir) if adapters_dir is not None else path / "adapters"
+    defaults: dict = {}
+    if (path / "generation.json").is_file():
+        try:
+            defaults = json.loads((path / "generation.json").read_text())
+        except ValueError as exc:
+            raise ModelDirError(f"{path / 'generation.json'} is not valid JSON: {exc}") from exc
+    adapters = find_adapters(adapters_path)
+    log.info("loaded Emu3 %s: vocab %d, grid %s, %d adapters", path, vocab.vocab_size, grid, len(adapters))
+    return LoadedModel(path, Emu3Tokenizer(processor.tokenizer, vocab, img2bpe), lm, codec, adapters, None, defaults,
+                       family="emu3", lora_targets=LORA_TARGETS)
+
+
+FAMILY = register_family(ModelFamily(
+    "emu3", _detect, load_emu3,
+    description="Emu3ForConditionalGeneration: text and pictures as tokens, pictures decoded by its VQ-VAE"))

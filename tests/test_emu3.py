@@ -1,0 +1,172 @@
+"""Emu3 as a model family, on a tiny random Emu3ForConditionalGeneration + Emu3Processor saved with save_pretrained
+(nothing downloaded): its vocabulary on the engine's layout, Emu3's picture grammar forced by our state machine,
+the routing rule on every generated token, pictures decoded by its VQ-VAE, and PEFT adapters made by `peft`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from models import InterleavedPipeline
+from models.emu3.family import LORA_TARGETS
+from models.emu3.testing import build_tiny_emu3
+from models.loading import ModelDirError
+from routing import SequenceRouter, VocabRangeRouter
+from routing.modality import IMAGE
+
+GRID = (4, 4)
+
+
+def _peft_adapter(model_dir, out, seed):
+    from peft import LoraConfig, get_peft_model
+    from transformers import Emu3ForConditionalGeneration
+
+    model = Emu3ForConditionalGeneration.from_pretrained(str(model_dir))
+    torch.manual_seed(seed)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # visible effects on a random model
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.mul_(3.0)
+    peft_model.save_pretrained(str(out))
+
+
+@pytest.fixture(scope="module")
+def emu3_dir(tmp_path_factory):
+    path = build_tiny_emu3(tmp_path_factory.mktemp("emu3") / "tiny-emu3")
+    _peft_adapter(path, path / "adapters" / "txt", seed=1)
+    _peft_adapter(path, path / "adapters" / "img", seed=2)
+    return path
+
+
+@pytest.fixture(scope="module")
+def emu3(emu3_dir):
+    return InterleavedPipeline.from_pretrained(emu3_dir, device="cpu", grid=GRID)
+
+
+def test_the_directory_is_recognised_as_emu3_and_its_vocabulary_maps_onto_the_layout(emu3):
+    v, hf = emu3.vocab, emu3.tokenizer.hf
+    assert emu3.family == "emu3" and sorted(emu3.adapters) == ["img", "txt"]
+    assert [v.image_start + c for c in range(v.image_size)] == \
+        hf.convert_tokens_to_ids([f"<|visual token {c:06d}|>" for c in range(v.image_size)])
+    assert v.row_end_ids == (hf.convert_tokens_to_ids("<|extra_200|>"),)
+    assert (v.boi_id, v.eoi_id) == tuple(hf.convert_tokens_to_ids(["<|image start|>", "<|image end|>"]))
+    assert hf.decode(list(v.image_prefix_ids)) == "4*4<|image token|>"
+    assert v.image_suffix_ids == (hf.convert_tokens_to_ids("<|extra_201|>"),)
+    # our picture span is Emu3's own layout: Emu3ImageVocabularyMapping.convert_img2bpe rows, with the header
+    codes = torch.randint(0, v.image_size, (4, 4))
+    ids = emu3.tokenizer.image_span(codes)
+    ours = ids[1 + len(v.image_prefix_ids):-1 - len(v.image_suffix_ids)]
+    theirs = emu3.routed.model.model.vocabulary_mapping.convert_img2bpe(codes.int()).flatten().tolist()
+    assert ours == theirs
+    assert torch.equal(emu3.tokenizer.codes_from_ids(ids[1:-1]), codes)
+
+
+def test_routed_lora_wraps_only_the_language_model(emu3):
+    names = list(emu3.routed.cache.layers)
+    assert names and all(n.startswith("model.text_model.layers.") for n in names)
+    assert len(names) == 2 * 7
+
+
+def _check_grammar(vocab, prompt, tokens):
+    """Every picture: header, rows of codes each closed by <|extra_200|>, end of frame, <|image end|>."""
+    rows, cols = vocab.image_grid
+    expected_span = [*vocab.image_prefix_ids]
+    for _ in range(rows):
+        expected_span += ["code"] * cols + [vocab.row_end_ids[0]]
+    expected_span += [*vocab.image_suffix_ids, vocab.eoi_id]
+    pictures, i = 0, 0
+    seq = [prompt[-1], *tokens]
+    while i < len(seq):
+        if seq[i] == vocab.boi_id:
+            span = seq[i + 1:i + 1 + len(expected_span)]
+            if len(span) < len(expected_span):  # cut by the token budget
+                expected = expected_span[:len(span)]
+            else:
+                expected = expected_span
+            for want, got in zip(expected, span):
+                assert (vocab.is_image_code(got) if want == "code" else got == want), (want, got)
+            pictures += len(span) == len(expected_span)
+            i += 1 + len(span)
+        else:
+            assert not vocab.is_image_code(seq[i]) and seq[i] not in vocab.row_end_ids
+            i += 1
+    return pictures
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+def test_generated_documents_follow_emu3_grammar_and_the_routing_rule(emu3, cfg_scale):
+    v = emu3.vocab
+    table = v.modality_table()
+    budget = 2 * v.image_span_tokens + 10
+    docs = emu3.generate(["draw a cat", "two blue squares"], seed=3, start_image=True, max_new_tokens=budget,
+                         min_new_tokens=budget, text_adapter="txt", image_adapter="img", routing="vocab",
+                         cfg_scale=cfg_scale, temperature=1.0)
+    for doc in docs:
+        prompt = emu3.encode_prompt(doc.prompt, emu3.default_config.with_overrides(start_image=True), budget)[0]
+        tokens = [r.id for r in doc.routing]
+        assert len(tokens) == budget
+        assert _check_grammar(v, prompt, tokens) >= 1
+        inputs = [prompt[-1], *tokens[:-1]]  # a token is produced at the position holding the one before it
+        for record, source in zip(doc.routing, inputs):
+            assert record.adapter == ("img" if table[source] == IMAGE else "txt"), (record, source)
+        assert all(im.size == (GRID[1] * 8, GRID[0] * 8) for im in doc.images)
+
+
+def test_a_picture_of_the_configured_grid_is_decoded_by_the_vq(emu3_dir):
+    pipe = InterleavedPipeline.from_pretrained(emu3_dir, device="cpu", grid=(2, 3))
+    doc = pipe.generate("draw a cat", seed=0, start_image=True, max_new_tokens=pipe.vocab.tokens_per_image + 1,
+                        cfg_scale=1.0)
+    (image,) = doc.images
+    assert image.size == (3 * 8, 2 * 8) and image.mode == "RGB"
+    assert pipe.tokenizer.hf.decode(list(pipe.vocab.image_prefix_ids)) == "2*3<|image token|>"
+
+
+def test_a_prompt_picture_is_encoded_as_emu3_encodes_it(emu3):
+    image = Image.fromarray((torch.rand(32, 32, 3) * 255).byte().numpy())
+    ours = emu3.image_tokenizer.encode(image)[0]
+    processor = emu3.image_tokenizer.processor
+    pixels = processor.image_processor(image, return_tensors="pt")
+    vq = emu3.routed.model.model.vqmodel
+    theirs = vq.encode(pixels["pixel_values"], pixels["image_sizes"], return_dict=True).image_tokens[0]
+    assert torch.equal(ours, theirs.long())
+    doc = emu3.generate(["describe this picture", image], seed=0, max_new_tokens=6, text_adapter="txt",
+                        image_adapter="img", max_images=0)
+    assert doc.meta["prompt_tokens"] > emu3.vocab.image_span_tokens
+
+
+def test_every_token_to_one_adapter_equals_peft(emu3, emu3_dir):
+    from peft import PeftModel
+    from transformers import Emu3ForConditionalGeneration
+
+    v = emu3.vocab
+    ids = torch.tensor([[v.bos_id, *emu3.tokenizer.encode_text("draw a cat"),
+                         *emu3.tokenizer.image_span(torch.randint(0, v.image_size, GRID))]])
+    reference = PeftModel.from_pretrained(Emu3ForConditionalGeneration.from_pretrained(str(emu3_dir)),
+                                          str(emu3_dir / "adapters" / "txt")).eval()
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        base = emu3.routed(ids).logits
+        for router in (SequenceRouter("txt"), VocabRangeRouter(v, "txt", "txt")):
+            got = emu3.routed(ids, routers=router).logits
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        mixed = emu3.routed(ids, routers=VocabRangeRouter(v, "txt", "img")).logits
+    assert (base - expected).abs().max() > 1e-2  # the adapter does something
+    assert (mixed - expected).abs().max() > 1e-3  # and image positions went elsewhere
+
+
+def test_missing_weights_are_an_error_not_a_warning(emu3_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(emu3_dir, broken, ignore=shutil.ignore_patterns("adapters"))
+    weights = load_file(str(broken / "model.safetensors"))
+    dropped = next(k for k in weights if "layers.0.self_attn.q_proj" in k)
+    del weights[dropped]
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelDirError, match="missing"):
+        InterleavedPipeline.from_pretrained(broken, device="cpu", grid=GRID)
