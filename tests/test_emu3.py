@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import check_picture_grammar, check_routing_rule, make_peft_adapter
 from PIL import Image
 
 from models import InterleavedPipeline
@@ -13,31 +14,17 @@ from models.emu3.family import LORA_TARGETS
 from models.emu3.testing import build_tiny_emu3
 from models.loading import ModelDirError
 from routing import SequenceRouter, VocabRangeRouter
-from routing.modality import IMAGE
 
 GRID = (4, 4)
 
 
-def _peft_adapter(model_dir, out, seed):
-    from peft import LoraConfig, get_peft_model
-    from transformers import Emu3ForConditionalGeneration
-
-    model = Emu3ForConditionalGeneration.from_pretrained(str(model_dir))
-    torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():  # visible effects on a random model
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.mul_(3.0)
-    peft_model.save_pretrained(str(out))
-
-
 @pytest.fixture(scope="module")
 def emu3_dir(tmp_path_factory):
+    from transformers import Emu3ForConditionalGeneration
+
     path = build_tiny_emu3(tmp_path_factory.mktemp("emu3") / "tiny-emu3")
-    _peft_adapter(path, path / "adapters" / "txt", seed=1)
-    _peft_adapter(path, path / "adapters" / "img", seed=2)
+    make_peft_adapter(Emu3ForConditionalGeneration, path, path / "adapters" / "txt", LORA_TARGETS, seed=1)
+    make_peft_adapter(Emu3ForConditionalGeneration, path, path / "adapters" / "img", LORA_TARGETS, seed=2)
     return path
 
 
@@ -70,36 +57,9 @@ def test_routed_lora_wraps_only_the_language_model(emu3):
     assert len(names) == 2 * 7
 
 
-def _check_grammar(vocab, prompt, tokens):
-    """Every picture: header, rows of codes each closed by <|extra_200|>, end of frame, <|image end|>."""
-    rows, cols = vocab.image_grid
-    expected_span = [*vocab.image_prefix_ids]
-    for _ in range(rows):
-        expected_span += ["code"] * cols + [vocab.row_end_ids[0]]
-    expected_span += [*vocab.image_suffix_ids, vocab.eoi_id]
-    pictures, i = 0, 0
-    seq = [prompt[-1], *tokens]
-    while i < len(seq):
-        if seq[i] == vocab.boi_id:
-            span = seq[i + 1:i + 1 + len(expected_span)]
-            if len(span) < len(expected_span):  # cut by the token budget
-                expected = expected_span[:len(span)]
-            else:
-                expected = expected_span
-            for want, got in zip(expected, span):
-                assert (vocab.is_image_code(got) if want == "code" else got == want), (want, got)
-            pictures += len(span) == len(expected_span)
-            i += 1 + len(span)
-        else:
-            assert not vocab.is_image_code(seq[i]) and seq[i] not in vocab.row_end_ids
-            i += 1
-    return pictures
-
-
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_generated_documents_follow_emu3_grammar_and_the_routing_rule(emu3, cfg_scale):
     v = emu3.vocab
-    table = v.modality_table()
     budget = 2 * v.image_span_tokens + 10
     docs = emu3.generate(["draw a cat", "two blue squares"], seed=3, start_image=True, max_new_tokens=budget,
                          min_new_tokens=budget, text_adapter="txt", image_adapter="img", routing="vocab",
@@ -108,10 +68,8 @@ def test_generated_documents_follow_emu3_grammar_and_the_routing_rule(emu3, cfg_
         prompt = emu3.encode_prompt(doc.prompt, emu3.default_config.with_overrides(start_image=True), budget)[0]
         tokens = [r.id for r in doc.routing]
         assert len(tokens) == budget
-        assert _check_grammar(v, prompt, tokens) >= 1
-        inputs = [prompt[-1], *tokens[:-1]]  # a token is produced at the position holding the one before it
-        for record, source in zip(doc.routing, inputs):
-            assert record.adapter == ("img" if table[source] == IMAGE else "txt"), (record, source)
+        assert check_picture_grammar(v, prompt, tokens) >= 1
+        check_routing_rule(v, prompt, doc, "txt", "img")
         assert all(im.size == (GRID[1] * 8, GRID[0] * 8) for im in doc.images)
 
 

@@ -25,9 +25,8 @@ q_proj / k_proj / v_proj, which a suffix match would catch.
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ import torch
 from PIL import Image
 
 from models.family import ModelFamily, config_model_type, register_family
+from models.hf_family import SpanTokenizer, device_and_dtype, load_checked, read_generation_defaults
 from models.loading import LoadedModel, ModelDirError, find_adapters
 from models.runtime import configure_cpu_threads
 from models.vocab import UnifiedVocab, VocabError
@@ -47,65 +47,6 @@ LORA_TARGETS = r"model\.text_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\
 EOL, EOF = "<|extra_200|>", "<|extra_201|>"
 BOI, EOI, IMAGE_WRAPPER = "<|image start|>", "<|image end|>", "<|image token|>"
 DOWNSAMPLE = 8  # Emu3Processor.downsample_ratio: pixels per code along each side
-
-
-class Emu3Tokenizer:
-    """Text and image spans <-> Emu3 ids (models/family.py FamilyTokenizer) over a transformers tokenizer."""
-
-    def __init__(self, hf_tokenizer: Any, vocab: UnifiedVocab, img2bpe: torch.Tensor) -> None:
-        self.hf, self.vocab = hf_tokenizer, vocab
-        self.img2bpe = img2bpe  # [codebook] long
-
-    def encode_text(self, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise VocabError(f"encode_text expects a str, got {type(text).__name__}")
-        return list(self.hf.encode(text, add_special_tokens=False)) if text else []
-
-    def decode_text(self, ids: Iterable[int] | torch.Tensor) -> str:
-        v = self.vocab
-        ids = ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
-        return self.hf.decode([i for i in ids if v.text_start <= i < v.text_start + v.text_size],
-                              skip_special_tokens=True)
-
-    def token_piece(self, token_id: int) -> str:
-        v = self.vocab
-        if v.is_image_code(token_id):
-            return f"<img:{token_id - v.image_start}>"
-        if v.text_start <= token_id < v.text_start + v.text_size:
-            return self.hf.decode([int(token_id)])
-        return str(self.hf.convert_ids_to_tokens(int(token_id)))  # a special: <|image start|>, <|extra_200|>, ...
-
-    def image_ids(self, codes: torch.Tensor) -> list[int]:
-        """The ids between <boi> and <eoi> of one picture's codes [rows, cols]: header, rows + EOL, end of frame."""
-        v = self.vocab
-        rows, cols = v.image_grid
-        codes = torch.as_tensor(codes).long().reshape(-1).cpu()
-        if codes.numel() != rows * cols or int(codes.min()) < 0 or int(codes.max()) >= v.image_size:
-            raise VocabError(f"a picture is {rows}x{cols} codes in [0, {v.image_size}); got {codes.numel()} codes")
-        grid = self.img2bpe[codes].reshape(rows, cols)
-        grid = torch.cat([grid, torch.full((rows, 1), v.row_end_ids[0], dtype=torch.long)], dim=1)
-        return [*v.image_prefix_ids, *grid.reshape(-1).tolist(), *v.image_suffix_ids]
-
-    def image_span(self, codes: torch.Tensor) -> list[int]:
-        return [self.vocab.boi_id, *self.image_ids(codes), self.vocab.eoi_id]
-
-    def codes_from_ids(self, ids: Iterable[int] | torch.Tensor) -> torch.Tensor:
-        """LongTensor [rows, cols] of codebook indices from the ids between <boi> and <eoi>."""
-        v = self.vocab
-        ids = ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
-        if len(ids) != v.tokens_per_image:
-            raise VocabError(f"an Emu3 picture span holds {v.tokens_per_image} ids, got {len(ids)}")
-        if tuple(ids[:len(v.image_prefix_ids)]) != v.image_prefix_ids or \
-                tuple(ids[len(ids) - len(v.image_suffix_ids):]) != v.image_suffix_ids:
-            raise VocabError("an Emu3 picture span must start with its size header and end with end-of-frame")
-        rows, cols = v.image_grid
-        body = torch.tensor(ids[len(v.image_prefix_ids):len(ids) - len(v.image_suffix_ids)]).reshape(rows, cols + 1)
-        if not bool((body[:, -1] == v.row_end_ids[0]).all()):
-            raise VocabError("every row of an Emu3 picture must end with <|extra_200|>")
-        codes = body[:, :-1]
-        if not bool(((codes >= v.image_start) & (codes < v.image_start + v.image_size)).all()):
-            raise VocabError("the rows of an Emu3 picture must hold visual tokens only")
-        return codes - v.image_start
 
 
 class Emu3ImageCodec:
@@ -160,8 +101,8 @@ def emu3_vocab(hf_tokenizer: Any, vocabulary_mapping: Any, grid: tuple[int, int]
     img2bpe = vocabulary_mapping.img2bpe
     codebook = len(img2bpe)
     start = min(img2bpe.values())
-    if any(img2bpe.get(c) != start + c for c in range(codebook)):
-        raise ModelDirError("the Emu3 visual tokens are not contiguous ids in code order; the engine masks and "
+    if sorted(img2bpe.values()) != list(range(start, start + codebook)) or sorted(img2bpe) != list(range(codebook)):
+        raise ModelDirError("the Emu3 visual tokens are not one range of contiguous ids; the engine masks and "
                             "routes image codes as one id range")
     added = [i for i in hf_tokenizer.added_tokens_decoder if i < start]
     text_size = min(added) if added else start
@@ -193,21 +134,12 @@ def load_emu3(path: str | Path, *, adapters_dir: str | Path | None = None, devic
 
     path = Path(path)
     configure_cpu_threads(threads)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    device, dtype = device_and_dtype(device, dtype)
     try:
         processor = Emu3Processor.from_pretrained(str(path))
     except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
         raise ModelDirError(f"cannot load the Emu3 processor (tokenizer + image processor) from {path}: {exc}") from exc
-    try:
-        lm, info = Emu3ForConditionalGeneration.from_pretrained(str(path), dtype=dtype, use_safetensors=True,
-                                                                output_loading_info=True)
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:
-        raise ModelDirError(f"cannot load Emu3ForConditionalGeneration from {path}: {exc}") from exc
-    missing = sorted(info.get("missing_keys") or [])
-    if missing:  # transformers only warns and leaves them random
-        raise ModelDirError(f"{path}: {len(missing)} weights of Emu3ForConditionalGeneration are missing from the "
-                            f"checkpoint (e.g. {missing[:3]}); it was saved from another class or is incomplete")
+    lm = load_checked(Emu3ForConditionalGeneration, path, dtype)
     lm = lm.to(device).eval().requires_grad_(False)
     lm.name_or_path = getattr(lm.config, "molora_base_model", None) or lm.name_or_path
     mapping = lm.model.vocabulary_mapping
@@ -222,15 +154,10 @@ def load_emu3(path: str | Path, *, adapters_dir: str | Path | None = None, devic
         raise ModelDirError(f"{path}: the VQ-VAE has {codec.codebook_size} codes but the vocabulary "
                             f"{vocab.image_size} visual tokens")
     adapters_path = Path(adapters_dir) if adapters_dir is not None else path / "adapters"
-    defaults: dict = {}
-    if (path / "generation.json").is_file():
-        try:
-            defaults = json.loads((path / "generation.json").read_text())
-        except ValueError as exc:
-            raise ModelDirError(f"{path / 'generation.json'} is not valid JSON: {exc}") from exc
+    defaults = read_generation_defaults(path)
     adapters = find_adapters(adapters_path)
     log.info("loaded Emu3 %s: vocab %d, grid %s, %d adapters", path, vocab.vocab_size, grid, len(adapters))
-    return LoadedModel(path, Emu3Tokenizer(processor.tokenizer, vocab, img2bpe), lm, codec, adapters, None, defaults,
+    return LoadedModel(path, SpanTokenizer(processor.tokenizer, vocab, img2bpe), lm, codec, adapters, None, defaults,
                        family="emu3", lora_targets=LORA_TARGETS)
 
 

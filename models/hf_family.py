@@ -1,0 +1,128 @@
+"""Pieces shared by the model families that load a transformers checkpoint (models/emu3, models/chameleon).
+
+    SpanTokenizer     text and image spans <-> ids over a transformers tokenizer (models/family.py FamilyTokenizer)
+    load_checked      from_pretrained that treats missing weights as an error (transformers only warns)
+    device_and_dtype  the device (CUDA when there is one) and dtype (bf16 on CUDA, float32 on the CPU)
+    read_generation_defaults   the optional generation.json beside the model
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.loading import ModelDirError
+from models.vocab import UnifiedVocab, VocabError
+
+
+class SpanTokenizer:
+    """Text and image spans in one vocabulary over a transformers tokenizer.
+
+    `img2bpe` [codebook] long maps code c to its token id; the ids must fill vocab's image range (in any order).
+    An image span between <boi> and <eoi> is: vocab.image_prefix_ids, each row's codes (+ the shared row marker
+    where the vocabulary has one), vocab.image_suffix_ids.
+    """
+
+    def __init__(self, hf_tokenizer: Any, vocab: UnifiedVocab, img2bpe: torch.Tensor) -> None:
+        self.hf, self.vocab = hf_tokenizer, vocab
+        self.img2bpe = img2bpe.long().cpu()
+        if sorted(self.img2bpe.tolist()) != list(range(vocab.image_start, vocab.image_start + vocab.image_size)):
+            raise VocabError(f"the {len(self.img2bpe)} image-code tokens do not fill the id range "
+                             f"[{vocab.image_start}, {vocab.image_start + vocab.image_size})")
+        self.bpe2img = torch.empty(vocab.image_size, dtype=torch.long)
+        self.bpe2img[self.img2bpe - vocab.image_start] = torch.arange(vocab.image_size)
+        if len(vocab.row_end_ids) > 1:
+            raise VocabError("SpanTokenizer supports no row marker or one shared marker")
+
+    def encode_text(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise VocabError(f"encode_text expects a str, got {type(text).__name__}")
+        return list(self.hf.encode(text, add_special_tokens=False)) if text else []
+
+    def _is_text(self, token_id: int) -> bool:
+        return self.vocab.text_start <= token_id < self.vocab.text_start + self.vocab.text_size
+
+    def decode_text(self, ids: Iterable[int] | torch.Tensor) -> str:
+        ids = ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
+        return self.hf.decode([i for i in ids if self._is_text(i)], skip_special_tokens=True)
+
+    def token_piece(self, token_id: int) -> str:
+        """`<img:c>` for an image code, the text of a text id, the token's own name for a special."""
+        token_id = int(token_id)
+        if self.vocab.is_image_code(token_id):
+            return f"<img:{int(self.bpe2img[token_id - self.vocab.image_start])}>"
+        if self._is_text(token_id):
+            return self.hf.decode([token_id])
+        return str(self.hf.convert_ids_to_tokens(token_id))
+
+    def image_ids(self, codes: torch.Tensor) -> list[int]:
+        """The ids between <boi> and <eoi> of one picture's codes [rows, cols] (or flat, row-major)."""
+        v = self.vocab
+        rows, cols = v.image_grid
+        codes = torch.as_tensor(codes).long().reshape(-1).cpu()
+        if codes.numel() != rows * cols or int(codes.min()) < 0 or int(codes.max()) >= v.image_size:
+            raise VocabError(f"a picture is {rows}x{cols} codes in [0, {v.image_size}); got {codes.numel()} codes "
+                             f"in [{int(codes.min())}, {int(codes.max())}]")
+        grid = self.img2bpe[codes].reshape(rows, cols)
+        if v.row_end_ids:
+            grid = torch.cat([grid, torch.full((rows, 1), v.row_end_ids[0], dtype=torch.long)], dim=1)
+        return [*v.image_prefix_ids, *grid.reshape(-1).tolist(), *v.image_suffix_ids]
+
+    def image_span(self, codes: torch.Tensor) -> list[int]:
+        return [self.vocab.boi_id, *self.image_ids(codes), self.vocab.eoi_id]
+
+    def codes_from_ids(self, ids: Iterable[int] | torch.Tensor) -> torch.Tensor:
+        """LongTensor [rows, cols] of codebook indices from the ids between <boi> and <eoi> (image_ids' layout)."""
+        v = self.vocab
+        ids = ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
+        if len(ids) != v.tokens_per_image:
+            raise VocabError(f"a picture span holds {v.tokens_per_image} ids, got {len(ids)}")
+        head, tail = len(v.image_prefix_ids), len(v.image_suffix_ids)
+        if tuple(ids[:head]) != v.image_prefix_ids or tuple(ids[len(ids) - tail:]) != v.image_suffix_ids:
+            raise VocabError("a picture span must start with its forced header and end with its forced trailer")
+        rows, cols = v.image_grid
+        body = torch.tensor(ids[head:len(ids) - tail]).reshape(rows, -1)
+        if v.row_end_ids:
+            if not bool((body[:, -1] == v.row_end_ids[0]).all()):
+                raise VocabError(f"every row of a picture must end with its row marker {v.row_end_ids[0]}")
+            body = body[:, :-1]
+        if not bool(((body >= v.image_start) & (body < v.image_start + v.image_size)).all()):
+            raise VocabError("the rows of a picture must hold image codes only")
+        return self.bpe2img[body - v.image_start]
+
+
+def device_and_dtype(device: torch.device | str | None, dtype: torch.dtype | None) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return device, dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def load_checked(cls: Any, path: Path, dtype: torch.dtype) -> Any:
+    """cls.from_pretrained(path) where any missing weight is an error (transformers leaves them random and only
+    warns: e.g. AutoModelForCausalLM on an Emu3ForConditionalGeneration folder loads no weight at all)."""
+    try:
+        model, info = cls.from_pretrained(str(path), dtype=dtype, use_safetensors=True, output_loading_info=True)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise ModelDirError(f"cannot load {cls.__name__} from {path}: {exc}") from exc
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise ModelDirError(f"{path}: {len(missing)} weights of {cls.__name__} are missing from the checkpoint "
+                            f"(e.g. {missing[:3]}); it was saved from another class or is incomplete")
+    return model
+
+
+def read_generation_defaults(path: Path) -> dict:
+    """The optional generation.json beside a model: default GenerationConfig fields."""
+    gen = path / "generation.json"
+    if not gen.is_file():
+        return {}
+    try:
+        return json.loads(gen.read_text())
+    except ValueError as exc:
+        raise ModelDirError(f"{gen} is not valid JSON: {exc}") from exc
+
+
+__all__ = ["SpanTokenizer", "device_and_dtype", "load_checked", "read_generation_defaults"]
