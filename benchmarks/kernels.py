@@ -46,7 +46,9 @@ VLLM_US = {(16, 1): 13.8, (16, 128): 24.3, (16, 256): 24.6, (16, 2048): 39.2, (1
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU smoke run under TRITON_INTERPRET=1, tiny sizes")
-    p.add_argument("--no-tune", action="store_true", help="skip the tile-size sweeps")
+    p.add_argument("--no-tune", action="store_true", help="skip the stacked tile-size sweeps")
+    p.add_argument("--only", default="", help="comma-separated sections to run (default: all): correct, group, "
+                   "topk, ranks, k3, k1, eager, tune, sweep")
     return p.parse_args()
 
 
@@ -59,11 +61,13 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import kernels.dispatch as dispatch  # noqa: E402
+import kernels.triton_gather as gather_mod  # noqa: E402
+import kernels.triton_grouped as grouped_mod  # noqa: E402
 import kernels.triton_stacked as stacked_mod  # noqa: E402
-from kernels import build_routing_meta, routed_lora, routed_lora_topk  # noqa: E402
+from kernels import build_routing_meta, routed_lora, routed_lora_group, routed_lora_topk  # noqa: E402
 from kernels.checks import check_inputs  # noqa: E402
 from kernels.graphs import capture_graph  # noqa: E402
-from kernels.reference import routed_lora_topk_reference  # noqa: E402
+from kernels.reference import routed_lora_group_reference, routed_lora_topk_reference  # noqa: E402
 
 DEV = "cpu" if ARGS.dry_run else "cuda"
 D = 64 if ARGS.dry_run else 4096          # hidden size in and out
@@ -73,6 +77,7 @@ N_K1 = 40 if ARGS.dry_run else 2048
 SWEEP = [1, 8, 40] if ARGS.dry_run else SWEEP_N
 SWEEP_RANKS = [8, 16] if ARGS.dry_run else RANKS
 RESULTS: dict = {"rows": {}}
+QKV = ["q_proj", "k_proj", "v_proj"]
 
 
 # ----------------------------------------------------------------------------------------------- timing
@@ -384,6 +389,32 @@ def run_eager() -> None:
         cases["JITFunction launch, same kernel"] = lambda: fused[(1, 32)](*args, **consts, num_warps=4)
     except Exception as exc:  # noqa: BLE001  (a probe of Triton internals: report, go on)
         print(f"  raw launch probe failed: {type(exc).__name__}: {str(exc)[:200]}")
+    # the routed layers as a model runs them (RoutedLoRALinear under one CallRouting), vs the plain linears
+    from routing.context import CallRouting, reset_routing, set_routing
+    from routing.lora import RoutedLoRALinear, group_projections
+
+    def make_layers(names, grouped=True):
+        layers = [RoutedLoRALinear(torch.nn.Linear(D, D, bias=False, device=DEV, dtype=torch.bfloat16), S, R,
+                                   name=f"blk.{nm}") for nm in names]
+        if grouped:
+            group_projections(layers)
+        with torch.no_grad():
+            for layer in layers:
+                layer.lora_A.normal_(0, D ** -0.5)
+                layer.lora_B.normal_(0, 1.0)
+                layer.lora_scale.fill_(0.5)
+        return layers
+    qkv, qkv_apart, o_proj = make_layers(QKV), make_layers(QKV, grouped=False), make_layers(["o_proj"])
+    xs = x.view(1, 1, D)
+    token = set_routing(CallRouting(1, 1, slot.long(), S))
+    cases |= {
+        "3 base F.linear (q, k, v)": lambda: [torch.nn.functional.linear(xs, layer.weight) for layer in qkv],
+        "3 routed layers q, k, v (one group call)": lambda: [layer(xs) for layer in qkv],
+        "3 routed layers q, k, v (ungrouped)": lambda: [layer(xs) for layer in qkv_apart],
+        "1 routed layer o_proj (group of one)": lambda: o_proj[0](xs),
+        "1 routed layer o_proj, add-after path": lambda: o_proj[0]._forward_add(
+            xs, x, CallRouting(1, 1, slot.long(), S), slot.long(), None),
+    }
     res = {}
     for name, fn in cases.items():
         try:
@@ -400,26 +431,149 @@ def run_eager() -> None:
         torch.cuda.synchronize()
         res[name] = (time.perf_counter() - t0) / 300 * 1e6
         print(f"  {name:42s} {res[name]:8.2f}")
+    reset_routing(token)
+    base3 = res.get("3 base F.linear (q, k, v)", float("nan"))
+    for name in ("3 routed layers q, k, v (one group call)", "3 routed layers q, k, v (ungrouped)"):
+        print(f"  host added per routed layer, {name[18:]}: {(res.get(name, float('nan')) - base3) / 3:.2f} us "
+              "(target <= 40)")
+    print(f"  host added, o_proj alone: {res.get('1 routed layer o_proj (group of one)', float('nan')) - base3 / 3:.2f}"
+          f" us; add-after path {res.get('1 routed layer o_proj, add-after path', float('nan')) - base3 / 3:.2f} us")
     RESULTS["eager_us"] = res
 
 
 # ----------------------------------------------------------------------------------------------- K3
+def group_inputs(n: int, outs: tuple[int, ...], k: int = 1, seed: int = 0, r: int = R, dtype=torch.bfloat16):
+    """x [n, D], A [P, S, r, D], B [S, O, r], scale [P, S], slots [n, k], weights, bounds for projections `outs`."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    p = len(outs)
+    bounds = [0]
+    for o in outs:
+        bounds.append(bounds[-1] + o)
+    x = torch.randn(n, D, device=DEV, generator=g).to(dtype)
+    A = (torch.randn(p, S, r, D, device=DEV, generator=g) / D ** 0.5).to(dtype)
+    B = (torch.randn(S, bounds[-1], r, device=DEV, generator=g) / r ** 0.5).to(dtype)
+    scale = torch.rand(p, S, device=DEV, generator=g) + 0.5
+    slots = torch.randint(0, S, (n, k), device=DEV, generator=g, dtype=torch.int32) if k == 1 else \
+        torch.rand(n, S, device=DEV, generator=g).argsort(1)[:, :k].int()
+    weights = torch.softmax(torch.randn(n, k, device=DEV, generator=g), 1) if k > 1 else None
+    return x, A, B, scale, slots, weights, tuple(bounds)
+
+
+def check_group_correctness() -> bool:
+    """routed_lora_group (every path) vs kernels/reference.py, bf16 and fp16, poisoned outputs."""
+    print("\n== fused projections (routed_lora_group) vs kernels/reference.py ==")
+    tol = {torch.bfloat16: 2.5e-2, torch.float16: 4e-3}
+    cases = [(1, (D, D, D), 1, 16), (7, (D, 1024, 1024), 2, 16), (300, (D, D, D), 1, 16), (2048, (D, 1000), 1, 16),
+             (600, (D, D), 2, 16), (40, (D, D, D), 1, 64), (600, (D, D, D), 1, 64), (33, (D, 777), 1, 128)]
+    if ARGS.dry_run:
+        cases = [(1, (64, 48), 1, 16), (40, (64, 64, 32), 2, 8)]
+    ok = True
+    for dtype in (torch.bfloat16, torch.float16):
+        for i, (n, outs, k, r) in enumerate(cases if dtype == torch.bfloat16 else cases[1:4]):
+            x, A, B, scale, slots, w, bounds = group_inputs(n, outs, k, seed=200 + i, r=r, dtype=dtype)
+            slots[::5, 0] = -1
+            refs = [t.float() for t in routed_lora_group_reference(x, A, B, slots, w, scale, bounds)]
+            paths = ["gather", "grouped", "auto"] + (["stacked"] if S * r <= stacked_mod.MAX_WIDTH else [])
+            for path in paths:
+                try:
+                    got = poisoned_call(lambda: routed_lora_group(x, A, B, slots, w, scale, bounds, path=path))
+                except Exception as exc:  # noqa: BLE001
+                    print(f"  {str(dtype)[6:]} N={n} outs={outs} r={r} k={k} {path}: !! {type(exc).__name__}: "
+                          f"{str(exc)[:200]} FAIL")
+                    ok = False
+                    continue
+                errs = [((g.float() - rf).abs().max() / rf.abs().max().clamp_min(1e-6)).item()
+                        for g, rf in zip(got, refs)]
+                nan = sum(int(torch.isnan(g).sum()) for g in got)
+                good = max(errs) <= tol[dtype] and nan == 0
+                ok &= good
+                print(f"  {str(dtype)[6:]:9s} N={n:5d} outs={outs} r={r:3d} k={k} {path:8s} "
+                      f"err={max(errs):.2e} unwritten={nan} {'ok' if good else 'FAIL'}")
+    RESULTS["group_correct"] = ok
+    return ok
+
+
 def run_k3() -> None:
-    print(f"\n== K3: whole routed linear y = x@W^T; routed_lora(out=y) vs base linear alone (d={D}, r={R}, "
-          "k=1, median us; metadata prebuilt where the path reads it) ==")
-    W = torch.randn(D, D, device=DEV, dtype=torch.bfloat16)
+    """Whole routed linear vs the base linear alone. `old`: y = x@W^T then routed_lora(out=y) (the delta reads and
+    writes y again); `solo`: delta first, then y.addmm_(x, W^T) (cuBLAS beta = 1 adds the base GEMM onto it);
+    `qkv`: three projections sharing x, one routed_lora_group call then three addmm_ (the routed layers' path)."""
+    print(f"\n== K3: whole routed linear vs base linear (d={D}, r={R}, {S} slots, k=1, bf16, median us; metadata "
+          "prebuilt where a path reads it) ==")
+    Ws = [torch.randn(D, D, device=DEV, dtype=torch.bfloat16) / D ** 0.5 for _ in range(3)]
     res = {}
-    for n in ([8] if ARGS.dry_run else [1, 256, 2048, 8192]):
-        x, A, B, slots, _, scale = make_inputs(n, seed=11)
+    for n in ([8, 40] if ARGS.dry_run else [1, 256, 2048, 8192]):
+        x, A, B, scale, slots, _, bounds = group_inputs(n, (D, D, D), seed=11)
         slot = slots[:, 0]
-        meta = build_routing_meta(slots, S) if dispatch.reads_meta(x, 1, A) else None
-        y = torch.empty(n, D, device=DEV, dtype=torch.bfloat16)
-        base = bench_us(lambda: torch.mm(x, W.t(), out=y))
-        both = bench_us(lambda: routed_lora(x, A, B, slot, scale, out=torch.mm(x, W.t(), out=y), meta=meta))
-        res[n] = {"base": base, "routed_linear": both, "ratio": both / base}
-        print(f"  N={n:5d} base {base:8.2f}  base+routed {both:8.2f}  ratio {both / base:.3f}x (target <= 1.15x "
-              "at N >= 256)")
+        A1, B1, sc1 = A[0], B[:, :D], scale[0]
+        meta = build_routing_meta(slots, S)
+        meta1 = meta if dispatch.reads_meta(x, 1, A1) else None
+        meta3 = meta if dispatch.reads_meta(x, 1, A) else None
+        ys = [torch.empty(n, D, device=DEV, dtype=torch.bfloat16) for _ in range(3)]
+        row = {"base": bench_us(lambda: torch.mm(x, Ws[0].t(), out=ys[0])),
+               "base_beta1": bench_us(lambda: ys[0].addmm_(x, Ws[0].t())),
+               "old": bench_us(lambda: routed_lora(x, A1, B1, slot, sc1, out=torch.mm(x, Ws[0].t(), out=ys[0]),
+                                                   meta=meta1)),
+               "solo": bench_us(lambda: dispatch.routed_lora_group_forward(
+                   x, A[:1], B1, slots, None, scale[:1], (0, D), meta1)[0].addmm_(x, Ws[0].t())),
+               "base3": bench_us(lambda: [torch.mm(x, Ws[p].t(), out=ys[p]) for p in range(3)])}
+
+        def qkv(path="auto"):
+            deltas = dispatch.routed_lora_group_forward(x, A, B, slots, None, scale, bounds,
+                                                        meta if path == "grouped" else meta3, path)
+            return [d.addmm_(x, W.t()) for d, W in zip(deltas, Ws)]
+        row["qkv"] = bench_us(qkv)
+        row["path"] = dispatch.choose_group_path(x, 1, meta3 is not None, S, R, 3)
+        if n >= 256 and not ARGS.dry_run:
+            row["qkv_stacked"] = bench_us(lambda: qkv("stacked"))
+            row["qkv_grouped"] = bench_us(lambda: qkv("grouped"))
+        row["old/base"], row["solo/base"], row["qkv/base3"] = (row["old"] / row["base"], row["solo"] / row["base"],
+                                                              row["qkv"] / row["base3"])
+        res[n] = row
+        extra = "".join(f"  {p} {row[f'qkv_{p}']:.2f}" for p in ("stacked", "grouped") if f"qkv_{p}" in row)
+        print(f"  N={n:5d} base {row['base']:8.2f} (beta=1 {row['base_beta1']:8.2f})  old {row['old']:8.2f} "
+              f"({row['old/base']:.3f}x)  solo {row['solo']:8.2f} ({row['solo/base']:.3f}x)  | 3 bases "
+              f"{row['base3']:8.2f}  qkv[{row['path']}] {row['qkv']:8.2f} ({row['qkv/base3']:.3f}x, <= 1.15x at "
+              f"N >= 256){extra}")
     RESULTS["k3"] = res
+
+
+# ----------------------------------------------------------------------------------------------- tile sweeps
+def run_sweep() -> None:
+    """Tiles per rank for the gather kernel (N = 1, 32) and the grouped kernel (N = 256, 2048, metadata prebuilt):
+    the winners go into GATHER_TILES / GROUPED_TILES (kernels/triton_gather.py, triton_grouped.py)."""
+    print("\n== gather tile sweep (median us, k=1; BLOCK_K x BLOCK_N) ==")
+    res = {}
+    for r in ([16] if ARGS.dry_run else [16, 32, 64, 128]):
+        for n in ([1] if ARGS.dry_run else [1, 32]):
+            x, A, B, slots, _, scale = make_inputs(n, seed=21, r=r)
+            line, best = [], (float("inf"), None)
+            for bk in ([16] if ARGS.dry_run else [32, 64, 128, 256]):
+                for bn in ([16] if ARGS.dry_run else [32, 64, 128, 256]):
+                    cfg = dict(BLOCK_K=bk, BLOCK_N=bn, num_warps=4)
+                    us = bench_us(lambda cfg=cfg: gather_mod.gather_lora(x, A, B, slots, None, scale, None, cfg))
+                    res[f"gather r{r} N{n} K{bk} N{bn}"] = us
+                    line.append(f"{bk}x{bn}={us:.1f}")
+                    best = min(best, (us, (bk, bn)))
+            print(f"  r={r:3d} N={n:3d} best {best[1]} {best[0]:.2f}: " + " ".join(line))
+    print("\n== grouped tile sweep (median us, k=1, metadata prebuilt; BLOCK_M/OUT_SPLIT/warps) ==")
+    for r in ([16] if ARGS.dry_run else [32, 64, 128]):
+        for n in ([40] if ARGS.dry_run else [256, 2048]):
+            x, A, B, slots, _, scale = make_inputs(n, seed=22, r=r)
+            meta = build_routing_meta(slots, S)
+            base = grouped_mod.grouped_config(n, D, D, S, r)
+            line, best = [], (float("inf"), None)
+            for bm in ([16] if ARGS.dry_run else [16, 32, 64]):
+                for split in ([1] if ARGS.dry_run else [1, 2, 4, 8]):
+                    for warps in ([1] if ARGS.dry_run else [4, 8]):
+                        cfg = {**base, "BLOCK_M": bm, "OUT_SPLIT": split, "num_warps": warps}
+                        us = bench_us(lambda cfg=cfg: grouped_mod.grouped_lora(x, A, B, slots, None, scale, None,
+                                                                               meta, cfg))
+                        res[f"grouped r{r} N{n} M{bm} s{split} w{warps}"] = us
+                        line.append(f"{bm}/{split}/{warps}={us:.1f}")
+                        best = min(best, (us, (bm, split, warps)))
+            print(f"  r={r:3d} N={n:5d} default {base['BLOCK_M']}/{base['OUT_SPLIT']}/{base['num_warps']} best "
+                  f"{best[1]} {best[0]:.2f}: " + " ".join(line))
+    RESULTS["sweep"] = res
 
 
 # ----------------------------------------------------------------------------------------------- K1/K2
@@ -498,17 +652,28 @@ def main() -> None:
     print("env:", env)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    ok = check_correctness()
+    only = set(filter(None, ARGS.only.split(",")))
+
+    def wanted(name: str) -> bool:
+        return not only or name in only
+    ok = True
+    if wanted("correct"):
+        ok &= check_correctness()
+    if wanted("group"):
+        ok &= check_group_correctness()
     if not ok:
         print("!! correctness FAILED: timings below are of wrong kernels")
     bw = copy_bandwidth()
     print(f"\ncopy bandwidth (read + write): {bw / 1e12:.2f} TB/s   [{time.perf_counter() - t0:.0f} s]")
     # eager last: it probes a Triton internal (the compiled kernel's launcher) that could take the process down
-    for section in (run_topk, lambda: run_rank_sweep(bw), run_k3, lambda: run_k1_k2(bw), run_eager):
-        section()
-        write_outputs()
-        print(f"  [{time.perf_counter() - t0:.0f} s]")
-    if not ARGS.no_tune:
+    sections = {"k3": run_k3, "ranks": lambda: run_rank_sweep(bw), "topk": run_topk, "sweep": run_sweep,
+                "k1": lambda: run_k1_k2(bw), "eager": run_eager}
+    for name, section in sections.items():
+        if wanted(name):
+            section()
+            write_outputs()
+            print(f"  [{name} done, {time.perf_counter() - t0:.0f} s]")
+    if not ARGS.no_tune and wanted("tune"):
         run_tuning()
     write_outputs()
     print("\ncorrectness:", "ok" if ok else "FAILED")

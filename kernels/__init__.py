@@ -3,8 +3,9 @@
 from kernels.dispatch import reads_meta
 from kernels.errors import KernelInputError
 from kernels.metadata import RoutingMeta, build_routing_meta
-from kernels.ops import routed_lora, routed_lora_topk
-from kernels.reference import routed_lora_reference, routed_lora_topk_reference
+from kernels.ops import routed_lora, routed_lora_group, routed_lora_topk
+from kernels.reference import routed_lora_group_reference, routed_lora_reference, routed_lora_topk_reference
 
-__all__ = ["routed_lora", "routed_lora_topk", "routed_lora_reference", "routed_lora_topk_reference",
+__all__ = ["routed_lora", "routed_lora_topk", "routed_lora_group", "routed_lora_reference",
+           "routed_lora_topk_reference", "routed_lora_group_reference",
            "build_routing_meta", "RoutingMeta", "KernelInputError", "reads_meta"]

@@ -14,13 +14,13 @@ import logging
 import torch
 
 from kernels.metadata import RoutingMeta
-from kernels.torch_ops import routed_lora_torch, routed_lora_torch_dense
+from kernels.torch_ops import routed_lora_torch, routed_lora_torch_dense, routed_lora_torch_group_dense
 from kernels.triton_common import HAS_TRITON, interpreting
 
 if HAS_TRITON:
-    from kernels.triton_gather import gather_lora
+    from kernels.triton_gather import gather_lora, gather_lora_group
     from kernels.triton_grouped import grouped_lora
-    from kernels.triton_stacked import stacked_lora
+    from kernels.triton_stacked import MAX_WIDTH, stacked_lora, stacked_lora_group
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,10 @@ STACKED_TOPK_MAX_WIDTH = 256
 # 30-39 us vs 57-62 us per layer at hidden 256, measured on the 2-core dev machine, 2026-11-30).
 CPU_DENSE_MAX_ROWS = 16
 
+# Projections sharing x (q/k/v, gate/up) take the stacked group kernel instead of one grouped call per projection
+# up to this width per projection (provisional: set from the H200 run, benchmarks/RESULTS.md "fused projections").
+GROUP_STACKED_MAX_WIDTH = 64
+
 PATHS = ("auto", "torch", "gather", "stacked", "grouped")
 
 
@@ -83,12 +87,24 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
     return "grouped"
 
 
+def choose_group_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: int, proj: int) -> str:
+    """Path for `proj` projections sharing x: as choose_path, except that where one projection would take the
+    grouped kernel, a stack narrow enough (S*r <= GROUP_STACKED_MAX_WIDTH) takes the stacked group kernel, which
+    reads x once for all projections instead of once per projection. Shapes only."""
+    path = choose_path(x, k, has_meta, num_slots, rank)
+    if proj > 1 and path == "grouped" and num_slots * rank <= GROUP_STACKED_MAX_WIDTH:
+        return "stacked"
+    return path
+
+
 def reads_meta(x: torch.Tensor, k: int, A: torch.Tensor) -> bool:
-    """Would the automatic path for this call (adapters A [S, r, in]) read a prebuilt RoutingMeta? On CUDA only the
-    grouped kernel does, so a caller building metadata once per forward skips it otherwise; on the CPU both forms
-    do (the grouped loop its sorted rows, the dense form its selection matrix)."""
+    """Would the automatic path for this call (adapters A [S, r, in], or [P, S, r, in] for P projections sharing
+    x) read a prebuilt RoutingMeta? On CUDA only the grouped kernel does, so a caller building metadata once per
+    forward skips it otherwise; on the CPU both forms do (the grouped loop its sorted rows, the dense form its
+    selection matrix)."""
     if triton_usable(x):
-        return choose_path(x, k, True, A.shape[0], A.shape[1]) == "grouped"
+        proj, s, r = (A.shape[0], A.shape[1], A.shape[2]) if A.dim() == 4 else (1, A.shape[0], A.shape[1])
+        return choose_group_path(x, k, True, s, r, proj) == "grouped"
     return True  # the CPU's grouped loop reads the sorted rows, its dense form the selection matrix
 
 
@@ -113,3 +129,26 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
     if path == "grouped":
         return grouped_lora(x, A, B, slots, weights, scale, out, meta)
     raise ValueError(f"unknown path {path!r}; choose one of {PATHS}")
+
+
+def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                              weights: torch.Tensor | None, scale: torch.Tensor, bounds: tuple[int, ...],
+                              meta: RoutingMeta | None = None, path: str = "auto") -> list[torch.Tensor]:
+    """No-autograd forward of P projections sharing x: A [P, S, r, in], B [S, O, r] (projection p's output columns
+    bounds[p]:bounds[p+1]), scale [P, S], slots [N, k]. Returns P fresh deltas [N, width_p] in x's dtype.
+    The gather and stacked kernels shrink once for all projections and expand all of them in one launch; the
+    grouped kernel and the CPU's grouped loop run one projection at a time."""
+    p_count, s_count, r, _ = A.shape
+    k = slots.shape[1]
+    if path == "auto":
+        path = choose_group_path(x, k, meta is not None, s_count, r, p_count)
+    n = x.shape[0]
+    spans = list(zip(bounds, bounds[1:]))
+    if path == "gather" or (path == "stacked" and s_count * r <= MAX_WIDTH):
+        flat = (gather_lora_group if path == "gather" else stacked_lora_group)(x, A, B, slots, weights, scale,
+                                                                               tuple(bounds))
+        return [flat[n * lo:n * hi].view(n, hi - lo) for lo, hi in spans]
+    if path == "torch" and n * k <= CPU_DENSE_MAX_ROWS:
+        return [d.to(x.dtype) for d in routed_lora_torch_group_dense(x, A, B, slots, weights, scale, bounds, meta)]
+    return [routed_lora_forward(x, A[p], B[:, lo:hi], slots, weights, scale[p], None, meta, path)
+            for p, (lo, hi) in enumerate(spans)]

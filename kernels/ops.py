@@ -1,4 +1,4 @@
-"""Public routed-LoRA ops (CONTRACTS.md): routed_lora and routed_lora_topk.
+"""Public routed-LoRA ops (CONTRACTS.md): routed_lora, routed_lora_topk and routed_lora_group.
 
     delta[n] = sum_j weights[n, j] * scale[s] * B[s] @ A[s] @ x[n],   s = slots[n, j]  (routed_lora: k = 1, w = 1)
 
@@ -6,6 +6,9 @@ Returned in x's dtype, accumulated in float32. Slot -1 means no adapter (zero de
 accumulate path). With `out=` the delta is added into `out` in place (out += delta) and `out` is returned, so a
 routed layer can add straight into its base output. `meta=` takes a RoutingMeta from build_routing_meta(slots, S),
 built once per forward and shared by every layer with the same routing (only the grouped kernel reads it).
+routed_lora_group computes the deltas of several projections that read the same x (q/k/v, gate/up) with one
+shrink and one expand for all of them; a routed layer then adds its base GEMM into its delta (addmm_, beta = 1),
+so the delta costs no extra pass over the output.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 
 from kernels.autograd import RoutedLoRAFunction, needs_autograd
 from kernels.checks import check_inputs
-from kernels.dispatch import routed_lora_forward
+from kernels.dispatch import routed_lora_forward, routed_lora_group_forward
 from kernels.errors import KernelInputError
 from kernels.metadata import RoutingMeta
 
@@ -53,3 +56,30 @@ def routed_lora_topk(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: t
     if weights is None:
         raise KernelInputError("routed_lora_topk needs weights [N, k]; use routed_lora for one slot per token")
     return _run(x, A, B, slots, weights, scale, out, meta, path)
+
+
+def routed_lora_group(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                      weights: torch.Tensor | None, scale: torch.Tensor, bounds: tuple[int, ...], *,
+                      meta: RoutingMeta | None = None, path: str = "auto") -> list[torch.Tensor]:
+    """Deltas of P projections that read the same x [N, in]: A [P, S, r, in], B [S, O, r] where projection p owns
+    output columns bounds[p]:bounds[p+1] (bounds[0] = 0, bounds[P] = O), scale [P, S], slots [N] or [N, k],
+    weights [N, k] or None (weight 1). Returns P tensors [N, width_p] in x's dtype."""
+    if not isinstance(A, torch.Tensor) or A.dim() != 4:
+        raise KernelInputError(f"A must be [P, S, r, in], got {getattr(A, 'shape', type(A))}")
+    p_count = A.shape[0]
+    bounds = tuple(int(b) for b in bounds)
+    if len(bounds) != p_count + 1 or bounds[0] != 0 or bounds[-1] != B.shape[1] or \
+            any(b > c for b, c in zip(bounds, bounds[1:])):
+        raise KernelInputError(f"bounds must rise from 0 to O={B.shape[1]} in P+1={p_count + 1} steps, got {bounds}")
+    if p_count > 4:
+        raise KernelInputError(f"at most 4 projections share one call, got P={p_count}")
+    if not isinstance(scale, torch.Tensor) or scale.shape != A.shape[:2]:
+        raise KernelInputError(f"scale must be [P, S]={tuple(A.shape[:2])}, got {getattr(scale, 'shape', None)}")
+    slots2 = slots[:, None] if isinstance(slots, torch.Tensor) and slots.dim() == 1 else slots
+    for p in range(p_count):
+        check_inputs(x, A[p], B[:, bounds[p]:bounds[p + 1]], slots2, weights, scale[p], None)
+    _check_meta(meta, slots2, A.shape[1])
+    if needs_autograd(x, A, B, weights):
+        return [RoutedLoRAFunction.apply(x, A[p], B[:, lo:hi], slots2, weights, scale[p], meta, path)
+                for p, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+    return routed_lora_group_forward(x, A, B, slots2, weights, scale, bounds, meta, path)

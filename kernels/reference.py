@@ -38,3 +38,15 @@ def routed_lora_topk_reference(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         part = routed_lora_reference(x.float(), A, B, slots[:, j], scale).float()
         out += part * weights[:, j:j + 1].float()
     return out.to(x.dtype)
+
+
+def routed_lora_group_reference(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                                weights: torch.Tensor | None, scale: torch.Tensor,
+                                bounds: tuple[int, ...]) -> list[torch.Tensor]:
+    """P projections sharing x: A [P, S, r, in], B [S, O, r] (projection p: columns bounds[p]:bounds[p+1]),
+    scale [P, S]; slots [N, k], weights [N, k] or None (1). Each delta is routed_lora_topk_reference of its own
+    projection."""
+    slots = slots[:, None] if slots.dim() == 1 else slots
+    w = weights if weights is not None else torch.ones(slots.shape, device=x.device)
+    return [routed_lora_topk_reference(x, A[p], B[:, lo:hi], slots, w, scale[p])
+            for p, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]

@@ -87,6 +87,24 @@ def routed_lora_torch_dense(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s
     return torch.bmm(shrunk.transpose(0, 1), B.to(acc).transpose(1, 2)).sum(0)
 
 
+def routed_lora_torch_group_dense(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                                  weights: torch.Tensor | None, scale: torch.Tensor, bounds: tuple[int, ...],
+                                  meta: RoutingMeta | None = None) -> list[torch.Tensor]:
+    """routed_lora_torch_dense for P projections sharing x (A [P, S, r, in], B [S, O, r], scale [P, S]): one
+    matmul of x against all P*S*r rows of A, then one bmm per projection. float32 results [N, width_p]."""
+    acc = accumulate_dtype(x.dtype)
+    n = slots.shape[0]
+    p_count, num_slots, r, _ = A.shape
+    selection = meta.selection if meta is not None and meta.selection is not None else None
+    if selection is None:
+        selection = selection_matrix(slots, num_slots, weights)
+    mix = selection.to(acc)[:, None, :] * scale.to(acc)[None]  # [N, P, S]
+    shrunk = (x.to(acc) @ A.reshape(-1, A.shape[-1]).to(acc).t()).view(n, p_count, num_slots, r)
+    shrunk = shrunk * mix[..., None]
+    return [torch.bmm(shrunk[:, p].transpose(0, 1), B[:, lo:hi].to(acc).transpose(1, 2)).sum(0)
+            for p, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+
+
 def routed_lora_torch_backward(grad: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                                slots: torch.Tensor, weights: torch.Tensor | None, scale: torch.Tensor,
                                needs: tuple[bool, bool, bool, bool]

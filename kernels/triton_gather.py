@@ -2,11 +2,15 @@
 
 At decode sizes the work is tiny (one adapter's A and B, ~256 KB at d=4096, r=16) and the time is latency, so
 the `in` reduction is split over SPLIT_K programs per row instead of walked serially:
-  shrink  grid (M rows, SPLIT_K): P[ks, row, :] = A[s] [:, chunk_ks] @ x[token][chunk_ks]   (float32 partials)
-  expand  grid (N, cdiv(out, BLOCK_N)): delta[n, tile] = sum_j weight * scale[s] * B[s][tile] @ sum_ks P[ks, row]
+  shrink  grid (M rows, SPLIT_K): P[ks, row, p, :] = A[p, s] [:, chunk_ks] @ x[token][chunk_ks]   (float32 partials)
+  expand  grid (N, cdiv(out, BLOCK_N)): delta[n, tile] = sum_j weight * scale[p, s] * B[s][tile] @ sum_ks P[ks, row, p]
 Rows are the flat (token, choice) pairs n*k + j, so top-k is a loop over the k choices in the expand, with no
 sort and no atomics. No routing metadata at all: the grids depend on shapes only (CUDA-graph safe), and a -1
 choice costs one scalar load per program.
+Projections (P >= 1) that read the same x share the shrink: A is [P, S, r, in] (p = q/k/v or gate/up), B is
+[S, O, r] with projection p's output columns bounds[p]:bounds[p+1] of O, scale is [P, S]. One shrink reads x
+once for all P, one expand writes all P deltas, each column using its own projection's r partials. A plain
+routed_lora call is P = 1.
 Measured on the H200 (d=4096, r=16, bf16, graph replay): the first version fused both phases and walked `in`
 serially, 28.1 us at N=1; this split-K pair takes 9.4 us (grouped kernel: 19.5 us). See benchmarks/RESULTS.md.
 """
@@ -19,11 +23,14 @@ import torch
 
 from kernels.triton_common import HAS_TRITON, delta_target, interpreting, next_pow2, tl, triton
 
+# Most projections one launch serves (the expand reads the column boundaries as P - 1 scalars)
+MAX_PROJECTIONS = 4
+
 if HAS_TRITON:
     @triton.jit
     def _bgmv_shrink_kernel(x_ptr, a_ptr, slot_ptr, part_ptr, M, IN, R, S,
-                            sx0, sx1, sa0, sa1, sa2,
-                            K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                            sx0, sx1, sap, sa0, sa1, sa2,
+                            K: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         ks = tl.program_id(1)
         s = tl.load(slot_ptr + row).to(tl.int32)
@@ -33,19 +40,31 @@ if HAS_TRITON:
             offs_k = ks * BLOCK_K + tl.arange(0, BLOCK_K)
             mk = offs_k < IN
             xv = tl.load(x_ptr + (row // K) * sx0 + offs_k * sx1, mask=mk, other=0.0).to(tl.float32)
-            a = tl.load(a_ptr + s * sa0 + offs_r[:, None] * sa1 + offs_k[None, :] * sa2,
-                        mask=mr[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            tl.store(part_ptr + (ks * M + row) * BLOCK_R + offs_r, tl.sum(a * xv[None, :], axis=1))
+            for p in tl.static_range(P):  # x read once for every projection
+                a = tl.load(a_ptr + p * sap + s * sa0 + offs_r[:, None] * sa1 + offs_k[None, :] * sa2,
+                            mask=mr[:, None] & mk[None, :], other=0.0).to(tl.float32)
+                tl.store(part_ptr + ((ks * M + row) * P + p) * BLOCK_R + offs_r, tl.sum(a * xv[None, :], axis=1))
 
     @triton.jit
-    def _bgmv_expand_kernel(b_ptr, slot_ptr, w_ptr, scale_ptr, part_ptr, out_ptr, M, OUT, R, S,
-                            sb0, sb1, sb2, so0, so1,
-                            K: tl.constexpr, HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr,
-                            SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr,
+    def _column_span(offs_o, O1, O2, O3, OUT):
+        """(projection, first column, end column) of each output column; boundaries of absent projections
+        (P < 4) are passed as OUT, which no valid column reaches."""
+        ge1, ge2, ge3 = offs_o >= O1, offs_o >= O2, offs_o >= O3
+        po = ge1.to(tl.int32) + ge2.to(tl.int32) + ge3.to(tl.int32)
+        lo = tl.where(ge3, O3, tl.where(ge2, O2, tl.where(ge1, O1, 0)))
+        hi = tl.where(ge3, OUT, tl.where(ge2, O3, tl.where(ge1, O2, O1)))
+        return po, lo, hi
+
+    @triton.jit
+    def _bgmv_expand_kernel(b_ptr, slot_ptr, w_ptr, scale_ptr, part_ptr, out_ptr, M, OUT, R, S, O1, O2, O3,
+                            sb0, sb1, sb2, ssp, so0, so1,
+                            K: tl.constexpr, P: tl.constexpr, HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr,
+                            BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         offs_o = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mo = offs_o < OUT
+        po, lo, hi = _column_span(offs_o, O1, O2, O3, OUT)
         offs_r = tl.arange(0, BLOCK_R)
         mr = offs_r < R
         offs_s = tl.arange(0, SPLIT_PAD)
@@ -54,55 +73,88 @@ if HAS_TRITON:
             row = n * K + j
             s = tl.load(slot_ptr + row).to(tl.int32)
             if (s >= 0) & (s < S):
-                part = tl.load(part_ptr + (offs_s[:, None] * M + row) * BLOCK_R + offs_r[None, :],
-                               mask=(offs_s < SPLIT_K)[:, None], other=0.0)
-                t = tl.sum(part, axis=0)
-                coef = tl.load(scale_ptr + s).to(tl.float32)
+                w = 1.0
                 if HAS_W:
-                    coef = coef * tl.load(w_ptr + row).to(tl.float32)
+                    w = tl.load(w_ptr + row).to(tl.float32)
                 b = tl.load(b_ptr + s * sb0 + offs_o[:, None] * sb1 + offs_r[None, :] * sb2,
                             mask=mo[:, None] & mr[None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(b * (t * coef)[None, :], axis=1)
-        ptrs = out_ptr + n * so0 + offs_o * so1
+                tt = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.float32)
+                for p in tl.static_range(P):
+                    part = tl.load(part_ptr + ((offs_s[:, None] * M + row) * P + p) * BLOCK_R + offs_r[None, :],
+                                   mask=(offs_s < SPLIT_K)[:, None], other=0.0)
+                    t = tl.sum(part, axis=0) * (tl.load(scale_ptr + p * ssp + s).to(tl.float32) * w)
+                    tt += tl.where((po == p)[:, None], t[None, :], 0.0)
+                acc += tl.sum(b * tt, axis=1)
+        if BLOCKS:  # projection p's delta is the contiguous [N, width_p] block at N * bounds[p]
+            ptrs = out_ptr + (M // K) * lo + n * (hi - lo) + (offs_o - lo)
+        else:
+            ptrs = out_ptr + n * so0 + offs_o * so1
         if ACCUMULATE:
             acc += tl.load(ptrs, mask=mo, other=0.0).to(tl.float32)
         tl.store(ptrs, acc, mask=mo)
 
 
+# (BLOCK_K, BLOCK_N) per padded rank, chosen on the H200 (benchmarks/kernels.py --only sweep; numbers in
+# benchmarks/RESULTS.md); ranks not listed take 256 / 256.
+GATHER_TILES: dict[int, tuple[int, int]] = {}
+
+
 @functools.lru_cache(maxsize=1024)  # pure in its int arguments; saves host time per call
-def gather_config(n_out: int, d_in: int) -> dict:
+def gather_config(n_out: int, d_in: int, rank: int = 16) -> dict:
     """Tile sizes: BLOCK_K is the split-K chunk of the shrink, BLOCK_N the output columns per expand program."""
     if interpreting():  # tiny tiles so interpreter tests walk every split and mask
         return dict(BLOCK_K=16, BLOCK_N=16, num_warps=1)
-    return dict(BLOCK_K=min(256, max(16, next_pow2(d_in))), BLOCK_N=min(256, max(16, next_pow2(n_out))),
+    block_k, block_n = GATHER_TILES.get(max(2, next_pow2(rank)), (256, 256))
+    return dict(BLOCK_K=min(block_k, max(16, next_pow2(d_in))), BLOCK_N=min(block_n, max(16, next_pow2(n_out))),
                 num_warps=4)
+
+
+def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, cfg) -> None:
+    n, d_in = x.shape
+    p_count, s_count, r, _ = A4.shape
+    d_out = B.shape[1]
+    k = slots.shape[1]
+    m_rows = n * k
+    slots = slots.contiguous()
+    w = weights.contiguous() if weights is not None else scale2
+    cfg = cfg or gather_config(d_out, d_in, r)
+    block_r = max(2, next_pow2(r))
+    split_k = triton.cdiv(d_in, cfg["BLOCK_K"])
+    part = torch.empty(split_k, m_rows, p_count, block_r, dtype=torch.float32, device=x.device)
+    _bgmv_shrink_kernel[(m_rows, split_k)](x, A4, slots, part, m_rows, d_in, r, s_count,
+                                          x.stride(0), x.stride(1), A4.stride(0), A4.stride(1), A4.stride(2),
+                                          A4.stride(3), K=k, P=p_count, BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"],
+                                          num_warps=cfg["num_warps"])
+    o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
+    grid = (n, triton.cdiv(d_out, cfg["BLOCK_N"]))
+    _bgmv_expand_kernel[grid](B, slots, w, scale2, part, out, m_rows, d_out, r, s_count, o1, o2, o3,
+                              B.stride(0), B.stride(1), B.stride(2), scale2.stride(0),
+                              out.stride(0) if out.dim() == 2 else 0, out.stride(-1),
+                              K=k, P=p_count, HAS_W=weights is not None, ACCUMULATE=accumulate, BLOCKS=blocks,
+                              SPLIT_K=split_k, SPLIT_PAD=max(2, next_pow2(split_k)), BLOCK_R=block_r,
+                              BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
 
 
 def gather_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
                 weights: torch.Tensor | None, scale: torch.Tensor, out: torch.Tensor | None = None,
                 config: dict | None = None) -> torch.Tensor:
     """delta (x's dtype) for slots [N, k]; with `out` given, out += delta in place and out is returned."""
-    n, d_in = x.shape
-    s_count, r, _ = A.shape
     d_out = B.shape[1]
     out, accumulate = delta_target(x, d_out, out)
-    if n == 0 or d_out == 0:
+    if x.shape[0] == 0 or d_out == 0:
         return out
-    k = slots.shape[1]
-    m_rows = n * k
-    slots = slots.contiguous()
-    w = weights.contiguous() if weights is not None else scale
-    cfg = config or gather_config(d_out, d_in)
-    block_r = max(2, next_pow2(r))
-    split_k = triton.cdiv(d_in, cfg["BLOCK_K"])
-    part = torch.empty(split_k, m_rows, block_r, dtype=torch.float32, device=x.device)
-    _bgmv_shrink_kernel[(m_rows, split_k)](x, A, slots, part, m_rows, d_in, r, s_count,
-                                          x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
-                                          K=k, BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
-    grid = (n, triton.cdiv(d_out, cfg["BLOCK_N"]))
-    _bgmv_expand_kernel[grid](B, slots, w, scale, part, out, m_rows, d_out, r, s_count,
-                              B.stride(0), B.stride(1), B.stride(2), out.stride(0), out.stride(1),
-                              K=k, HAS_W=weights is not None, ACCUMULATE=accumulate, SPLIT_K=split_k,
-                              SPLIT_PAD=max(2, next_pow2(split_k)), BLOCK_R=block_r, BLOCK_N=cfg["BLOCK_N"],
-                              num_warps=cfg["num_warps"])
+    _launch(x, A[None], B, slots, weights, scale[None], out, accumulate, (0, d_out), False, config)
     return out
+
+
+def gather_lora_group(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                      weights: torch.Tensor | None, scale: torch.Tensor, bounds: tuple[int, ...],
+                      config: dict | None = None) -> torch.Tensor:
+    """The P deltas of projections sharing x (A [P, S, r, in], B [S, O, r], scale [P, S]) as one flat buffer
+    [N * O]: projection p's delta is the contiguous [N, width_p] block starting at N * bounds[p]."""
+    n = x.shape[0]
+    d_out = B.shape[1]
+    flat = torch.empty(n * d_out, dtype=x.dtype, device=x.device)
+    if n and d_out:
+        _launch(x, A, B, slots, weights, scale, flat, False, bounds, True, config)
+    return flat

@@ -96,12 +96,24 @@ if HAS_TRITON:
                     tl.store(out_ptr + tok[:, None] * so0 + offs_o[None, :] * so1, zero, mask=m2)
 
 
+# Measured overrides (BLOCK_M, OUT_SPLIT, num_warps) by (padded rank, row bucket), row bucket = the smallest of
+# 256, 1024, 4096, 16384 that holds the rows; chosen on the H200 (benchmarks/kernels.py --only sweep, numbers in
+# benchmarks/RESULTS.md). Shapes not listed take the rule in grouped_config.
+GROUPED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
+ROW_BUCKETS = (256, 1024, 4096, 16384)
+
+
+def row_bucket(m_rows: int) -> int:
+    return next((b for b in ROW_BUCKETS if m_rows <= b), ROW_BUCKETS[-1])
+
+
 @functools.lru_cache(maxsize=1024)  # pure in its int arguments; saves host time per call
-def grouped_config(m_rows: int, d_in: int, d_out: int, num_slots: int) -> dict:
+def grouped_config(m_rows: int, d_in: int, d_out: int, num_slots: int, rank: int = 16) -> dict:
     """Tile sizes and output split.
 
     GPU: BLOCK_M grows with the row count (16 rows below 1024, 32 below 4096, else 64) and OUT_SPLIT spreads a
-    row tile's output columns over enough programs for ~2 per SM of an H200 (132 SMs), in 512-column steps.
+    row tile's output columns over enough programs for ~2 per SM of an H200 (132 SMs), in 512-column steps;
+    GROUPED_TILES overrides both where a measurement chose otherwise.
     """
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, OUT_SPLIT=2 if d_out > 16 else 1, num_warps=1)
@@ -111,8 +123,12 @@ def grouped_config(m_rows: int, d_in: int, d_out: int, num_slots: int) -> dict:
     split = 1
     while split * 2 <= max_split and tiles * split < 264:
         split *= 2
+    warps = 4
+    tuned = GROUPED_TILES.get((max(16, next_pow2(rank)), row_bucket(m_rows)))
+    if tuned is not None:
+        block_m, split, warps = tuned[0], min(tuned[1], max_split), tuned[2]
     return dict(BLOCK_M=block_m, BLOCK_K=min(128, max(16, next_pow2(d_in))),
-                BLOCK_N=min(128, max(16, next_pow2(d_out))), OUT_SPLIT=split, num_warps=4)
+                BLOCK_N=min(128, max(16, next_pow2(d_out))), OUT_SPLIT=split, num_warps=warps)
 
 
 def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
@@ -136,7 +152,7 @@ def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch
         direct = accumulate and out.dtype == torch.float32
         target = out if direct else torch.zeros(n, d_out, dtype=torch.float32, device=x.device)
     m_rows = n * k
-    cfg = config or grouped_config(m_rows, d_in, d_out, s_count)
+    cfg = config or grouped_config(m_rows, d_in, d_out, s_count, r)
     out_per = triton.cdiv(triton.cdiv(d_out, cfg["OUT_SPLIT"]), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     grid = (triton.cdiv(m_rows, cfg["BLOCK_M"]) + s_count, triton.cdiv(d_out, out_per))
     dot_dtype, precision = dot_config(x.dtype)

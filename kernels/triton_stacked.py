@@ -15,6 +15,9 @@ kernels/dispatch.py bounds S*r with the width up to which this path was measured
           out[rows, slice] (+)= (sum_ks P[ks, rows, :]) @ Bf[:, slice]
   fused   grid (cdiv(N, BLOCK_M), OUT_SPLIT), N <= FUSED_MAX_TOKENS: both phases in one launch, each output
           slice recomputing the (tiny) shrink, for decode steps, where an eager caller pays per launch
+Projections that read the same x (q/k/v, gate/up) share the shrink: with A [P, S, r, in] the shrink's columns
+are P blocks of S*r_pad (x read once for all), and one expand launch has P * OUT_SPLIT programs per row tile,
+each writing a slice of one projection's delta (stacked_lora_group). A plain call is P = 1.
 Grids depend on shapes only, so a call can be captured in a CUDA graph and replayed with new slot values.
 """
 
@@ -30,13 +33,16 @@ from kernels.triton_common import HAS_TRITON, delta_target, dot_config, interpre
 if HAS_TRITON:
     @triton.jit
     def _shrink_tile(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, offs_m64, mm, offs_c, k_lo, k_hi, R, S,
-                     sx0, sx1, sa0, sa1, sa2,
+                     sx0, sx1, sap, sa0, sa1, sa2, ssp,
                      K: tl.constexpr, HAS_W: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
-        """coef * (x[rows, k_lo:k_hi] @ Af[cols, k_lo:k_hi]^T), float32 [BLOCK_M, BLOCK_C]."""
-        mc = offs_c < S * R
-        c_slot = offs_c // R
-        a_col = c_slot.to(tl.int64) * sa0 + (offs_c % R) * sa1
+                     SR_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+        """coef * (x[rows, k_lo:k_hi] @ Af[cols, k_lo:k_hi]^T), float32 [BLOCK_M, BLOCK_C]; column c is
+        projection c // SR_PAD, slot (c % SR_PAD) // R, rank row c % R."""
+        cp = offs_c // SR_PAD
+        cc = offs_c % SR_PAD
+        mc = cc < S * R
+        c_slot = cc // R
+        a_col = cp.to(tl.int64) * sap + c_slot.to(tl.int64) * sa0 + (cc % R) * sa1
         acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -54,8 +60,8 @@ if HAS_TRITON:
             else:
                 w = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
             coef += tl.where(s[:, None] == c_slot[None, :], w[:, None], 0.0)
-        sc = tl.load(scale_ptr + c_slot, mask=mc, other=0.0).to(tl.float32)
-        return acc * coef * sc[None, :]  # padded columns (c >= S*r) are zeros
+        sc = tl.load(scale_ptr + cp * ssp + c_slot, mask=mc, other=0.0).to(tl.float32)
+        return acc * coef * sc[None, :]  # padded columns (c % SR_PAD >= S*r) are zeros
 
     @triton.jit
     def _expand_tile(t16, b_ptr, out_ptr, offs_m64, mm, o_lo, o_hi, R, S, sb0, sb1, sb2, so0, so1,
@@ -79,8 +85,8 @@ if HAS_TRITON:
     @triton.jit
     def _stacked_shrink_kernel(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, part_ptr,
                                N, IN, R, S, K_PER,
-                               sx0, sx1, sa0, sa1, sa2,
-                               K: tl.constexpr, HAS_W: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                               sx0, sx1, sap, sa0, sa1, sa2, ssp,
+                               K: tl.constexpr, P: tl.constexpr, HAS_W: tl.constexpr, DOT_DTYPE: tl.constexpr,
                                PRECISION: tl.constexpr, SR_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -89,27 +95,40 @@ if HAS_TRITON:
         offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         k_lo = tl.program_id(2) * K_PER
         acc = _shrink_tile(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, offs_m64, mm, offs_c, k_lo,
-                           tl.minimum(k_lo + K_PER, IN), R, S, sx0, sx1, sa0, sa1, sa2,
-                           K, HAS_W, DOT_DTYPE, PRECISION, BLOCK_M, BLOCK_C, BLOCK_K)
-        ptrs = part_ptr + (tl.program_id(2) * N + offs_m64[:, None]) * SR_PAD + offs_c[None, :]
+                           tl.minimum(k_lo + K_PER, IN), R, S, sx0, sx1, sap, sa0, sa1, sa2, ssp,
+                           K, HAS_W, DOT_DTYPE, PRECISION, SR_PAD, BLOCK_M, BLOCK_C, BLOCK_K)
+        ptrs = part_ptr + (tl.program_id(2) * N + offs_m64[:, None]) * (P * SR_PAD) + offs_c[None, :]
         tl.store(ptrs, acc, mask=mm[:, None])  # padded columns stored as zeros: the expand reads them unmasked
 
     @triton.jit
-    def _stacked_expand_kernel(b_ptr, part_ptr, out_ptr, N, OUT, R, S, OUT_PER, SPLIT_K,
+    def _stacked_expand_kernel(b_ptr, part_ptr, out_ptr, N, OUT, R, S, O1, O2, O3, OUT_SPLIT, SPLIT_K,
                                sb0, sb1, sb2, so0, so1,
-                               ACCUMULATE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                               P: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCKS: tl.constexpr,
+                               DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
                                SR_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Grid (row tiles, P * OUT_SPLIT): each program expands one slice of one projection's columns."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mm = offs_m < N
         offs_m64 = offs_m.to(tl.int64)
-        offs_c = tl.arange(0, SR_PAD)
+        p = tl.program_id(1) // OUT_SPLIT
+        q = tl.program_id(1) % OUT_SPLIT
+        lo = tl.where(p >= 3, O3, tl.where(p >= 2, O2, tl.where(p >= 1, O1, 0)))
+        hi = tl.where(p >= 3, OUT, tl.where(p >= 2, O3, tl.where(p >= 1, O2, O1)))
+        width = hi - lo
+        out_per = tl.cdiv(tl.cdiv(width, OUT_SPLIT), BLOCK_N) * BLOCK_N
+        o_lo = q * out_per
+        offs_c = p * SR_PAD + tl.arange(0, SR_PAD)
         t = tl.zeros([BLOCK_M, SR_PAD], dtype=tl.float32)
         for ks in range(0, SPLIT_K):
-            t += tl.load(part_ptr + (ks * N + offs_m64[:, None]) * SR_PAD + offs_c[None, :],
+            t += tl.load(part_ptr + (ks * N + offs_m64[:, None]) * (P * SR_PAD) + offs_c[None, :],
                          mask=mm[:, None], other=0.0)
-        o_lo = tl.program_id(1) * OUT_PER
-        _expand_tile(t.to(DOT_DTYPE), b_ptr, out_ptr, offs_m64, mm, o_lo, tl.minimum(o_lo + OUT_PER, OUT), R, S,
-                     sb0, sb1, sb2, so0, so1, ACCUMULATE, DOT_DTYPE, PRECISION, SR_PAD, BLOCK_N)
+        if BLOCKS:  # projection p's delta is the contiguous [N, width] block at N * lo
+            _expand_tile(t.to(DOT_DTYPE), b_ptr + lo.to(tl.int64) * sb1, out_ptr + lo.to(tl.int64) * N,
+                         offs_m64, mm, o_lo, tl.minimum(o_lo + out_per, width), R, S, sb0, sb1, sb2, width, 1,
+                         ACCUMULATE, DOT_DTYPE, PRECISION, SR_PAD, BLOCK_N)
+        else:
+            _expand_tile(t.to(DOT_DTYPE), b_ptr, out_ptr, offs_m64, mm, o_lo, tl.minimum(o_lo + out_per, width),
+                         R, S, sb0, sb1, sb2, so0, so1, ACCUMULATE, DOT_DTYPE, PRECISION, SR_PAD, BLOCK_N)
 
     @triton.jit
     def _stacked_fused_kernel(x_ptr, a_ptr, b_ptr, slot_ptr, w_ptr, scale_ptr, out_ptr,
@@ -118,12 +137,14 @@ if HAS_TRITON:
                               K: tl.constexpr, HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr,
                               DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SR_PAD: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Both phases in one launch (decode sizes): every output slice recomputes its row tile's shrink."""
+        """Both phases in one launch (decode sizes, one projection): every output slice recomputes its row
+        tile's shrink."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mm = offs_m < N
         offs_m64 = offs_m.to(tl.int64)
         t = _shrink_tile(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, offs_m64, mm, tl.arange(0, SR_PAD), 0, IN,
-                         R, S, sx0, sx1, sa0, sa1, sa2, K, HAS_W, DOT_DTYPE, PRECISION, BLOCK_M, SR_PAD, BLOCK_K)
+                         R, S, sx0, sx1, 0, sa0, sa1, sa2, 0, K, HAS_W, DOT_DTYPE, PRECISION, SR_PAD, BLOCK_M,
+                         SR_PAD, BLOCK_K)
         o_lo = tl.program_id(1) * OUT_PER
         _expand_tile(t.to(DOT_DTYPE), b_ptr, out_ptr, offs_m64, mm, o_lo, tl.minimum(o_lo + OUT_PER, OUT), R, S,
                      sb0, sb1, sb2, so0, so1, ACCUMULATE, DOT_DTYPE, PRECISION, SR_PAD, BLOCK_N)
@@ -142,19 +163,21 @@ FUSED_MAX_TOKENS = 16
 
 
 @functools.lru_cache(maxsize=1024)
-def stacked_config(n: int, d_in: int, d_out: int, width: int) -> dict:
-    """Tiles for N tokens, `width` = S*r stacked columns (see the module doc for the grids).
+def stacked_config(n: int, d_in: int, d_out: int, width: int, proj: int = 1) -> dict:
+    """Tiles for N tokens, `width` = S*r stacked columns per projection, `proj` projections sharing x (d_out is
+    one projection's width; see the module doc for the grids).
 
     SHRINK_M grows with N because every shrink row tile re-reads the whole stacked A (S*r*in*2 bytes, from L2);
     SPLIT_K and OUT_SPLIT then spread each phase over ~TARGET_PROGRAMS programs.
     """
     sr_pad = max(16, next_pow2(width))
     if interpreting():  # tiny tiles so interpreter tests walk every split, column tile and mask
-        return dict(FUSED=n <= FUSED_MAX_TOKENS, SHRINK_M=16, EXPAND_M=16, BLOCK_C=16, BLOCK_K=16, BLOCK_N=16,
-                    SPLIT_K=2 if d_in > 16 else 1, OUT_SPLIT=2 if d_out > 16 else 1, num_warps=1, SR_PAD=sr_pad)
+        return dict(FUSED=n <= FUSED_MAX_TOKENS and proj == 1, SHRINK_M=16, EXPAND_M=16, BLOCK_C=16, BLOCK_K=16,
+                    BLOCK_N=16, SPLIT_K=2 if d_in > 16 else 1, OUT_SPLIT=2 if d_out > 16 else 1, num_warps=1,
+                    SR_PAD=sr_pad)
     # A [BLOCK_K, S*r] and B [S*r, BLOCK_N] tiles stay <= 32 KB each (x3 pipeline stages in 228 KB of smem)
     tile_cols = 128 if sr_pad <= 128 else 64
-    if n <= FUSED_MAX_TOKENS:  # one launch (H200 N=1, r=16: 21.7-25.1 us for OUT_SPLIT 64..8; BLOCK_K was 128)
+    if n <= FUSED_MAX_TOKENS and proj == 1:  # one launch (H200 N=1, r=16: 21.7-25.1 us for OUT_SPLIT 64..8)
         block_n = min(64, tile_cols)
         out_split = 1
         while out_split * 2 * block_n <= d_out and out_split < 32:
@@ -167,13 +190,13 @@ def stacked_config(n: int, d_in: int, d_out: int, width: int) -> dict:
     shrink_m = 16 if n <= 256 else 32
     block_c = min(sr_pad, 128)
     block_k = 128
-    tiles = triton.cdiv(n, shrink_m) * (sr_pad // block_c)
+    tiles = triton.cdiv(n, shrink_m) * (proj * sr_pad // block_c)
     split_k = 1
     while split_k * 2 * block_k * 2 <= d_in and tiles * split_k < TARGET_PROGRAMS:
         split_k *= 2
     expand_m = 16 if n <= 256 else (32 if n <= 2048 else 64)
     block_n = tile_cols
-    rows = triton.cdiv(n, expand_m)
+    rows = triton.cdiv(n, expand_m) * proj
     out_split = 1
     while out_split * 2 * block_n <= d_out and rows * out_split < TARGET_PROGRAMS:
         out_split *= 2
@@ -181,27 +204,27 @@ def stacked_config(n: int, d_in: int, d_out: int, width: int) -> dict:
                 BLOCK_N=block_n, SPLIT_K=split_k, OUT_SPLIT=out_split, num_warps=4, SR_PAD=sr_pad)
 
 
-def stacked_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
-                 weights: torch.Tensor | None, scale: torch.Tensor, out: torch.Tensor | None = None,
-                 config: dict | None = None) -> torch.Tensor:
-    """delta (x's dtype) for slots [N, k]; with `out` given, out += delta in place and out is returned."""
-    n, d_in = x.shape
-    s_count, r, _ = A.shape
+def _check_width(s_count: int, r: int) -> None:
     if s_count * r > MAX_WIDTH:
         raise KernelInputError(f"the stacked kernel takes S*r <= {MAX_WIDTH} (got S={s_count}, r={r}); "
                                "use path='grouped' or 'auto' for wider hot sets")
+
+
+def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, cfg) -> None:
+    """Two phases for P = A4.shape[0] projections (or the one-launch schedule when cfg says FUSED, P = 1)."""
+    n, d_in = x.shape
+    p_count, s_count, r, _ = A4.shape
     d_out = B.shape[1]
-    out, accumulate = delta_target(x, d_out, out)
-    if n == 0 or d_out == 0:
-        return out
     k = slots.shape[1]
     slots = slots.contiguous()
-    w = weights.contiguous() if weights is not None else scale
-    cfg = config or stacked_config(n, d_in, d_out, s_count * r)
+    w = weights.contiguous() if weights is not None else scale2
+    cfg = cfg or stacked_config(n, d_in, max(b - a for a, b in zip(bounds, bounds[1:])), s_count * r, p_count)
     sr_pad = cfg["SR_PAD"]
     dot_dtype, precision = dot_config(x.dtype)
-    out_per = triton.cdiv(triton.cdiv(d_out, cfg["OUT_SPLIT"]), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     if cfg["FUSED"]:
+        out_per = triton.cdiv(triton.cdiv(d_out, cfg["OUT_SPLIT"]), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+        A, scale = A4[0], scale2[0]
+        out = out.view(n, d_out)  # P = 1: the flat block layout is the row-major [N, O]
         grid = (triton.cdiv(n, cfg["SHRINK_M"]), triton.cdiv(d_out, out_per))
         _stacked_fused_kernel[grid](x, A, B, slots, w, scale, out, n, d_in, d_out, r, s_count, out_per,
                                     x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
@@ -209,20 +232,51 @@ def stacked_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch
                                     K=k, HAS_W=weights is not None, ACCUMULATE=accumulate, DOT_DTYPE=dot_dtype,
                                     PRECISION=precision, SR_PAD=sr_pad, BLOCK_M=cfg["SHRINK_M"],
                                     BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
-        return out
+        return
     k_per = triton.cdiv(triton.cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split_k = triton.cdiv(d_in, k_per)
-    part = torch.empty(split_k, n, sr_pad, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, cfg["SHRINK_M"]), sr_pad // cfg["BLOCK_C"], split_k)
-    _stacked_shrink_kernel[grid](x, A, slots, w, scale, part, n, d_in, r, s_count, k_per,
-                                 x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
-                                 K=k, HAS_W=weights is not None, DOT_DTYPE=dot_dtype, PRECISION=precision,
-                                 SR_PAD=sr_pad, BLOCK_M=cfg["SHRINK_M"], BLOCK_C=cfg["BLOCK_C"],
-                                 BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
-    grid = (triton.cdiv(n, cfg["EXPAND_M"]), triton.cdiv(d_out, out_per))
-    _stacked_expand_kernel[grid](B, part, out, n, d_out, r, s_count, out_per, split_k,
-                                 B.stride(0), B.stride(1), B.stride(2), out.stride(0), out.stride(1),
-                                 ACCUMULATE=accumulate, DOT_DTYPE=dot_dtype, PRECISION=precision,
-                                 SR_PAD=sr_pad, BLOCK_M=cfg["EXPAND_M"], BLOCK_N=cfg["BLOCK_N"],
-                                 num_warps=cfg["num_warps"])
+    part = torch.empty(split_k, n, p_count * sr_pad, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg["SHRINK_M"]), p_count * sr_pad // cfg["BLOCK_C"], split_k)
+    _stacked_shrink_kernel[grid](x, A4, slots, w, scale2, part, n, d_in, r, s_count, k_per,
+                                 x.stride(0), x.stride(1), A4.stride(0), A4.stride(1), A4.stride(2), A4.stride(3),
+                                 scale2.stride(0), K=k, P=p_count, HAS_W=weights is not None, DOT_DTYPE=dot_dtype,
+                                 PRECISION=precision, SR_PAD=sr_pad, BLOCK_M=cfg["SHRINK_M"],
+                                 BLOCK_C=cfg["BLOCK_C"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+    o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
+    grid = (triton.cdiv(n, cfg["EXPAND_M"]), p_count * cfg["OUT_SPLIT"])
+    _stacked_expand_kernel[grid](B, part, out, n, d_out, r, s_count, o1, o2, o3, cfg["OUT_SPLIT"], split_k,
+                                 B.stride(0), B.stride(1), B.stride(2),
+                                 out.stride(0) if out.dim() == 2 else 0, out.stride(-1),
+                                 P=p_count, ACCUMULATE=accumulate, BLOCKS=blocks, DOT_DTYPE=dot_dtype,
+                                 PRECISION=precision, SR_PAD=sr_pad, BLOCK_M=cfg["EXPAND_M"],
+                                 BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+
+
+def stacked_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                 weights: torch.Tensor | None, scale: torch.Tensor, out: torch.Tensor | None = None,
+                 config: dict | None = None) -> torch.Tensor:
+    """delta (x's dtype) for slots [N, k]; with `out` given, out += delta in place and out is returned."""
+    _check_width(A.shape[0], A.shape[1])
+    d_out = B.shape[1]
+    out, accumulate = delta_target(x, d_out, out)
+    if x.shape[0] == 0 or d_out == 0:
+        return out
+    _launch(x, A[None], B, slots, weights, scale[None], out, accumulate, (0, d_out), False, config)
     return out
+
+
+def stacked_lora_group(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                       weights: torch.Tensor | None, scale: torch.Tensor, bounds: tuple[int, ...],
+                       config: dict | None = None) -> torch.Tensor:
+    """The P deltas of projections sharing x (A [P, S, r, in], B [S, O, r], scale [P, S]) as one flat buffer
+    [N * O]: projection p's delta is the contiguous [N, width_p] block starting at N * bounds[p]. One shrink
+    (x read once, all P*S*r columns), one expand launch for all projections."""
+    _check_width(A.shape[1], A.shape[2])
+    n = x.shape[0]
+    d_out = B.shape[1]
+    flat = torch.empty(n * d_out, dtype=x.dtype, device=x.device)
+    if n and d_out:
+        if config is not None and config["FUSED"] and A.shape[0] > 1:
+            raise KernelInputError("the one-launch stacked schedule takes one projection")
+        _launch(x, A, B, slots, weights, scale, flat, False, bounds, True, config)
+    return flat

@@ -2,8 +2,15 @@
 
 It *is* an nn.Linear sharing the original weight and bias Parameters (same state-dict keys, so the HF model
 still saves and loads as the base model), plus non-persistent buffers holding the hot-set slots
-A[S, r_max, in], B[S, out, r_max], scale[S].  They are allocated once here; HotSetCache only ever copies into
-them, so their addresses stay fixed (CUDA-graph friendly).  Buffers follow `model.to(device / dtype)`.
+A[S, r_max, in], B[S, out, r_max], scale[S].  They are allocated once; HotSetCache only ever copies into them, so
+their addresses stay fixed (CUDA-graph friendly).  Buffers follow `model.to(device / dtype)`.
+
+Projections that read the same input (q/k/v of an attention block, gate/up of an MLP) form a ProjectionGroup:
+their A, B and scale buffers are views into one stacked tensor each (A [P, S, r, in], B [S, sum(out), r],
+scale [P, S]), so the first member called in a forward computes every member's delta with one shrink (x read
+once) and one expand launch (kernels.routed_lora_group), and the other members pick theirs up from the call's
+CallRouting.  Each layer then runs its base GEMM *onto* its delta (addmm_, beta = 1): the delta costs no extra
+read and write of the output, which an add after the GEMM would.
 
 The layer builds no routing metadata: it reads the per-call `CallRouting` (routing/context.py) that
 RoutedModel.forward set up once for the whole pass.  No routing active -> exactly the base linear.
@@ -11,13 +18,111 @@ RoutedModel.forward set up once for the whole pass.  No routing active -> exactl
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels import reads_meta, routed_lora, routed_lora_topk
-from routing.context import current_routing
+from kernels.autograd import needs_autograd
+from kernels.dispatch import routed_lora_group_forward
+from routing.context import CallRouting, SharedDeltas, current_routing
 from routing.errors import RoutingError
+
+log = logging.getLogger(__name__)
+
+# Sibling linear layers that read the same input tensor in the model families we know (Llama, Qwen, Mistral,
+# Emu3, Chameleon, Janus's LM: q/k/v and gate/up; Mixtral-style MLPs: w1/w3).
+SHARED_INPUT_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+
+
+class ProjectionGroup:
+    """Routed layers of one module that read the same input: their adapters stacked for one shared kernel call.
+
+    Members' lora_A / lora_B / lora_scale buffers are views into self.A [P, S, r, in], self.B [S, O, r] and
+    self.scale [P, S]. `model.to(...)` replaces every buffer by a separate copy; stacked() notices (the members'
+    buffers are no longer the views it made) and stacks again, once.
+    """
+
+    def __init__(self, members: Iterable[RoutedLoRALinear]) -> None:
+        self.members = list(members)
+        self.shares_input = True  # cleared if members turn out to be called on different inputs
+        bounds = [0]
+        for p, layer in enumerate(self.members):
+            layer.group, layer.group_index = self, p
+            bounds.append(bounds[-1] + layer.out_features)
+        self.bounds = tuple(bounds)
+        self._views: list[tuple[torch.Tensor, ...]] = []
+        if len(self.members) > 1:
+            self._stack()
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    @torch.no_grad()
+    def _stack(self) -> None:
+        first = self.members[0]
+        p_count, out = len(self.members), self.bounds[-1]
+        num_slots, r_max, d_in = first.lora_A.shape
+        kw = {"dtype": first.lora_A.dtype, "device": first.lora_A.device}
+        A = torch.empty(p_count, num_slots, r_max, d_in, **kw)
+        B = torch.empty(num_slots, out, r_max, **kw)
+        scale = torch.empty(p_count, num_slots, dtype=first.lora_scale.dtype, device=kw["device"])
+        for p, layer in enumerate(self.members):
+            lo, hi = self.bounds[p], self.bounds[p + 1]
+            A[p].copy_(layer.lora_A)
+            B[:, lo:hi].copy_(layer.lora_B)
+            scale[p].copy_(layer.lora_scale)
+            layer._buffers["lora_A"], layer._buffers["lora_B"] = A[p], B[:, lo:hi]
+            layer._buffers["lora_scale"] = scale[p]
+        self.A, self.B, self.scale = A, B, scale
+        self._views = [(layer.lora_A, layer.lora_B, layer.lora_scale) for layer in self.members]
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(A [P, S, r, in], B [S, O, r], scale [P, S]) over the members' current buffers."""
+        if len(self.members) == 1:
+            layer = self.members[0]
+            return layer.lora_A[None], layer.lora_B, layer.lora_scale[None]
+        for layer, (a, b, sc) in zip(self.members, self._views):
+            if layer.lora_A is not a or layer.lora_B is not b or layer.lora_scale is not sc:
+                self._stack()  # the model was moved or cast: buffers are separate copies now
+                break
+        return self.A, self.B, self.scale
+
+    def deltas(self, routing: CallRouting, block: int | None, x2: torch.Tensor, slots: torch.Tensor,
+               weights: torch.Tensor | None, only: int | None = None) -> list[torch.Tensor]:
+        """Fresh deltas [N, out_p] of every member (or of member `only`), in x's dtype."""
+        A, B, scale = self.stacked()
+        bounds = self.bounds
+        if only is not None and len(self.members) > 1:
+            lo, hi = bounds[only], bounds[only + 1]
+            A, B, scale, bounds = A[only:only + 1], B[:, lo:hi], scale[only:only + 1], (0, hi - lo)
+        slots2 = slots if slots.dim() == 2 else slots[:, None]
+        meta = routing.meta(block) if reads_meta(x2, slots2.shape[1], A) else None
+        return routed_lora_group_forward(x2, A, B, slots2, weights, scale, bounds, meta)
+
+
+def group_projections(layers: Iterable[RoutedLoRALinear]) -> list[ProjectionGroup]:
+    """Group sibling routed layers that read the same input (SHARED_INPUT_SETS, same module, same shapes and
+    dtype); call once after wrapping. Layers left out stay groups of one."""
+    by_parent: dict[str, dict[str, RoutedLoRALinear]] = {}
+    for layer in layers:
+        parent, _, child = layer.name.rpartition(".")
+        by_parent.setdefault(parent, {})[child] = layer
+    groups = []
+    for children in by_parent.values():
+        for names in SHARED_INPUT_SETS:
+            members = [children[n] for n in names if n in children]
+            first = members[0] if members else None
+            if len(members) < 2 or any(
+                    (m.in_features, m.num_slots, m.r_max, m.lora_A.dtype, m.lora_A.device)
+                    != (first.in_features, first.num_slots, first.r_max, first.lora_A.dtype, first.lora_A.device)
+                    for m in members):
+                continue
+            groups.append(ProjectionGroup(members))
+    return groups
 
 
 class RoutedLoRALinear(nn.Linear):
@@ -34,6 +139,8 @@ class RoutedLoRALinear(nn.Linear):
         self.register_buffer("lora_A", torch.zeros(num_slots, r_max, self.in_features, **kw), persistent=False)
         self.register_buffer("lora_B", torch.zeros(num_slots, self.out_features, r_max, **kw), persistent=False)
         self.register_buffer("lora_scale", torch.zeros(num_slots, **kw), persistent=False)
+        self.group_index = 0
+        self.group = ProjectionGroup([self])  # group_projections() may put it in a larger one
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, slots={self.num_slots}, r_max={self.r_max}, block={self.block}"
@@ -45,17 +152,47 @@ class RoutedLoRALinear(nn.Linear):
         self.lora_scale[slot] = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
         routing = current_routing()
         if routing is None:
-            return y
+            return F.linear(x, self.weight, self.bias)
         slots, weights = routing.for_block(self.block)
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] != slots.shape[0]:
             raise RoutingError(f"routed layer '{self.name}' got {x2.shape[0]} tokens but the routing covers "
                                f"{slots.shape[0]}; call the model through RoutedModel.forward with the same input_ids")
-        # slot-sorted rows, built once per forward and shared by every layer; decode-sized calls take a path
-        # that does not read them, so they are not built there
+        if needs_autograd(x2, self.weight, self.lora_A, self.lora_B, weights) or \
+                torch.is_autocast_enabled(x.device.type) or x2.dtype != self.weight.dtype:
+            return self._forward_add(x, x2, routing, slots, weights)
+        delta = self._shared_delta(routing, x, x2, slots, weights)
+        y = delta.addmm_(x2, self.weight.t())  # the base GEMM accumulates onto the delta (cuBLAS beta = 1)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _shared_delta(self, routing: CallRouting, x: torch.Tensor, x2: torch.Tensor, slots: torch.Tensor,
+                      weights: torch.Tensor | None) -> torch.Tensor:
+        """This layer's delta: computed with its group's in one call, or taken from that call's results."""
+        group, index = self.group, self.group_index
+        if len(group) == 1:
+            return group.deltas(routing, self.block, x2, slots, weights)[0]
+        shared = routing.shared.get(group)
+        if shared is not None and shared.x is x and shared.deltas[index] is not None:
+            return shared.take(index, routing, group)
+        if shared is not None and shared.x is not x and shared.deltas[index] is not None and group.shares_input:
+            # a sibling computed this layer's delta from another input: these members do not share x
+            group.shares_input = False
+            log.info("routed layers %s are called on different inputs; computing their deltas separately",
+                     [m.name for m in group.members])
+        if not group.shares_input:
+            return group.deltas(routing, self.block, x2, slots, weights, only=index)[0]
+        deltas = group.deltas(routing, self.block, x2, slots, weights)
+        routing.shared[group] = SharedDeltas(x, list(deltas), len(deltas))
+        return routing.shared[group].take(index, routing, group)
+
+    def _forward_add(self, x: torch.Tensor, x2: torch.Tensor, routing: CallRouting, slots: torch.Tensor,
+                     weights: torch.Tensor | None) -> torch.Tensor:
+        """Base linear, then the delta added into it (autograd, autocast): the ops' checks and backward."""
+        y = F.linear(x, self.weight, self.bias)
         k = slots.shape[1] if slots.dim() == 2 else 1
         meta = routing.meta(self.block) if reads_meta(x2, k, self.lora_A) else None
         out = y.view(-1, self.out_features)  # the kernels add the delta into the base output in place

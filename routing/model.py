@@ -29,7 +29,7 @@ from routing.adapters import LoraAdapter, check_base_model, load_peft_adapter, s
 from routing.cache import HotSetCache
 from routing.context import BlockDecision, CallRouting, current_routing, reset_routing, set_routing
 from routing.errors import AdapterError, RoutingError
-from routing.lora import RoutedLoRALinear
+from routing.lora import RoutedLoRALinear, group_projections
 from routing.routers import LearnedGroup, LearnedRouter, Router, load_balance_loss, router_z_loss
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ def attach_routed_lora(model: nn.Module, target_modules: str | Sequence[str] = D
         layer = RoutedLoRALinear(getattr(parent, child), num_slots, r_max, name=name, block=block)
         setattr(parent, child, layer)
         layers[name] = layer
+    group_projections(layers.values())  # q/k/v and gate/up share one routed-LoRA call (routing/lora.py)
     for index, block_module in enumerate(blocks):
         block_module.register_forward_pre_hook(_block_pre_hook(index), with_kwargs=True)
     log.info("routed LoRA on %d linear layers in %d blocks: %d slots, r_max %d", len(layers), len(blocks),

@@ -215,3 +215,39 @@ def test_stacked_kernel_refuses_stacks_wider_than_its_tiles():
     x, A, B, scale, _ = make(2, 8, 8, 4, MAX_WIDTH // 4 + 1)
     with pytest.raises(KernelInputError, match="S\\*r <="):
         stacked_lora(x, A, B, torch.zeros(2, 1, dtype=torch.int32), None, scale)
+
+
+# --- projections sharing x (routed_lora_group) -----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(3, 1), (5, 3), (40, 1), (33, 2)])  # the dense form (few rows) and the loop
+def test_group_cpu_matches_each_projection_reference(dtype, n, k):
+    from kernels import routed_lora_group, routed_lora_group_reference
+
+    g = torch.Generator().manual_seed(n * 10 + k)
+    outs = (20, 8, 8)
+    bounds = (0, 20, 28, 36)
+    x = torch.randn(n, 24, generator=g).to(dtype)
+    A = (torch.randn(3, 4, 8, 24, generator=g) / 5).to(dtype)
+    B = torch.randn(4, 36, 8, generator=g).to(dtype)
+    scale = torch.rand(3, 4, generator=g) + 0.5
+    slots = torch.randint(-1, 4, (n, k), generator=g)
+    weights = torch.rand(n, k, generator=g) if k > 1 else None
+    got = routed_lora_group(x, A, B, slots, weights, scale, bounds)
+    want = routed_lora_group_reference(x, A, B, slots, weights, scale, bounds)
+    assert [tuple(t.shape) for t in got] == [(n, o) for o in outs]
+    for y, ref in zip(got, want):
+        assert y.dtype == dtype and rel_err(y, ref) <= TOL[dtype]
+
+
+def test_group_rejects_bad_bounds_and_scale():
+    from kernels import routed_lora_group
+
+    x, A, B, scale, _ = make(4, 16, 12, 3, 4)
+    A2, B2, slots = torch.stack([A, A]), torch.cat([B, B], 1), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(KernelInputError, match="bounds"):
+        routed_lora_group(x, A2, B2, slots, None, torch.stack([scale, scale]), (0, 12, 20))
+    with pytest.raises(KernelInputError, match="scale"):
+        routed_lora_group(x, A2, B2, slots, None, scale, (0, 12, 24))
+    with pytest.raises(KernelInputError, match=r"\[P, S, r, in\]"):
+        routed_lora_group(x, A, B, slots, None, scale, (0, 12))

@@ -1,0 +1,156 @@
+"""Projection groups (routing/lora.py): q/k/v and gate/up share one routed-LoRA call per forward, with results
+equal to computing each projection on its own, through model moves and inputs that turn out not to be shared."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import routing.lora as lora_mod
+from kernels.reference import routed_lora_reference
+from routing import LoraAdapter, RoutedLoRALinear, SequenceRouter, attach_routed_lora
+from routing.context import CallRouting, reset_routing, set_routing
+from routing.lora import ProjectionGroup, group_projections
+
+IDS = torch.tensor([[1, 7, 9, 3, 33, 40, 57, 63, 4, 8, 30, 2], [1, 3, 32, 35, 36, 50, 4, 11, 12, 13, 14, 2]])
+
+
+def _adapter(model, name: str, rank: int, seed: int) -> LoraAdapter:
+    gen = torch.Generator().manual_seed(seed)
+    weights = {n: (torch.randn(rank, m.in_features, generator=gen) * 0.3,
+                   torch.randn(m.out_features, rank, generator=gen) * 0.3)
+               for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in n}
+    return LoraAdapter(name, weights, {m: 1.5 for m in weights})
+
+
+def _routed(seed: int = 0):
+    torch.manual_seed(seed)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+    reference = copy.deepcopy(base)
+    routed = attach_routed_lora(base, num_slots=3, r_max=8)
+    routed.add_adapter(_adapter(reference, "T", 4, 1))
+    routed.add_adapter(_adapter(reference, "D", 8, 2))
+    return routed
+
+
+def _groups(routed) -> set[ProjectionGroup]:
+    return {m.group for m in routed.model.modules() if isinstance(m, RoutedLoRALinear)}
+
+
+def test_attach_groups_qkv_and_gate_up_with_buffers_as_views_of_one_stack():
+    routed = _routed()
+    attn = routed.model.model.layers[0].self_attn
+    mlp = routed.model.model.layers[0].mlp
+    assert attn.q_proj.group is attn.k_proj.group is attn.v_proj.group
+    assert mlp.gate_proj.group is mlp.up_proj.group
+    assert len(attn.o_proj.group) == 1 and len(mlp.down_proj.group) == 1
+    group = attn.q_proj.group
+    assert group.bounds == (0, 32, 48, 64)  # q 32, k and v 16 (two KV heads of 8)
+    for p, layer in enumerate(group.members):
+        assert layer.lora_A.data_ptr() == group.A[p].data_ptr()
+        assert layer.lora_B.data_ptr() == group.B[:, group.bounds[p]:].data_ptr()
+        assert layer.lora_scale.data_ptr() == group.scale[p].data_ptr()
+    assert attn.v_proj.lora_A.shape == (3, 8, 32) and attn.v_proj.lora_B.shape == (3, 16, 8)
+
+
+def test_one_kernel_call_per_group_and_same_logits_as_each_projection_alone(monkeypatch):
+    routed = _routed()
+    calls = []
+    real = lora_mod.routed_lora_group_forward
+    monkeypatch.setattr(lora_mod, "routed_lora_group_forward", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+    router = [SequenceRouter("T"), SequenceRouter("D")]
+    with torch.no_grad():
+        shared = routed(IDS, routers=router).logits
+        assert sorted(calls) == [1, 1, 1, 1, 2, 2, 3, 3]  # per block: q/k/v, gate/up, o, down
+        for group in _groups(routed):
+            group.shares_input = False
+        calls.clear()
+        apart = routed(IDS, routers=router).logits
+    assert calls == [1] * 14
+    assert torch.allclose(shared, apart, atol=1e-5, rtol=1e-5)
+
+
+def test_group_layer_matches_base_plus_reference_delta():
+    layers = [RoutedLoRALinear(torch.nn.Linear(24, o, bias=bias), 3, 8, name=f"blk.{n}")
+              for n, o, bias in (("q_proj", 24, True), ("k_proj", 12, False), ("v_proj", 12, True))]
+    group_projections(layers)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in layers:
+            layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=gen))
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen))
+            layer.lora_scale.copy_(torch.rand(3, generator=gen))
+    x = torch.randn(2, 5, 24, generator=gen)
+    slots = torch.tensor([0, 1, 2, -1, 1, 0, 0, 2, -1, 1])
+    token = set_routing(CallRouting(2, 5, slots, 3))
+    try:
+        with torch.no_grad():
+            ys = [layer(x) for layer in layers]
+    finally:
+        reset_routing(token)
+    for layer, y in zip(layers, ys):
+        want = F.linear(x, layer.weight, layer.bias).reshape(10, -1) + routed_lora_reference(
+            x.reshape(10, 24), layer.lora_A, layer.lora_B, slots, layer.lora_scale)
+        assert y.shape == (2, 5, layer.out_features)
+        assert torch.allclose(y.reshape(10, -1), want, atol=1e-5, rtol=1e-5)
+
+
+def test_members_called_on_different_inputs_stop_sharing_and_stay_correct():
+    layers = [RoutedLoRALinear(torch.nn.Linear(16, 16, bias=False), 2, 4, name=f"blk.{n}") for n in ("gate_proj", "up_proj")]
+    group_projections(layers)
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            layer.lora_A.normal_()
+            layer.lora_B.normal_()
+            layer.lora_scale.fill_(1.0 + i)
+    x1, x2 = torch.randn(3, 16), torch.randn(3, 16)
+    slots = torch.tensor([0, 1, -1])
+    token = set_routing(CallRouting(1, 3, slots, 2))
+    try:
+        with torch.no_grad():
+            y_gate, y_up = layers[0](x1), layers[1](x2)
+    finally:
+        reset_routing(token)
+    assert layers[0].group.shares_input is False
+    for layer, x, y in ((layers[0], x1, y_gate), (layers[1], x2, y_up)):
+        want = F.linear(x, layer.weight) + routed_lora_reference(x, layer.lora_A, layer.lora_B, slots, layer.lora_scale)
+        assert torch.allclose(y, want, atol=1e-5, rtol=1e-5)
+
+
+def test_model_moved_after_attach_restacks_and_keeps_adapters():
+    routed = _routed()
+    router = SequenceRouter("D")
+    with torch.no_grad():
+        before = routed(IDS, routers=router).logits.double()
+        routed.model.to(torch.float64)  # every buffer becomes a separate float64 copy
+        q = routed.model.model.layers[0].self_attn.q_proj
+        assert q.lora_A.data_ptr() != q.group.A[0].data_ptr()
+        after = routed(IDS, routers=router).logits
+        assert q.group.A.dtype == torch.float64 and q.lora_A.data_ptr() == q.group.A[0].data_ptr()
+    assert after.dtype == torch.float64
+    assert torch.allclose(after, before, atol=1e-4, rtol=1e-4)
+
+
+def test_training_through_a_group_takes_the_autograd_path():
+    routed = _routed()
+    q = routed.model.model.layers[0].self_attn.q_proj
+    q.lora_A.requires_grad_(True)
+    out = routed(IDS, routers=SequenceRouter("T")).logits
+    out.square().mean().backward()
+    assert q.lora_A.grad is not None and q.lora_A.grad.abs().sum() > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_group_matches_cpu():
+    routed = _routed()
+    router = [SequenceRouter("T"), SequenceRouter("D")]
+    with torch.no_grad():
+        want = routed(IDS, routers=router).logits
+        routed.model.to("cuda")
+        got = routed(IDS.cuda(), routers=router).logits.cpu()
+    assert torch.allclose(got, want, atol=1e-3, rtol=1e-3)
