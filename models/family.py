@@ -39,7 +39,8 @@ from models.vocab import UnifiedVocab
 
 log = logging.getLogger(__name__)
 
-BUILTIN_FAMILIES = ("models.shapes.family", "models.emu3.family", "models.chameleon.family")
+BUILTIN_FAMILIES = ("models.shapes.family", "models.emu3.family", "models.chameleon.family",
+                    "models.janus.family")
 DEFAULT_FAMILY = "shapes"
 
 

@@ -12,7 +12,7 @@ from routing import ModalityMap, SequenceRouter, VocabRangeRouter
 from routing.modality import IMAGE, TEXT
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILY_PACKAGES = ("models.shapes", "models.emu3", "models.chameleon")
+FAMILY_PACKAGES = ("models.shapes", "models.emu3", "models.chameleon", "models.janus")
 
 
 def _imports(path: Path) -> set[str]:
