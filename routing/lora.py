@@ -27,7 +27,7 @@ from torch import nn
 
 from kernels import reads_meta, routed_lora, routed_lora_topk
 from kernels.autograd import needs_autograd
-from kernels.dispatch import routed_lora_group_forward
+from kernels.dispatch import choose_group_path, routed_lora_group_forward
 from routing.context import CallRouting, SharedDeltas, current_routing
 from routing.errors import RoutingError
 
@@ -100,8 +100,10 @@ class ProjectionGroup:
             lo, hi = bounds[only], bounds[only + 1]
             A, B, scale, bounds = A[only:only + 1], B[:, lo:hi], scale[only:only + 1], (0, hi - lo)
         slots2 = slots if slots.dim() == 2 else slots[:, None]
-        meta = routing.meta(block) if reads_meta(x2, slots2.shape[1], A) else None
-        return routed_lora_group_forward(x2, A, B, slots2, weights, scale, bounds, meta)
+        # one path decision (by shape) for the call; the grouped kernel and the CPU read per-forward metadata
+        path = choose_group_path(x2, slots2.shape[1], True, A.shape[1], A.shape[2], A.shape[0])
+        meta = routing.meta(block) if path in ("grouped", "torch") else None
+        return routed_lora_group_forward(x2, A, B, slots2, weights, scale, bounds, meta, path)
 
 
 def group_projections(layers: Iterable[RoutedLoRALinear]) -> list[ProjectionGroup]:
