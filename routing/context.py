@@ -24,6 +24,7 @@ class BlockDecision:
     logits: torch.Tensor  # [n, E] float32 gate logits of the gated tokens' rows
     topk: torch.Tensor  # [n, k] expert indices
     mask: torch.Tensor  # [n] bool: positions the gate actually routes (text positions of learned rows)
+    base_expert: bool = False  # the last logit column is the base expert (no adapter)
 
 
 @dataclass

@@ -213,17 +213,15 @@ def context_positions(batch) -> torch.Tensor:
 
 def label_loss(decisions: dict, batch, base_expert: int | None) -> torch.Tensor:
     """Cross-entropy of every block's gate logits against the domain labels on the positions that predict an
-    answer id, and against the base expert (index `base_expert`, when there is one) on context positions."""
-    answer = answer_positions(batch)
-    targets = batch.labels
-    keep = answer
+    answer id, and against the base expert (index `base_expert`, when there is one) on context positions. The
+    two kinds count equally: a prompt has ten times more positions than its answer, and a gate fitted to the
+    plain mean learns "base everywhere"."""
+    groups = [(answer_positions(batch).reshape(-1), batch.labels.reshape(-1))]
     if base_expert is not None:
-        context = context_positions(batch)
-        keep = answer | context
-        targets = torch.where(context, torch.full_like(targets, base_expert), targets)
-    keep = keep.reshape(-1)
-    flat = targets.reshape(-1)[keep]
-    losses = [F.cross_entropy(d.logits[keep], flat) for ds in decisions.values() for d in ds]
+        context = context_positions(batch).reshape(-1)
+        groups.append((context, torch.full_like(context, base_expert, dtype=torch.long)))
+    losses = [F.cross_entropy(d.logits[keep], target[keep]) for keep, target in groups if bool(keep.any())
+              for ds in decisions.values() for d in ds]
     return torch.stack(losses).mean()
 
 

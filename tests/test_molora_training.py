@@ -175,3 +175,56 @@ def test_gates_with_a_new_adapter_keep_the_old_rows_and_start_the_new_one_at_zer
         assert not new.weight[1].any()
     with pytest.raises(RoutingError, match="missing"):
         gates.with_adapters(["a"])
+
+
+def test_domain_adapters_act_only_on_their_own_answer_span(trained):
+    """The composition contract: an adapter trained apart changes nothing before its own span, so any adapter
+    meets the prompt as the base model wrote it (scripts/train_domain_adapters.py)."""
+    root, model, adapters, _, _ = trained
+    train_domain = _script("train_domain_adapters")
+    routed, tok = _script("train_router").load_routed(model, adapters, ["count", "spatial"])
+    items = [encode_item(tok, it) for it in mixed_items(3, seed=1, domains=["count", "spatial"])]
+    batch = make_batch(items, range(3), tok.vocab.pad_id, ["count"])
+    with torch.no_grad():
+        base = routed(batch.ids).logits
+        own = routed(batch.ids, routers=train_domain.own_span_router("count", batch)).logits
+    for b, e in enumerate(items):
+        first_count = e.answer_start - 1 + e.span_domain.index("count")  # the position predicting its first id
+        assert torch.equal(own[b, :first_count], base[b, :first_count])
+        assert not torch.allclose(own[b, first_count], base[b, first_count])
+    assert json.loads((adapters / "count" / "molora.json").read_text())["context"].startswith("base")
+
+
+def test_base_expert_routes_to_no_adapter_and_survives_save_and_load(trained, tmp_path):
+    root, model, adapters, _, _ = trained
+    routed, tok = _script("train_router").load_routed(model, adapters, ["count", "spatial"])
+    gates = LearnedGates.for_model(routed, ["count", "spatial"], base_expert=True)
+    assert gates.num_experts == 3 and gates.experts == ["count", "spatial", None]
+    assert gates.expert_slots({"count": 0, "spatial": 1}, "cpu").tolist() == [0, 1, -1]
+    ids = torch.tensor([[tok.vocab.bos_id, 40, 41, 42, 43]])
+    fixed = torch.tensor([[0.0, 0.0, 9.0]] * 3 + [[9.0, 0.0, 0.0]] * 2)  # base for 3 positions, then count
+    gates.logits = lambda block, hidden: fixed.to(hidden.device)
+    with torch.no_grad():
+        out = routed(ids, routers=LearnedRouter(gates, top_k=1))
+        base = routed(ids).logits
+    del gates.logits
+    assert out.routing.adapter_names(0) == [None, None, None, "count", "count"]
+    assert torch.equal(out.logits[0, :3], base[0, :3]) and not torch.allclose(out.logits[0, 3:], base[0, 3:])
+    gates.save(tmp_path / "g.safetensors")
+    again = LearnedGates.load(tmp_path / "g.safetensors")
+    assert again.base_expert and again.experts == gates.experts
+    assert all(torch.equal(a.weight, b.weight) for a, b in zip(again.gates, gates.gates))
+    grown = gates.with_adapters(["count", "spatial", "new"])
+    assert grown.experts == ["count", "spatial", "new", None]
+    assert torch.equal(grown.gates[0].weight[3], gates.gates[0].weight[2]) and not grown.gates[0].weight[2].any()
+
+
+def test_load_balance_leaves_the_base_expert_out():
+    from routing.context import BlockDecision
+    from routing.routers import load_balance_loss
+    logits = torch.tensor([[0.0, 0.0, 5.0], [0.0, 0.0, 5.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    topk = logits.topk(1, dim=-1).indices
+    mask = torch.ones(4, dtype=torch.bool)
+    balanced = load_balance_loss(BlockDecision(logits, topk, mask, base_expert=True))
+    assert torch.isclose(balanced, torch.tensor(1.0), atol=1e-5)  # the two adapters share evenly: 1
+    assert load_balance_loss(BlockDecision(logits, topk, mask)) > 1.1  # base counted as an expert: unbalanced
