@@ -47,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU smoke run under TRITON_INTERPRET=1, tiny sizes")
     p.add_argument("--no-tune", action="store_true", help="skip the stacked tile-size sweeps")
+    p.add_argument("--quick-correct", action="store_true", help="correctness on a few cases only")
     p.add_argument("--only", default="", help="comma-separated sections to run (default: all): correct, group, "
                    "topk, ranks, k3, k1, eager, tune, sweep")
     return p.parse_args()
@@ -167,6 +168,8 @@ def check_correctness() -> bool:
     if ARGS.dry_run:
         cases = [(1, 64, 48, 4, 16, 1), (37, 40, 33, 4, 8, 1), (30, 64, 64, 4, 16, 3)]
     fp16_cases = cases if ARGS.dry_run else [cases[2], cases[3], cases[11]]  # compile time: fp16 on a subset
+    if ARGS.quick_correct and not ARGS.dry_run:  # a first look on a lent GPU: one case per kernel family and rank bucket
+        cases, fp16_cases = [cases[0], cases[2], cases[3], cases[9], cases[11]], cases[2:3]
     ok = True
     for dtype in (torch.bfloat16, torch.float16):
         for i, (n, di, do, s, r, k) in enumerate(cases if dtype == torch.bfloat16 else fp16_cases):
@@ -547,32 +550,33 @@ def run_sweep() -> None:
         for n in ([1] if ARGS.dry_run else [1, 32]):
             x, A, B, slots, _, scale = make_inputs(n, seed=21, r=r)
             line, best = [], (float("inf"), None)
-            for bk in ([16] if ARGS.dry_run else [32, 64, 128, 256]):
-                for bn in ([16] if ARGS.dry_run else [32, 64, 128, 256]):
+            for bk in ([16] if ARGS.dry_run else [64, 128, 256]):
+                for bn in ([16] if ARGS.dry_run else [64, 128, 256]):
                     cfg = dict(BLOCK_K=bk, BLOCK_N=bn, num_warps=4)
                     us = bench_us(lambda cfg=cfg: gather_mod.gather_lora(x, A, B, slots, None, scale, None, cfg))
                     res[f"gather r{r} N{n} K{bk} N{bn}"] = us
                     line.append(f"{bk}x{bn}={us:.1f}")
                     best = min(best, (us, (bk, bn)))
             print(f"  r={r:3d} N={n:3d} best {best[1]} {best[0]:.2f}: " + " ".join(line))
-    print("\n== grouped tile sweep (median us, k=1, metadata prebuilt; BLOCK_M/OUT_SPLIT/warps) ==")
-    for r in ([16] if ARGS.dry_run else [32, 64, 128]):
+    print("\n== grouped tile sweep (median us, k=1, metadata prebuilt; schedule 1 = one launch, 2 = two phases; "
+          "BLOCK_M/OUT_SPLIT) ==")
+    for r in ([16] if ARGS.dry_run else [16, 32, 64, 128]):
         for n in ([40] if ARGS.dry_run else [256, 2048]):
             x, A, B, slots, _, scale = make_inputs(n, seed=22, r=r)
             meta = build_routing_meta(slots, S)
             base = grouped_mod.grouped_config(n, D, D, S, r)
             line, best = [], (float("inf"), None)
-            for bm in ([16] if ARGS.dry_run else [16, 32, 64]):
-                for split in ([1] if ARGS.dry_run else [1, 2, 4, 8]):
-                    for warps in ([1] if ARGS.dry_run else [4, 8]):
-                        cfg = {**base, "BLOCK_M": bm, "OUT_SPLIT": split, "num_warps": warps}
+            for two in (False, True):
+                for bm in ([16] if ARGS.dry_run else [16, 32, 64]):
+                    for split in ([1] if ARGS.dry_run else [1, 2, 4, 8]):
+                        cfg = {**base, "BLOCK_M": bm, "OUT_SPLIT": split, "TWO_PHASE": two}
                         us = bench_us(lambda cfg=cfg: grouped_mod.grouped_lora(x, A, B, slots, None, scale, None,
                                                                                meta, cfg))
-                        res[f"grouped r{r} N{n} M{bm} s{split} w{warps}"] = us
-                        line.append(f"{bm}/{split}/{warps}={us:.1f}")
-                        best = min(best, (us, (bm, split, warps)))
-            print(f"  r={r:3d} N={n:5d} default {base['BLOCK_M']}/{base['OUT_SPLIT']}/{base['num_warps']} best "
-                  f"{best[1]} {best[0]:.2f}: " + " ".join(line))
+                        res[f"grouped r{r} N{n} ph{1 + two} M{bm} s{split}"] = us
+                        line.append(f"{1 + two}:{bm}/{split}={us:.1f}")
+                        best = min(best, (us, (1 + two, bm, split)))
+            print(f"  r={r:3d} N={n:5d} default {1 + base['TWO_PHASE']}:{base['BLOCK_M']}/{base['OUT_SPLIT']} "
+                  f"(split_k {base['SPLIT_K']}) best {best[1]} {best[0]:.2f}: " + " ".join(line))
     RESULTS["sweep"] = res
 
 

@@ -19,7 +19,7 @@ from kernels.triton_common import HAS_TRITON, interpreting
 
 if HAS_TRITON:
     from kernels.triton_gather import gather_lora, gather_lora_group
-    from kernels.triton_grouped import grouped_lora
+    from kernels.triton_grouped import grouped_lora, grouped_lora_group
     from kernels.triton_stacked import MAX_WIDTH, stacked_lora, stacked_lora_group
 
 log = logging.getLogger(__name__)
@@ -136,17 +136,20 @@ def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                               meta: RoutingMeta | None = None, path: str = "auto") -> list[torch.Tensor]:
     """No-autograd forward of P projections sharing x: A [P, S, r, in], B [S, O, r] (projection p's output columns
     bounds[p]:bounds[p+1]), scale [P, S], slots [N, k]. Returns P fresh deltas [N, width_p] in x's dtype.
-    The gather and stacked kernels shrink once for all projections and expand all of them in one launch; the
-    grouped kernel and the CPU's grouped loop run one projection at a time."""
+    Every Triton path shrinks once for all projections (x read once) and expands all of them in one launch; the
+    CPU's grouped loop runs one projection at a time."""
     p_count, s_count, r, _ = A.shape
     k = slots.shape[1]
     if path == "auto":
         path = choose_group_path(x, k, meta is not None, s_count, r, p_count)
     n = x.shape[0]
     spans = list(zip(bounds, bounds[1:]))
-    if path == "gather" or (path == "stacked" and s_count * r <= MAX_WIDTH):
-        flat = (gather_lora_group if path == "gather" else stacked_lora_group)(x, A, B, slots, weights, scale,
-                                                                               tuple(bounds))
+    if path == "gather" or path == "grouped" or (path == "stacked" and s_count * r <= MAX_WIDTH):
+        if path == "grouped":
+            flat = grouped_lora_group(x, A, B, slots, weights, scale, tuple(bounds), meta)
+        else:
+            flat = (gather_lora_group if path == "gather" else stacked_lora_group)(x, A, B, slots, weights, scale,
+                                                                                   tuple(bounds))
         return [flat[n * lo:n * hi].view(n, hi - lo) for lo, hi in spans]
     if path == "torch" and n * k <= CPU_DENSE_MAX_ROWS:
         return [d.to(x.dtype) for d in routed_lora_torch_group_dense(x, A, B, slots, weights, scale, bounds, meta)]

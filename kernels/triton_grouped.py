@@ -9,6 +9,10 @@ tile count using shapes only; programs past the last tile exit. OUT_SPLIT progra
 expands a slice of `out` (recomputing the shrink from L2) so that small N still fills the GPU.
 Modes: 0 store the delta (no-adapter rows get explicit zeros), 1 add into `out` (no-adapter rows skipped:
 slot -1 costs nothing), 2 float32 atomic add (top-k: the k rows of a token live in different tiles).
+Two-phase schedule (wide ranks, and always for P projections sharing x: A [P, S, r, in], B [S, O, r]):
+  shrink  grid (tiles, SPLIT_K): part[ks, sorted row, p, :] = x[tok, chunk] @ A[p, s][:, chunk]^T
+  expand  grid (tiles, P * OUT_SPLIT): one slice of projection p's columns from sum_ks part, as above
+so A[s] is read once per row tile instead of once per output slice (at r = 64 that re-read is 512 KB per program).
 """
 
 from __future__ import annotations
@@ -24,15 +28,8 @@ MODE_STORE, MODE_ADD, MODE_ATOMIC = 0, 1, 2
 
 if HAS_TRITON:
     @triton.jit
-    def _grouped_kernel(x_ptr, a_ptr, b_ptr, rows_ptr, offsets_ptr, w_ptr, scale_ptr, out_ptr,
-                        IN, OUT, R, S, OUT_PER,
-                        sx0, sx1, sa0, sa1, sa2, sb0, sb1, sb2, so0, so1,
-                        K: tl.constexpr, HAS_W: tl.constexpr, MODE: tl.constexpr,
-                        DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, S_PAD: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
-        pid = tl.program_id(0)
-        # --- which segment (slot) and which tile of it is this program's? ---
+    def _segment_tile(pid, offsets_ptr, S, S_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+        """(found, slot, first sorted row, segment end) of row tile `pid`: a vector scan of the S + 2 offsets."""
         seg = tl.arange(0, S_PAD)
         in_range = seg <= S
         starts = tl.load(offsets_ptr + seg, mask=in_range, other=0)
@@ -41,11 +38,33 @@ if HAS_TRITON:
         tile_end = tl.cumsum(ntiles, axis=0)
         tile_start = tile_end - ntiles
         hit = (tile_start <= pid) & (pid < tile_end)
-        found = tl.sum(hit.to(tl.int32), axis=0)
+        found = tl.sum(hit.to(tl.int32), axis=0) > 0
         s = tl.sum(tl.where(hit, seg, 0), axis=0)
         seg_end = tl.sum(tl.where(hit, ends, 0), axis=0)
         row0 = tl.sum(tl.where(hit, starts + (pid - tile_start) * BLOCK_M, 0), axis=0)
-        active = found > 0
+        return found, s, row0, seg_end
+
+    @triton.jit
+    def _store_rows(out_ptr, y, tok, offs_o, m2, so0, so1, MODE: tl.constexpr):
+        ptrs = out_ptr + tok[:, None] * so0 + offs_o[None, :] * so1
+        if MODE == 2:
+            tl.atomic_add(ptrs, y, mask=m2)
+        else:
+            if MODE == 1:
+                y += tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
+            tl.store(ptrs, y, mask=m2)
+
+    @triton.jit
+    def _grouped_kernel(x_ptr, a_ptr, b_ptr, rows_ptr, offsets_ptr, w_ptr, scale_ptr, out_ptr,
+                        IN, OUT, R, S, OUT_PER,
+                        sx0, sx1, sa0, sa1, sa2, sb0, sb1, sb2, so0, so1,
+                        K: tl.constexpr, HAS_W: tl.constexpr, MODE: tl.constexpr,
+                        DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, S_PAD: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+        """One launch: every output slice's program recomputes its row tile's shrink (from L2)."""
+        found, s, row0, seg_end = _segment_tile(tl.program_id(0), offsets_ptr, S, S_PAD, BLOCK_M)
+        active = found
         if MODE != 0:  # accumulating: no-adapter rows are skipped entirely
             active = active & (s < S)
         if active:
@@ -80,14 +99,7 @@ if HAS_TRITON:
                     bt = tl.load(b_ptr + s * sb0 + offs_o[None, :] * sb1 + offs_r[:, None] * sb2,
                                  mask=mr[:, None] & mo[None, :], other=0.0)
                     y = tl.dot(t, bt.to(DOT_DTYPE), input_precision=PRECISION)
-                    ptrs = out_ptr + tok[:, None] * so0 + offs_o[None, :] * so1
-                    m2 = mrow[:, None] & mo[None, :]
-                    if MODE == 2:
-                        tl.atomic_add(ptrs, y, mask=m2)
-                    else:
-                        if MODE == 1:
-                            y += tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
-                        tl.store(ptrs, y, mask=m2)
+                    _store_rows(out_ptr, y, tok, offs_o, mrow[:, None] & mo[None, :], so0, so1, MODE)
             else:  # MODE 0 only: the no-adapter rows' delta is an explicit zero
                 for o0 in range(o_lo, o_hi, BLOCK_N):
                     offs_o = o0 + tl.arange(0, BLOCK_N)
@@ -95,12 +107,105 @@ if HAS_TRITON:
                     zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                     tl.store(out_ptr + tok[:, None] * so0 + offs_o[None, :] * so1, zero, mask=m2)
 
+    @triton.jit
+    def _grouped_shrink_kernel(x_ptr, a_ptr, rows_ptr, offsets_ptr, part_ptr, M, IN, R, S, K_PER,
+                               sx0, sx1, sap, sa0, sa1, sa2,
+                               K: tl.constexpr, P: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                               PRECISION: tl.constexpr, S_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Two phases, first: part[ks, sorted row, p, :] = x[tok, chunk_ks] @ A[p, s][:, chunk_ks]^T (float32)."""
+        found, s, row0, seg_end = _segment_tile(tl.program_id(0), offsets_ptr, S, S_PAD, BLOCK_M)
+        if found & (s < S):
+            offs_m = row0 + tl.arange(0, BLOCK_M)
+            mrow = offs_m < seg_end
+            tok = (tl.load(rows_ptr + offs_m, mask=mrow, other=0) // K).to(tl.int64)
+            offs_r = tl.arange(0, BLOCK_R)
+            mr = offs_r < R
+            k_lo = tl.program_id(1) * K_PER
+            k_hi = tl.minimum(k_lo + K_PER, IN)
+            for p in tl.static_range(P):  # x comes from HBM once, then from L2
+                acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+                for k0 in range(k_lo, k_hi, BLOCK_K):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    mk = offs_k < k_hi
+                    xt = tl.load(x_ptr + tok[:, None] * sx0 + offs_k[None, :] * sx1,
+                                 mask=mrow[:, None] & mk[None, :], other=0.0)
+                    at = tl.load(a_ptr + p * sap + s * sa0 + offs_r[None, :] * sa1 + offs_k[:, None] * sa2,
+                                 mask=mk[:, None] & mr[None, :], other=0.0)
+                    acc += tl.dot(xt.to(DOT_DTYPE), at.to(DOT_DTYPE), input_precision=PRECISION)
+                ptrs = part_ptr + ((tl.program_id(1) * M + offs_m[:, None].to(tl.int64)) * P + p) * BLOCK_R \
+                    + offs_r[None, :]
+                tl.store(ptrs, acc, mask=mrow[:, None])
+
+    @triton.jit
+    def _grouped_expand_kernel(b_ptr, rows_ptr, offsets_ptr, w_ptr, scale_ptr, part_ptr, out_ptr,
+                               M, OUT, R, S, O1, O2, O3, OUT_SPLIT, SPLIT_K,
+                               sb0, sb1, sb2, ssp, so0, so1,
+                               K: tl.constexpr, P: tl.constexpr, HAS_W: tl.constexpr, MODE: tl.constexpr,
+                               BLOCKS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                               S_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                               BLOCK_N: tl.constexpr):
+        """Two phases, second: grid (row tiles, P * OUT_SPLIT); one slice of one projection's columns."""
+        found, s, row0, seg_end = _segment_tile(tl.program_id(0), offsets_ptr, S, S_PAD, BLOCK_M)
+        active = found
+        if MODE != 0:
+            active = active & (s < S)
+        if active:
+            p = tl.program_id(1) // OUT_SPLIT
+            lo = tl.where(p >= 3, O3, tl.where(p >= 2, O2, tl.where(p >= 1, O1, 0)))
+            hi = tl.where(p >= 3, OUT, tl.where(p >= 2, O3, tl.where(p >= 1, O2, O1)))
+            width = hi - lo
+            out_per = tl.cdiv(tl.cdiv(width, OUT_SPLIT), BLOCK_N) * BLOCK_N
+            o_lo = (tl.program_id(1) % OUT_SPLIT) * out_per
+            o_hi = tl.minimum(o_lo + out_per, width)
+            offs_m = row0 + tl.arange(0, BLOCK_M)
+            mrow = offs_m < seg_end
+            rows = tl.load(rows_ptr + offs_m, mask=mrow, other=0)
+            tok = (rows // K).to(tl.int64)
+            if BLOCKS:  # projection p's delta is the contiguous [N, width] block at N * lo
+                base = out_ptr + lo.to(tl.int64) * (M // K)
+                s0 = width
+                s1 = 1
+            else:
+                base = out_ptr
+                s0 = so0
+                s1 = so1
+            offs_r = tl.arange(0, BLOCK_R)
+            mr = offs_r < R
+            if s < S:
+                t = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+                for ks in range(0, SPLIT_K):
+                    t += tl.load(part_ptr + ((ks * M + offs_m[:, None].to(tl.int64)) * P + p) * BLOCK_R
+                                 + offs_r[None, :], mask=mrow[:, None], other=0.0)
+                coef = tl.load(scale_ptr + p * ssp + s).to(tl.float32)
+                if HAS_W:
+                    w = tl.load(w_ptr + rows, mask=mrow, other=0.0).to(tl.float32)
+                    t = t * (w * coef)[:, None]
+                else:
+                    t = t * coef
+                t16 = t.to(DOT_DTYPE)
+                for o0 in range(o_lo, o_hi, BLOCK_N):
+                    offs_o = o0 + tl.arange(0, BLOCK_N)
+                    mo = offs_o < o_hi
+                    bt = tl.load(b_ptr + s * sb0 + (lo + offs_o[None, :]) * sb1 + offs_r[:, None] * sb2,
+                                 mask=mr[:, None] & mo[None, :], other=0.0)
+                    y = tl.dot(t16, bt.to(DOT_DTYPE), input_precision=PRECISION)
+                    _store_rows(base, y, tok, offs_o, mrow[:, None] & mo[None, :], s0, s1, MODE)
+            else:  # MODE 0 only: the no-adapter rows' delta is an explicit zero
+                for o0 in range(o_lo, o_hi, BLOCK_N):
+                    offs_o = o0 + tl.arange(0, BLOCK_N)
+                    m2 = mrow[:, None] & (offs_o < o_hi)[None, :]
+                    zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                    tl.store(base + tok[:, None] * s0 + offs_o[None, :] * s1, zero, mask=m2)
+
 
 # Measured overrides (BLOCK_M, OUT_SPLIT, num_warps) by (padded rank, row bucket), row bucket = the smallest of
 # 256, 1024, 4096, 16384 that holds the rows; chosen on the H200 (benchmarks/kernels.py --only sweep, numbers in
 # benchmarks/RESULTS.md). Shapes not listed take the rule in grouped_config.
 GROUPED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
 ROW_BUCKETS = (256, 1024, 4096, 16384)
+# Padded ranks whose single projections take the two-phase schedule (provisional until the H200 sweep).
+TWO_PHASE_RANKS = (64, 128)
 
 
 def row_bucket(m_rows: int) -> int:
@@ -108,35 +213,88 @@ def row_bucket(m_rows: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)  # pure in its int arguments; saves host time per call
-def grouped_config(m_rows: int, d_in: int, d_out: int, num_slots: int, rank: int = 16) -> dict:
-    """Tile sizes and output split.
+def grouped_config(m_rows: int, d_in: int, d_out: int, num_slots: int, rank: int = 16, proj: int = 1) -> dict:
+    """Tile sizes, output split and schedule (d_out: one projection's width; proj: projections sharing x).
 
     GPU: BLOCK_M grows with the row count (16 rows below 1024, 32 below 4096, else 64) and OUT_SPLIT spreads a
     row tile's output columns over enough programs for ~2 per SM of an H200 (132 SMs), in 512-column steps;
-    GROUPED_TILES overrides both where a measurement chose otherwise.
+    GROUPED_TILES overrides both where a measurement chose otherwise. TWO_PHASE: shrink once per row tile
+    (split over `in` in SPLIT_K chunks), then expand, instead of one launch in which every output slice
+    recomputes the shrink; always for several projections.
     """
-    if interpreting():
-        return dict(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, OUT_SPLIT=2 if d_out > 16 else 1, num_warps=1)
+    if interpreting():  # both schedules under the interpreter tests: rank 8 cases one launch, wider ones two
+        return dict(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, OUT_SPLIT=2 if d_out > 16 else 1, num_warps=1,
+                    TWO_PHASE=proj > 1 or rank > 8, SPLIT_K=2 if d_in > 16 else 1)
     block_m = 16 if m_rows < 1024 else (32 if m_rows < 4096 else 64)
-    tiles = triton.cdiv(m_rows, block_m) + num_slots
     max_split = max(1, d_out // 512)
-    split = 1
-    while split * 2 <= max_split and tiles * split < 264:
-        split *= 2
     warps = 4
+    two_phase = proj > 1 or max(16, next_pow2(rank)) in TWO_PHASE_RANKS
     tuned = GROUPED_TILES.get((max(16, next_pow2(rank)), row_bucket(m_rows)))
     if tuned is not None:
-        block_m, split, warps = tuned[0], min(tuned[1], max_split), tuned[2]
-    return dict(BLOCK_M=block_m, BLOCK_K=min(128, max(16, next_pow2(d_in))),
-                BLOCK_N=min(128, max(16, next_pow2(d_out))), OUT_SPLIT=split, num_warps=warps)
+        block_m, warps = tuned[0], tuned[2]
+    tiles = triton.cdiv(m_rows, block_m) + num_slots
+    split = 1
+    while split * 2 <= max_split and tiles * proj * split < 264:
+        split *= 2
+    if tuned is not None:
+        split = min(tuned[1], max_split)
+    block_k = min(128, max(16, next_pow2(d_in)))
+    split_k = 1
+    while split_k * 2 * block_k * 2 <= d_in and tiles * split_k < 264:
+        split_k *= 2
+    return dict(BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_N=min(128, max(16, next_pow2(d_out))), OUT_SPLIT=split,
+                num_warps=warps, TWO_PHASE=two_phase, SPLIT_K=split_k)
+
+
+def _launch(x, A4, B, slots, weights, scale2, meta, target, mode, bounds, blocks, cfg) -> None:
+    n, d_in = x.shape
+    p_count, s_count, r, _ = A4.shape
+    d_out = B.shape[1]
+    k = slots.shape[1]
+    m_rows = n * k
+    widest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    cfg = cfg or grouped_config(m_rows, d_in, widest, s_count, r, p_count)
+    dot_dtype, precision = dot_config(x.dtype)
+    w = weights.contiguous() if weights is not None else scale2
+    tiles = triton.cdiv(m_rows, cfg["BLOCK_M"]) + s_count
+    block_r = max(16, next_pow2(r))
+    s_pad = next_pow2(s_count + 2)
+    if not (cfg["TWO_PHASE"] or p_count > 1):
+        A, scale = A4[0], scale2[0]
+        out_per = triton.cdiv(triton.cdiv(d_out, cfg["OUT_SPLIT"]), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+        target = target.view(n, d_out)
+        _grouped_kernel[(tiles, triton.cdiv(d_out, out_per))](
+            x, A, B, meta.rows, meta.offsets, w, scale, target, d_in, d_out, r, s_count, out_per,
+            x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
+            B.stride(0), B.stride(1), B.stride(2), target.stride(0), target.stride(1),
+            K=k, HAS_W=weights is not None, MODE=mode, DOT_DTYPE=dot_dtype, PRECISION=precision,
+            S_PAD=s_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg["num_warps"])
+        return
+    k_per = triton.cdiv(triton.cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split_k = triton.cdiv(d_in, k_per)
+    part = torch.empty(split_k, m_rows, p_count, block_r, dtype=torch.float32, device=x.device)
+    _grouped_shrink_kernel[(tiles, split_k)](
+        x, A4, meta.rows, meta.offsets, part, m_rows, d_in, r, s_count, k_per,
+        x.stride(0), x.stride(1), A4.stride(0), A4.stride(1), A4.stride(2), A4.stride(3),
+        K=k, P=p_count, DOT_DTYPE=dot_dtype, PRECISION=precision, S_PAD=s_pad, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+    o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
+    _grouped_expand_kernel[(tiles, p_count * cfg["OUT_SPLIT"])](
+        B, meta.rows, meta.offsets, w, scale2, part, target, m_rows, d_out, r, s_count, o1, o2, o3,
+        cfg["OUT_SPLIT"], split_k, B.stride(0), B.stride(1), B.stride(2), scale2.stride(0),
+        target.stride(0) if target.dim() == 2 else 0, target.stride(-1),
+        K=k, P=p_count, HAS_W=weights is not None, MODE=mode, BLOCKS=blocks, DOT_DTYPE=dot_dtype,
+        PRECISION=precision, S_PAD=s_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=block_r, BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg["num_warps"])
 
 
 def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
                  weights: torch.Tensor | None, scale: torch.Tensor, out: torch.Tensor | None = None,
                  meta: RoutingMeta | None = None, config: dict | None = None) -> torch.Tensor:
     """delta (x's dtype) for slots [N, k]; with `out` given, out += delta in place and out is returned."""
-    n, d_in = x.shape
-    s_count, r, _ = A.shape
+    n = x.shape[0]
+    s_count = A.shape[0]
     d_out = B.shape[1]
     k = slots.shape[1]
     if meta is None:
@@ -151,21 +309,31 @@ def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch
         mode = MODE_ATOMIC
         direct = accumulate and out.dtype == torch.float32
         target = out if direct else torch.zeros(n, d_out, dtype=torch.float32, device=x.device)
-    m_rows = n * k
-    cfg = config or grouped_config(m_rows, d_in, d_out, s_count, r)
-    out_per = triton.cdiv(triton.cdiv(d_out, cfg["OUT_SPLIT"]), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
-    grid = (triton.cdiv(m_rows, cfg["BLOCK_M"]) + s_count, triton.cdiv(d_out, out_per))
-    dot_dtype, precision = dot_config(x.dtype)
-    w = weights.contiguous() if weights is not None else scale
-    _grouped_kernel[grid](x, A, B, meta.rows, meta.offsets, w, scale, target,
-                          d_in, d_out, r, s_count, out_per,
-                          x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
-                          B.stride(0), B.stride(1), B.stride(2), target.stride(0), target.stride(1),
-                          K=k, HAS_W=weights is not None, MODE=mode, DOT_DTYPE=dot_dtype, PRECISION=precision,
-                          S_PAD=next_pow2(s_count + 2), BLOCK_M=cfg["BLOCK_M"], BLOCK_R=max(16, next_pow2(r)),
-                          BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+    _launch(x, A[None], B, slots, weights, scale[None], meta, target, mode, (0, d_out), False, config)
     if k == 1 or target is out:
         return target
     if accumulate:
         return out.add_(target)
     return target.to(x.dtype)
+
+
+def grouped_lora_group(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                       weights: torch.Tensor | None, scale: torch.Tensor, bounds: tuple[int, ...],
+                       meta: RoutingMeta | None = None, config: dict | None = None) -> torch.Tensor:
+    """The P deltas of projections sharing x (A [P, S, r, in], B [S, O, r], scale [P, S]) as one flat buffer
+    [N * O], projection p's delta the contiguous [N, width_p] block at N * bounds[p]: one two-phase shrink (x
+    read once from HBM for every projection) and one expand launch."""
+    n = x.shape[0]
+    d_out = B.shape[1]
+    k = slots.shape[1]
+    if meta is None:
+        meta = build_routing_meta(slots, A.shape[1])
+    if n == 0 or d_out == 0:
+        return torch.empty(n * d_out, dtype=x.dtype, device=x.device)
+    if k == 1:
+        flat = torch.empty(n * d_out, dtype=x.dtype, device=x.device)
+        _launch(x, A, B, slots, weights, scale, meta, flat, MODE_STORE, bounds, True, config)
+        return flat
+    flat = torch.zeros(n * d_out, dtype=torch.float32, device=x.device)
+    _launch(x, A, B, slots, weights, scale, meta, flat, MODE_ATOMIC, bounds, True, config)
+    return flat.to(x.dtype)
