@@ -20,6 +20,7 @@ import torch
 from diffusers import VQModel
 from PIL import Image
 
+from models.checkpoint import check_checkpoint, check_finite, read_config
 from routing.errors import MoLoRAError
 
 log = logging.getLogger(__name__)
@@ -91,11 +92,18 @@ class ImageTokenizer:
             raise ImageTokenizerError(f"{vq_dir} has no config.json: expected a diffusers VQModel directory")
         if not any(vq_dir.glob("*.safetensors")):
             raise ImageTokenizerError(f"{vq_dir} has no .safetensors weights (pickled weights are not loaded)")
+        config = read_config(vq_dir / "config.json", ImageTokenizerError)
+        # before anything is allocated: the weights fill the VQ the config describes (no size taken on trust)
+        check_checkpoint(vq_dir, config, lambda: VQModel.from_config(config), ImageTokenizerError)
         try:
             vq = VQModel.from_pretrained(str(vq_dir), use_safetensors=True, torch_dtype=dtype)
-        except (OSError, ValueError, RuntimeError, KeyError) as exc:
-            raise ImageTokenizerError(f"cannot load the VQ model from {vq_dir}: {exc}") from exc
-        return cls(vq).to(device=device)
+            tokenizer = cls(vq)
+        except ImageTokenizerError:
+            raise
+        except Exception as exc:  # diffusers raises many types on a bad config
+            raise ImageTokenizerError(f"cannot load the VQ model from {vq_dir} ({type(exc).__name__}: {exc})") from exc
+        check_finite(vq, vq_dir, ImageTokenizerError)
+        return tokenizer.to(device=device)
 
     def save(self, vq_dir: str | Path) -> None:
         self.vq.save_pretrained(str(vq_dir), safe_serialization=True)

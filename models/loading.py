@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from models.checkpoint import check_checkpoint, check_finite, read_config
 from models.runtime import configure_cpu_threads
 from routing.errors import MoLoRAError
 
@@ -155,10 +156,11 @@ def load_model_dir(path: str | Path | None = None, *, adapters_dir: str | Path |
 
     Also sets torch's CPU thread count (models/runtime.py: `threads`, else $MOLORA_THREADS, else 1; 0 leaves it).
 
-    Checks before loading anything big: the files exist; after: the LM's vocabulary covers the unified
-    vocabulary and the VQ's grid and codebook match it.
+    Checks before loading anything big: the files exist, and the LM's and the VQ's weights fill the models their
+    configs describe (models/checkpoint.py: names, dtypes, shapes from the safetensors headers); after: no NaN/Inf
+    weight, the LM's vocabulary covers the unified vocabulary and the VQ's grid and codebook match it.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from models.image_tokenizer import ImageTokenizer
     from models.tokenizer import UnifiedTokenizer
@@ -177,11 +179,20 @@ def load_model_dir(path: str | Path | None = None, *, adapters_dir: str | Path |
 
     tokenizer = UnifiedTokenizer.load(model_dir)
     vocab = tokenizer.vocab
+    lm_dir = model_dir / "lm"
+    try:
+        lm_config = AutoConfig.from_pretrained(str(lm_dir))
+    except Exception as exc:  # transformers raises many types on a bad config (TypeError, ZeroDivisionError, ...)
+        raise ModelDirError(f"{lm_dir / 'config.json'} is not a transformers config ({type(exc).__name__}: {exc})") from exc
+    # before anything is allocated: the weights fill the model the config describes (no size taken on trust)
+    check_checkpoint(lm_dir, read_config(lm_dir / "config.json", ModelDirError),
+                     lambda: AutoModelForCausalLM.from_config(lm_config), ModelDirError)
     try:
         with _progress_bars(log.isEnabledFor(logging.INFO)):  # a library is quiet unless logging asks for more
-            lm = AutoModelForCausalLM.from_pretrained(str(model_dir / "lm"), use_safetensors=True, dtype=dtype)
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:
-        raise ModelDirError(f"cannot load the language model from {model_dir / 'lm'}: {exc}") from exc
+            lm = AutoModelForCausalLM.from_pretrained(str(lm_dir), use_safetensors=True, dtype=dtype)
+    except Exception as exc:
+        raise ModelDirError(f"cannot load the language model from {lm_dir} ({type(exc).__name__}: {exc})") from exc
+    check_finite(lm, lm_dir, ModelDirError)
     lm = lm.to(device).eval().requires_grad_(False)
     # from_pretrained replaces name_or_path by the directory; adapters name the stable base-model name
     lm.name_or_path = getattr(lm.config, "molora_base_model", None) or lm.name_or_path
@@ -197,10 +208,7 @@ def load_model_dir(path: str | Path | None = None, *, adapters_dir: str | Path |
     defaults: dict = {}
     gen_path = model_dir / "generation.json"
     if gen_path.is_file():
-        try:
-            defaults = json.loads(gen_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelDirError(f"{gen_path} is not valid JSON: {exc}") from exc
+        defaults = read_config(gen_path, ModelDirError)
     adapters = find_adapters(adapters_dir) if adapters_dir is not None else []
     gates = None
     for root in [d for d in (adapters_dir.parent if adapters_dir else None, model_dir) if d is not None]:

@@ -184,6 +184,11 @@ class InterleavedPipeline:
         if missing:
             raise UnknownAdapterError(f"learned gates {path} route over adapters {missing} that are not loaded "
                                       f"(loaded: {', '.join(self.adapters) or 'none'})")
+        if (gates.d_model, gates.num_blocks) != (self.routed.hidden_size, self.routed.num_blocks):
+            raise ModelDirError(f"learned gates {path} are sized for hidden size {gates.d_model} and {gates.num_blocks} "
+                                f"blocks, but this model has {self.routed.hidden_size} and {self.routed.num_blocks}; "
+                                "they were trained for another model (train a router for this one: "
+                                "scripts/train_router.py)")
         config = read_router_config(path.parent / "config.json")
         for name, trained_on in config.get("adapter_sha256_16", {}).items():
             info = self._adapters.get(name)
@@ -385,13 +390,17 @@ def read_router_config(path: Path) -> dict:
         return {}
     try:
         config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
         raise ModelDirError(f"{path} is not a router config (JSON): {exc}") from exc
     if not isinstance(config, dict):
         raise ModelDirError(f"{path} is not a router config: expected a JSON object")
     top_k = config.get("top_k", 1)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ModelDirError(f"{path}: top_k must be a whole number >= 1, got {top_k!r}")
+    hashes = config.get("adapter_sha256_16", {})
+    if not isinstance(hashes, dict) or not all(isinstance(h, str) for h in hashes.values()):
+        raise ModelDirError(f"{path}: adapter_sha256_16 must be an object {{adapter name: weights hash}}, got "
+                            f"{hashes!r:.80}")
     return config
 
 

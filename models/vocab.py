@@ -19,7 +19,7 @@ prefill and token-by-token decode route identically.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -55,6 +55,7 @@ class UnifiedVocab:
     image_suffix_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         object.__setattr__(self, "image_grid", tuple(self.image_grid))
         object.__setattr__(self, "row_end_ids", tuple(int(i) for i in self.row_end_ids))
         object.__setattr__(self, "image_prefix_ids", tuple(int(i) for i in self.image_prefix_ids))
@@ -156,5 +157,45 @@ class UnifiedVocab:
 
     @classmethod
     def load(cls, path: str | Path) -> UnifiedVocab:
-        data = json.loads(Path(path).read_text())
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise VocabError(f"{path} is not a readable JSON file: {exc}") from exc
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or set(data) - names:
+            raise VocabError(f"{path} must hold a JSON object with the UnifiedVocab fields {sorted(names)}; got "
+                             f"{sorted(set(data) - names) if isinstance(data, dict) else type(data).__name__}")
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.default is MISSING
+                         and f.default_factory is MISSING)
+        if missing:
+            raise VocabError(f"{path} lacks the fields {missing}")
         return cls(**data)
+
+
+MAX_VOCAB_SIZE = 2 ** 31 - 1  # token ids are int32 on the routing path
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_field_types(vocab: UnifiedVocab) -> None:
+    """Every field of the declared type before any arithmetic on it (a vocab.json is user input)."""
+    for f in fields(vocab):
+        value, kind = getattr(vocab, f.name), str(f.type)
+        if kind == "int":
+            ok, want = _is_int(value), "a whole number"
+        elif kind.startswith("tuple[int"):
+            ok = isinstance(value, (list, tuple)) and all(_is_int(i) for i in value)
+            want = "a list of whole numbers"
+            if f.name == "image_grid":
+                ok, want = ok and len(value) == 2 and min(value) >= 1, "[rows, cols], two whole numbers >= 1"
+        elif kind.startswith("dict[str, int]"):
+            ok = isinstance(value, dict) and all(isinstance(k, str) and _is_int(i) for k, i in value.items())
+            want = "an object {token: id}"
+        else:
+            continue
+        if not ok:
+            raise VocabError(f"vocabulary field {f.name}={value!r:.80} is not {want}")
+    if not 1 <= vocab.vocab_size <= MAX_VOCAB_SIZE:
+        raise VocabError(f"vocab_size={vocab.vocab_size} must lie in [1, {MAX_VOCAB_SIZE}]")

@@ -41,6 +41,11 @@ _UNSUPPORTED_OFF = {
     "trainable_token_indices": None, "layer_replication": None, "target_parameters": None,
     "alora_invocation_tokens": None, "use_qalora": False, "use_bdlora": None,
 }
+# dtypes LoRA A/B may have (safetensors' names): ints, bools, complex and float8/float4 are refused from the file's
+# header, before any tensor is read
+LORA_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+# a scale beyond float32's range becomes Inf in the cache's float32 scale table
+_MAX_SCALE = float(torch.finfo(torch.float32).max)
 
 
 @dataclass
@@ -88,16 +93,19 @@ class LoraAdapter:
                 raise AdapterError(f"{where}: rank mismatch, A is {tuple(a.shape)} but B is {tuple(b.shape)} "
                                    "(need A [r, in], B [out, r] with r >= 1)")
             for label, t in (("A", a), ("B", b)):
-                if not t.is_floating_point():
-                    raise AdapterError(f"{where}: lora_{label} has dtype {t.dtype}; LoRA weights must be floating")
+                if t.dtype not in LORA_DTYPES.values():
+                    raise AdapterError(f"{where}: lora_{label} has dtype {t.dtype}; LoRA weights must be float16, "
+                                       "bfloat16, float32 or float64")
                 if not bool(torch.isfinite(t).all()):
                     raise AdapterError(f"{where}: lora_{label} contains NaN or Inf values; the adapter file is "
                                        "corrupt or its training diverged - retrain or re-export it")
             if module not in self.scales:
                 raise AdapterError(f"{where}: no scale given")
             scale = self.scales[module]
-            if not isinstance(scale, (int, float)) or not math.isfinite(scale):
-                raise AdapterError(f"{where}: scale {scale!r} is not a finite number")
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+                    or abs(scale) > _MAX_SCALE:
+                raise AdapterError(f"{where}: scale {scale!r} is not a finite number within float32's range "
+                                   "(check lora_alpha and r in adapter_config.json)")
         extra = set(self.scales) - set(self.weights)
         if extra:
             raise AdapterError(f"adapter '{self.name}': scales given for modules without weights: {sorted(extra)}")
@@ -159,21 +167,29 @@ def check_base_model(adapter_base: str | None, model_base: str | None, *, name: 
 
 # --- scales from a PEFT config ----------------------------------------------------------------------------
 
-def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    """PEFT's rule (peft.utils.other.get_pattern_key): first pattern that matches the end of the module path."""
+def _pattern_value(config: dict[str, Any], name: str, module: str, default: Any) -> Any:
+    """PEFT's rule (peft.utils.other.get_pattern_key): first pattern of config[name] (rank_pattern /
+    alpha_pattern) that matches the end of the module path."""
+    patterns = config.get(name) or {}
+    if not isinstance(patterns, dict):
+        raise AdapterError(f"adapter_config.json: {name} must be an object {{module pattern: value}}, got "
+                           f"{type(patterns).__name__}")
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        except re.error as e:
+            raise AdapterError(f"adapter_config.json: {name} key {key!r} is not a valid regular expression ({e})") from e
     return default
 
 
 def peft_scale(config: dict[str, Any], module: str) -> tuple[int, float]:
     """(rank, scale) PEFT gives `module` under `config`: alpha / r, or alpha / sqrt(r) with use_rslora."""
-    r = _pattern_value(config.get("rank_pattern") or {}, module, config.get("r", 8))
-    alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8))
-    if not isinstance(r, int) or r <= 0:
+    r = _pattern_value(config, "rank_pattern", module, config.get("r", 8))
+    alpha = _pattern_value(config, "alpha_pattern", module, config.get("lora_alpha", 8))
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise AdapterError(f"adapter_config.json gives rank r={r!r} for module '{module}'; need a positive int")
-    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise AdapterError(f"adapter_config.json gives lora_alpha={alpha!r} for module '{module}'")
     denom = math.sqrt(r) if config.get("use_rslora") else r
     return r, float(alpha) / denom
@@ -201,10 +217,13 @@ def parse_adapter_config(raw: bytes, where: str) -> dict[str, Any]:
     """
     try:
         config = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise AdapterError(f"{where} is not valid JSON: {e}") from e
     if not isinstance(config, dict):
         raise AdapterError(f"{where} must hold a JSON object")
+    if "peft_type" not in config and "model_type" in config:
+        raise AdapterError(f"{where} is a model's config (model_type={config['model_type']!r}), not a PEFT adapter "
+                           "config; an adapter folder holds the adapter_config.json that peft's save_pretrained writes")
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise AdapterError(f"{where}: peft_type is {peft_type}; only LoRA adapters can be routed")
@@ -228,12 +247,30 @@ def _read_config(folder: Path) -> dict[str, Any]:
     return config
 
 
+def _check_header(weights_path: Path, header: dict[str, tuple[str, list[int]]]) -> None:
+    """Names, dtypes and ranks (2-D) of every tensor, from the safetensors header alone (nothing read yet)."""
+    for key, (dtype, shape) in header.items():
+        if _KEY.match(key) is None:
+            raise AdapterError(f"{weights_path}: unexpected tensor '{key}'; only lora_A / lora_B weights of "
+                               "linear layers are supported (no embedding LoRA, DoRA magnitudes or biases)")
+        if dtype not in LORA_DTYPES:
+            raise AdapterError(f"{weights_path}: tensor '{key}' has dtype {dtype}; LoRA weights must be one of "
+                               f"{', '.join(LORA_DTYPES)} - re-export the adapter in float")
+        if len(shape) != 2:
+            raise AdapterError(f"{weights_path}: tensor '{key}' has shape {list(shape)}; LoRA weights are 2-D "
+                               "(A [r, in], B [out, r])")
+
+
 def _read_tensors(weights_path: Path) -> dict[str, torch.Tensor]:
     if not weights_path.is_file():
         raise AdapterError(f"{weights_path.parent} has no {WEIGHTS_NAME}")
     try:
         with safe_open(str(weights_path), framework="pt", device="cpu") as f:
+            _check_header(weights_path, {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape())
+                                         for k in f.keys()})
             return {k: f.get_tensor(k) for k in f.keys()}
+    except AdapterError:
+        raise
     except Exception as e:  # safetensors raises its own error types (truncated header, bad offsets, ...)
         raise AdapterError(f"{weights_path} is not a readable safetensors file ({type(e).__name__}: {e}); "
                            "it may be truncated or corrupt - copy or export it again") from e

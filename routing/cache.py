@@ -119,6 +119,16 @@ class HotSetCache:
                 raise AdapterError(f"adapter '{adapter.name}' at '{module}': A {tuple(a.shape)} / B {tuple(b.shape)} "
                                    f"do not fit the layer (in={layer.in_features}, out={layer.out_features}); "
                                    "the adapter was made for a model of another size")
+            for label, t, dtype in (("A", a, layer.lora_A.dtype), ("B", b, layer.lora_B.dtype)):
+                # finite in its own dtype (adapter.validate) but maybe not in the layer's: float64 1e300 -> Inf
+                if t.dtype != dtype and not bool(torch.isfinite(t.detach().to(dtype)).all()):
+                    raise AdapterError(f"adapter '{adapter.name}' at '{module}': lora_{label} ({t.dtype}) holds values "
+                                       f"beyond the range of the model's {dtype}, which would become Inf; re-export "
+                                       "the adapter with values that fit")
+            scale_dtype = layer.lora_scale.dtype
+            if not bool(torch.isfinite(torch.tensor(float(adapter.scales[module]), dtype=scale_dtype))):
+                raise AdapterError(f"adapter '{adapter.name}' at '{module}': scale {adapter.scales[module]!r} is beyond "
+                                   f"the range of the model's {scale_dtype}; check lora_alpha and r")
 
     def add(self, adapter: LoraAdapter) -> None:
         """Put `adapter` in the CPU pool (it reaches a GPU slot on its first acquire)."""

@@ -200,12 +200,25 @@ class LearnedGates(nn.Module):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-            adapters = json.loads(meta["adapters"])
-            d_model, num_blocks = int(meta["d_model"]), int(meta["num_blocks"])
-            base_expert = json.loads(meta.get("base_expert", "false"))
-            if not isinstance(base_expert, bool):
-                raise ValueError(f"base_expert must be true or false, got {base_expert!r}")
+                adapters = json.loads(meta["adapters"])
+                d_model, num_blocks = int(meta["d_model"]), int(meta["num_blocks"])
+                base_expert = json.loads(meta.get("base_expert", "false"))
+                if not isinstance(base_expert, bool):
+                    raise ValueError(f"base_expert must be true or false, got {base_expert!r}")
+                if not isinstance(adapters, list) or not all(isinstance(n, str) and n for n in adapters):
+                    raise ValueError(f"adapters must be a JSON list of adapter names, got {adapters!r:.200}")
+                # the header is checked before any tensor is read or any gate allocated: a file may declare any sizes
+                keys = set(f.keys())
+                if num_blocks != len(keys) or keys != {f"gates.{i}.weight" for i in range(len(keys))}:
+                    raise RoutingError(f"{path}: tensors {sorted(keys)[:8]} do not match {num_blocks} gates")
+                shape = [len(adapters) + base_expert, d_model]
+                for key in sorted(keys):
+                    dtype, got = f.get_slice(key).get_dtype(), f.get_slice(key).get_shape()
+                    if got != shape or dtype not in ("F16", "BF16", "F32", "F64"):
+                        raise RoutingError(f"{path}: {key} is {dtype} {got}; expected a float tensor {shape}")
+                tensors = {k: f.get_tensor(k) for k in keys}
+        except RoutingError:
+            raise
         except Exception as e:
             raise RoutingError(f"{path} is not a gate file written by LearnedGates.save ({type(e).__name__}: {e})") from e
         gates = cls(d_model, adapters, num_blocks, base_expert=base_expert)
