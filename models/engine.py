@@ -158,6 +158,7 @@ class _Job:
     twin: int | None = None
     generator: torch.Generator | None = None
     emitted: int = 0
+    uncond: list[int] | None = None  # the CFG twin's prefix (<bos> + negative prompt); None: <bos>
 
     @property
     def rows_needed(self) -> int:
@@ -254,6 +255,11 @@ class Engine:
         if span is not None and span > vocab.tokens_per_image:
             raise GenerationError(f"a prompt's open image span already holds {span} tokens, more than the "
                                   f"{vocab.tokens_per_image} of one image")
+        uncond = None if request.uncond_prompt is None else list(request.uncond_prompt)
+        if uncond is not None and (not uncond or min(uncond) < 0 or max(uncond) >= vocab.vocab_size
+                                   or len(uncond) + vocab.image_span_tokens > self.max_len):
+            raise GenerationError(f"the unconditional prompt (negative prompt) must hold 1 to "
+                                  f"{self.max_len - vocab.image_span_tokens} ids in [0, {vocab.vocab_size})")
         if config.seed is None:
             config = config.with_overrides(seed=random.SystemRandom().randrange(MAX_SEED + 1))
         text, image, learned = _route_of(request.router, vocab)
@@ -266,7 +272,7 @@ class Engine:
             raise CacheFullError(f"this request routes over {len(names)} distinct adapters but the hot set has only "
                                  f"{cache.num_slots} slots; choose fewer adapters")
         job = _Job(RequestHandle(self, sink if sink is not None else queue.Queue(), tag), prompt, config, text, image,
-                   learned, span, time.monotonic(), time.perf_counter(), names=names)
+                   learned, span, time.monotonic(), time.perf_counter(), names=names, uncond=uncond)
         if job.rows_needed > self.max_rows:
             raise GenerationError(f"classifier-free guidance needs two rows; this engine has {self.max_rows}")
         with self._lock:
@@ -552,7 +558,7 @@ class Engine:
             entries.append((job, job.row, job.prompt))
             if job.twin is not None:
                 tail = [] if job.open_span is None else job.prompt[len(job.prompt) - job.open_span - 1:]
-                twin_prompts[job.row] = [vocab.bos_id, *tail]
+                twin_prompts[job.row] = [*(job.uncond or [vocab.bos_id]), *tail]
                 entries.append((job, job.twin, twin_prompts[job.row]))
         try:
             logits, producing = self._prefill_forward(entries)
@@ -577,7 +583,8 @@ class Engine:
         for job in jobs:
             states.start(job.row, job.config, last_pos=len(job.prompt) - 1, open_span=job.open_span,
                          slots=(self._slot(job, job.text_adapter), self._slot(job, job.image_adapter)),
-                         twin=job.twin, twin_last_pos=len(twin_prompts.get(job.row, [])) - 1)
+                         twin=job.twin, twin_last_pos=len(twin_prompts.get(job.row, [])) - 1,
+                         twin_prefix=len(job.uncond or [vocab.bos_id]))
             job.generator = torch.Generator(device=self.device).manual_seed(job.config.seed) if job.random else None
             self._running[job.row] = job
         self._index_cache = None

@@ -38,6 +38,8 @@ class GenerationConfig:
     best_of: draw up to this many candidate documents and keep the first that passes `check` (models/best_of.py;
         1 = off). Candidate 0 is this config's own sample.
     check: the name of a registered check (models.best_of.CHECKS), e.g. "shapes_caption" for the embedded model.
+    negative_prompt: text the unconditional stream of classifier-free guidance reads before each picture (None:
+        `<bos>` alone), e.g. Emu3's "lowres, bad anatomy, ..." negative prompt.
     """
 
     max_new_tokens: int = 512
@@ -50,6 +52,7 @@ class GenerationConfig:
     min_new_tokens: int = 0
     best_of: int = 1
     check: str | None = None
+    negative_prompt: str | None = None
 
     # keyword shortcuts accepted by with_overrides: "temperature" sets both modalities, "text_top_k" one
     _SAMPLING_KEYS = ("temperature", "top_k", "top_p")
@@ -80,6 +83,8 @@ class GenerationConfig:
                                   f"got {self.min_new_tokens!r}")
         if isinstance(self.best_of, bool) or not isinstance(self.best_of, int) or not 1 <= self.best_of <= MAX_BEST_OF:
             raise GenerationError(f"best_of must be an int in [1, {MAX_BEST_OF}], got {self.best_of!r}")
+        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
+            raise GenerationError(f"negative_prompt must be a str or None, got {type(self.negative_prompt).__name__}")
         if self.check is not None and not isinstance(self.check, str):
             raise GenerationError(f"check must be the name of a registered check or None, got {self.check!r}")
         if self.best_of > 1 and self.check is None:
@@ -132,6 +137,7 @@ class Request:
 
     prompt_ids: list[int]
     router: Any = None
+    uncond_prompt: list[int] | None = None  # ids the CFG twin starts from (<bos> + a negative prompt); None: <bos>
 
 
 def span_tables(vocab: UnifiedVocab) -> tuple[torch.Tensor, torch.Tensor]:

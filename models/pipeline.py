@@ -325,7 +325,10 @@ class InterleavedPipeline:
             builders.append(DocumentBuilder(self.tokenizer, self.image_tokenizer, row=row, prompt=parts,
                                             meta=meta, notices=notices + shared_notices,
                                             image_open=open_image_span(ids, self.vocab) is not None))
-        requests = [Request(ids, router) for (ids, _, _), router in zip(encoded, routers)]
+        uncond = None
+        if config.negative_prompt is not None and config.uses_cfg:
+            uncond = [self.vocab.bos_id, *self.tokenizer.encode_text(config.negative_prompt)]
+        requests = [Request(ids, router, uncond) for (ids, _, _), router in zip(encoded, routers)]
         return self._events(requests, builders, run_config)
 
     def _events(self, requests: list[Request], builders: list[DocumentBuilder], config: GenerationConfig

@@ -59,12 +59,15 @@ class RowStates:
         self.cfg_scale = torch.ones(max_rows, dtype=flt, device=device)
         self.guided = zeros(bool_)
         self.twin = torch.arange(max_rows, device=device)  # the twin row of a guided row (else the row itself)
+        self.twin_start = torch.ones(max_rows, dtype=long, device=device)  # where a twin's <boi> goes: its prefix
 
     # --- rows joining and leaving -------------------------------------------------------------------------
     def start(self, row: int, config: GenerationConfig, *, last_pos: int, open_span: int | None,
-              slots: tuple[int, int], twin: int | None = None, twin_last_pos: int = 0) -> None:
+              slots: tuple[int, int], twin: int | None = None, twin_last_pos: int = 0,
+              twin_prefix: int = 1) -> None:
         """Set up prompt row `row` (and its twin) after their prompts were written up to `last_pos` /
-        `twin_last_pos`; `slots` are the (text, image) adapter slots the request holds (-1 = base model)."""
+        `twin_last_pos`; `slots` are the (text, image) adapter slots the request holds (-1 = base model);
+        `twin_prefix`: the twin's ids before a picture (<bos> and a negative prompt)."""
         rows = [row] if twin is None else [row, twin]
         for r, last in zip(rows, (last_pos, twin_last_pos)):
             self.feed_pos[r] = last  # the first sampled token goes to last + 1 (see `advance`)
@@ -84,6 +87,8 @@ class RowStates:
         self.cfg_scale[row] = config.cfg_scale
         self.guided[row] = twin is not None
         self.twin[row] = row if twin is None else twin
+        if twin is not None:
+            self.twin_start[twin] = twin_prefix
 
     def clear(self, rows: list[int]) -> None:
         """Free rows: they feed padding at position 0 with no adapter until a new request takes them."""
@@ -141,11 +146,12 @@ class RowStates:
         self.feed_ids[rows] = tokens
         self.feed_pos[rows] = self.feed_pos[rows] + 1
         if twin_rows is not None:
-            # a twin sees only image spans: `<bos>` then the current span; a new image restarts it at position 1
+            # a twin sees only image spans: `<bos>` (+ a negative prompt) then the current span; a new image
+            # restarts it right after that prefix
             token = tokens[twin_of]
             feeds = self.feeds_uncond[token]
             after = self.feed_pos[twin_rows] + self.real[twin_rows].long()
-            self.feed_pos[twin_rows] = torch.where(token == vocab.boi_id, 1, after)
+            self.feed_pos[twin_rows] = torch.where(token == vocab.boi_id, self.twin_start[twin_rows], after)
             self.feed_ids[twin_rows] = torch.where(feeds, token, vocab.pad_id)
             self.real[twin_rows] = feeds
         return (tokens == vocab.eos_id) | (n_new >= self.max_new[rows])

@@ -128,3 +128,13 @@ def test_missing_weights_are_an_error_not_a_warning(emu3_dir, tmp_path):
     save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelDirError, match="missing"):
         InterleavedPipeline.from_pretrained(broken, device="cpu", grid=GRID)
+
+
+def test_guidance_with_emu3s_negative_prompt_keeps_the_grammar(emu3):
+    v = emu3.vocab
+    budget = v.image_span_tokens + 4
+    doc = emu3.generate("a lighthouse at dusk", seed=0, start_image=True, max_new_tokens=budget, cfg_scale=3.0,
+                        negative_prompt="lowres, bad anatomy, blurry", text_adapter="txt", image_adapter="img")
+    prompt = emu3.encode_prompt(doc.prompt, emu3.default_config.with_overrides(start_image=True), budget)[0]
+    assert check_picture_grammar(v, prompt, [r.id for r in doc.routing]) == 1
+    check_routing_rule(v, prompt, doc, "txt", "img")
