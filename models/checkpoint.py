@@ -7,7 +7,9 @@ meta device (no memory), and every parameter it has is looked up in the safetens
 a tensor): missing, non-float and mis-shaped weights are refused by name, as is a config that declares more
 layers or blocks than the files hold tensors.  After loading, `check_finite` refuses NaN/Inf weights.
 
-Used for the embedded model's LM and VQ (models/loading.py, models/image_tokenizer.py); `error` is the caller's
+Used for the embedded model's LM and VQ (models/loading.py, models/image_tokenizer.py); the transformers families
+(models/hf_family.py), whose checkpoints may use another key layout than their modules, use
+`check_declared_counts` before loading and transformers' own missing-key report after.  `error` is the caller's
 project error type (ModelDirError, ImageTokenizerError).
 """
 
@@ -70,13 +72,21 @@ def _declared_counts(config: dict, prefix: str = "") -> list[tuple[str, int]]:
     return found
 
 
-def check_checkpoint(folder: Path, config: dict, build: Callable[[], nn.Module], error: type[Exception]) -> None:
-    """Refuse a checkpoint whose tensors do not fill the model `build()` makes (built on the meta device)."""
+def check_declared_counts(folder: Path, config: dict, error: type[Exception]) -> dict[str, tuple[str, list[int]]]:
+    """Refuse a config that declares more layers or blocks than the checkpoint holds tensors (from_pretrained
+    would build them all and initialise the missing ones at random: minutes and gigabytes for a 16 kB file).
+    Needs no tensor names, so it also serves checkpoints saved under another key layout.  Returns the headers."""
     header = read_headers(folder, error)
     for name, count in _declared_counts(config):
         if count > len(header):
             raise error(f"{folder / 'config.json'} declares {name}={count}, but the checkpoint holds only "
                         f"{len(header)} tensors; the config does not belong to these weights")
+    return header
+
+
+def check_checkpoint(folder: Path, config: dict, build: Callable[[], nn.Module], error: type[Exception]) -> None:
+    """Refuse a checkpoint whose tensors do not fill the model `build()` makes (built on the meta device)."""
+    header = check_declared_counts(folder, config, error)
     try:
         with torch.device("meta"):
             model = build()

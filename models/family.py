@@ -23,6 +23,7 @@ Emu3 (models/emu3/) and Chameleon (models/chameleon/).  A third-party family cal
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import logging
 from collections.abc import Callable, Iterable
@@ -127,7 +128,7 @@ def config_model_type(path: Path) -> str | None:
         return None
     try:
         data = json.loads(config.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deep
         return None
     value = data.get("model_type") if isinstance(data, dict) else None
     return value if isinstance(value, str) else None
@@ -157,6 +158,12 @@ def load_family_model(path: str | Path | None = None, *, family: str | None = No
     """Recognise the family of `path` (or take `family` by name) and load its model; `options` go to the
     family's loader (e.g. Emu3's grid=(rows, cols) of generated pictures)."""
     chosen = get_family(family) if family is not None else detect_family(path)
+    params = inspect.signature(chosen.load).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(options) - set(params))
+        if unknown:
+            raise ModelDirError(f"the {chosen.name} family takes no option {', '.join(unknown)} (its loader takes "
+                                f"{', '.join(n for n in params if n != 'path')})")
     log.info("loading %s as a %s model", path or DEFAULT_MODEL_DIR, chosen.name)
     loaded = chosen.load(path, adapters_dir=adapters_dir, device=device, dtype=dtype, **options)
     loaded.family = chosen.name

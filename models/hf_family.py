@@ -8,13 +8,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from models.checkpoint import check_declared_counts, check_finite, read_config
 from models.loading import ModelDirError
 from models.vocab import UnifiedVocab, VocabError
 
@@ -102,15 +102,19 @@ def device_and_dtype(device: torch.device | str | None, dtype: torch.dtype | Non
 
 def load_checked(cls: Any, path: Path, dtype: torch.dtype) -> Any:
     """cls.from_pretrained(path) where any missing weight is an error (transformers leaves them random and only
-    warns: e.g. AutoModelForCausalLM on an Emu3ForConditionalGeneration folder loads no weight at all)."""
+    warns: e.g. AutoModelForCausalLM on an Emu3ForConditionalGeneration folder loads no weight at all).
+    Before loading, a config declaring more layers than the files hold tensors is refused (nothing allocated);
+    after, NaN/Inf weights."""
+    check_declared_counts(path, read_config(path / "config.json", ModelDirError), ModelDirError)
     try:
         model, info = cls.from_pretrained(str(path), dtype=dtype, use_safetensors=True, output_loading_info=True)
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:
-        raise ModelDirError(f"cannot load {cls.__name__} from {path}: {exc}") from exc
+    except Exception as exc:  # transformers raises many types on a bad config (ZeroDivisionError, AttributeError, ...)
+        raise ModelDirError(f"cannot load {cls.__name__} from {path} ({type(exc).__name__}: {exc})") from exc
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         raise ModelDirError(f"{path}: {len(missing)} weights of {cls.__name__} are missing from the checkpoint "
                             f"(e.g. {missing[:3]}); it was saved from another class or is incomplete")
+    check_finite(model, path, ModelDirError)
     return model
 
 
@@ -119,10 +123,7 @@ def read_generation_defaults(path: Path) -> dict:
     gen = path / "generation.json"
     if not gen.is_file():
         return {}
-    try:
-        return json.loads(gen.read_text())
-    except ValueError as exc:
-        raise ModelDirError(f"{gen} is not valid JSON: {exc}") from exc
+    return read_config(gen, ModelDirError)
 
 
 __all__ = ["SpanTokenizer", "device_and_dtype", "load_checked", "read_generation_defaults"]

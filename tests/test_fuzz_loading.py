@@ -575,6 +575,60 @@ def test_renamed_retyped_or_non_finite_checkpoint_tensors_are_refused(tiny_model
             assert loaded is None, f"{which}: {how} went unnoticed"
 
 
+# --- transformers families (Emu3, Chameleon, Janus: models/hf_family.py) ---------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from models.chameleon.testing import build_tiny_chameleon
+    from models.emu3.testing import build_tiny_emu3
+    from models.janus.testing import build_tiny_janus
+
+    root = tmp_path_factory.mktemp("hf_models")
+    return {"emu3": build_tiny_emu3(root / "emu3"), "chameleon": build_tiny_chameleon(root / "chameleon"),
+            "janus": build_tiny_janus(root / "janus")}
+
+
+HF_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "processor_config.json",
+            "generation.json")
+hf_config_changes = st.dictionaries(
+    st.sampled_from(["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                     "intermediate_size", "codebook_size", "embed_dim", "base_channels", "model_type", "num_res_blocks",
+                     "image_token_id", "vocabulary_map", "vq_config", "text_config", "vision_config"]),
+    st.sampled_from([0, -1, 1, 3, 10 ** 5, 2 ** 40, None, "x", 1.5, [], {}, "emu3", "chameleon", "janus", "llama"]),
+    min_size=1, max_size=3)
+
+
+@FEW
+@given(family=st.sampled_from(["emu3", "chameleon", "janus"]), name=st.sampled_from(HF_FILES),
+       how=st.sampled_from(["random", "truncate", "flip", "nasty", "config", "tensors"]),
+       data=st.binary(max_size=512), cut=st.floats(0, 0.999), changes=edits, nasty=st.sampled_from(NASTY_JSON),
+       config=hf_config_changes, nested=st.sampled_from([None, "text_config", "vq_config", "vision_config"]),
+       edit=st.sampled_from(CHECKPOINT_EDITS), index=st.integers(0, 500))
+def test_a_damaged_transformers_family_folder_is_refused_or_loads(hf_models, family, name, how, data, cut, changes,
+                                                                   nasty, config, nested, edit, index):
+    """Another family's config, huge or broken sizes, damaged weights and tokenizer files: a project error."""
+    from models.family import load_family_model
+
+    with scratch() as root:
+        model = shutil.copytree(hf_models[family], root / family)
+        path = model / name
+        good = path.read_bytes() if path.is_file() else b"{}"
+        if how == "config":
+            path = model / "config.json"
+            data = json.loads(path.read_text())
+            target = data.get(nested) if nested else data
+            (target if isinstance(target, dict) else data).update(config)
+            path.write_text(json.dumps(data))
+        elif how == "tensors":
+            _mutate_checkpoint(model / "model.safetensors", edit, index)
+        else:
+            path.write_bytes({"random": data, "truncate": good[:int(cut * len(good))], "flip": flip_bytes(good, changes),
+                              "nasty": nasty}[how])
+        loaded = refused_or_loaded(lambda: load_family_model(model, device="cpu", threads=0))
+        if how == "tensors" and edit in ("rename", "drop", "int", "bool", "nan", "inf", "shape"):
+            assert loaded is None, f"{family}: {edit} went unnoticed"
+
+
 # --- uploads (app/uploads.py, then the pipeline, as the app does) -----------------------------------------------
 
 def _zip(entries: list[tuple[str, bytes]]) -> bytes:

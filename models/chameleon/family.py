@@ -132,7 +132,7 @@ def load_chameleon(path: str | Path, *, adapters_dir: str | Path | None = None,
     device, dtype = device_and_dtype(device, dtype)
     try:
         processor = ChameleonProcessor.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+    except Exception as exc:  # transformers raises many types on damaged files (RecursionError, StrictDataclass...)
         raise ModelDirError(f"cannot load the Chameleon processor from {path}: {exc}") from exc
     lm = load_checked(ChameleonForConditionalGeneration, path, dtype)
     lm = lm.to(device).eval().requires_grad_(False)

@@ -137,7 +137,7 @@ def load_emu3(path: str | Path, *, adapters_dir: str | Path | None = None, devic
     device, dtype = device_and_dtype(device, dtype)
     try:
         processor = Emu3Processor.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+    except Exception as exc:  # transformers raises many types on damaged files (RecursionError, StrictDataclass...)
         raise ModelDirError(f"cannot load the Emu3 processor (tokenizer + image processor) from {path}: {exc}") from exc
     lm = load_checked(Emu3ForConditionalGeneration, path, dtype)
     lm = lm.to(device).eval().requires_grad_(False)

@@ -139,7 +139,7 @@ def load_janus(path: str | Path, *, adapters_dir: str | Path | None = None, devi
     device, dtype = device_and_dtype(device, dtype)
     try:
         processor = JanusProcessor.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+    except Exception as exc:  # transformers raises many types on damaged files (RecursionError, StrictDataclass...)
         raise ModelDirError(f"cannot load the Janus processor from {path}: {exc}") from exc
     janus = load_checked(JanusForConditionalGeneration, path, dtype)
     janus = janus.to(device).eval().requires_grad_(False)
