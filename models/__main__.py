@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="draw up to N candidates and keep the first that passes the model's check (the embedded "
                         "model's: its own captions of its pictures match the text)")
     p.add_argument("--no-color", action="store_true", help="do not colour tokens by adapter in the HTML")
+    p.add_argument("--negative-prompt", default=None, help="what guidance steers pictures away from (needs CFG)")
+    p.add_argument("--grid", default=None, metavar="ROWSxCOLS",
+                   help="picture size in codes, for families that take it per load (Emu3), e.g. 32x32")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: $MOLORA_THREADS, else 1, the fastest for the small "
@@ -68,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed, "max_new_tokens": args.max_new_tokens, "cfg_scale": args.cfg_scale,
         "text_temperature": args.temperature, "text_top_p": args.top_p,
         "image_temperature": args.image_temperature, "image_top_k": args.image_top_k,
-        "max_images": args.max_images, "best_of": args.best_of}.items() if value is not None}
+        "max_images": args.max_images, "best_of": args.best_of,
+        "negative_prompt": args.negative_prompt}.items() if value is not None}
     if args.start_image:
         overrides["start_image"] = True
     try:
@@ -82,7 +86,14 @@ def main(argv: list[str] | None = None) -> int:
                     images.append(im.convert("RGB"))
             except OSError as exc:
                 raise MoLoRAError(f"cannot read image {path}: {exc}") from exc
-        pipe = InterleavedPipeline.from_pretrained(args.model, adapters_dir=args.adapters_dir, device=args.device)
+        family_options = {}
+        if args.grid is not None:
+            try:
+                family_options["grid"] = tuple(int(n) for n in args.grid.lower().split("x"))
+            except ValueError:
+                raise MoLoRAError(f"--grid takes ROWSxCOLS, e.g. 32x32; got {args.grid!r}") from None
+        pipe = InterleavedPipeline.from_pretrained(args.model, adapters_dir=args.adapters_dir, device=args.device,
+                                                   **family_options)
         for path in args.adapter:
             pipe.load_adapter(path)
         if args.router is not None:

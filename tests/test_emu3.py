@@ -138,3 +138,13 @@ def test_guidance_with_emu3s_negative_prompt_keeps_the_grammar(emu3):
     prompt = emu3.encode_prompt(doc.prompt, emu3.default_config.with_overrides(start_image=True), budget)[0]
     assert check_picture_grammar(v, prompt, [r.id for r in doc.routing]) == 1
     check_routing_rule(v, prompt, doc, "txt", "img")
+
+
+def test_the_command_line_loads_emu3_with_a_grid_and_a_negative_prompt(emu3_dir, tmp_path):
+    from models.__main__ import main
+
+    out = tmp_path / "doc.html"
+    assert main(["draw a cat", "--model", str(emu3_dir), "--grid", "2x2", "--start-image", "--max-new-tokens", "20",
+                 "--negative-prompt", "lowres", "--seed", "0", "--device", "cpu", "--out", str(out)]) == 0
+    assert out.is_file()
+    assert main(["draw a cat", "--model", str(emu3_dir), "--grid", "two", "--out", str(out)]) == 2

@@ -52,3 +52,10 @@ def test_a_registered_family_is_detected_and_its_checks_are_registered(tmp_path)
 
 def test_the_pipeline_records_its_family(tiny_pipeline):
     assert tiny_pipeline.family == "shapes"
+
+
+def test_an_option_the_family_does_not_take_is_refused_by_name(tiny_model_dir):
+    from models import InterleavedPipeline
+
+    with pytest.raises(ModelDirError, match="shapes family takes no option grid"):
+        InterleavedPipeline.from_pretrained(tiny_model_dir, device="cpu", grid=(4, 4))

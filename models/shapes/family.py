@@ -19,8 +19,7 @@ def _detect(path: Path) -> bool:
     return (path / "vocab.json").is_file() or (path / "model" / "vocab.json").is_file()
 
 
-def _load(path: str | Path | None, **kw: Any) -> Any:
-    return load_model_dir(path, **kw)
+_load = load_model_dir
 
 
 def _caption_check(pipe: Any) -> Any:
