@@ -148,3 +148,23 @@ def test_the_command_line_loads_emu3_with_a_grid_and_a_negative_prompt(emu3_dir,
                  "--negative-prompt", "lowres", "--seed", "0", "--device", "cpu", "--out", str(out)]) == 0
     assert out.is_file()
     assert main(["draw a cat", "--model", str(emu3_dir), "--grid", "two", "--out", str(out)]) == 2
+
+
+def test_learned_gates_route_emu3_text_positions(emu3_dir, tmp_path):
+    from routing import LearnedGates
+
+    pipe = InterleavedPipeline.from_pretrained(emu3_dir, device="cpu", grid=(2, 2))
+    torch.manual_seed(0)
+    LearnedGates.for_model(pipe.routed, ["txt", "img"]).save(tmp_path / "gates.safetensors")
+    pipe.load_learned_router(tmp_path / "gates.safetensors", top_k=1)
+    v = pipe.vocab
+    doc = pipe.generate("draw a cat", seed=0, start_image=True, max_new_tokens=v.image_span_tokens + 6,
+                        min_new_tokens=v.image_span_tokens + 6, routing="learned", image_adapter="img")
+    prompt = pipe.encode_prompt(doc.prompt, pipe.default_config.with_overrides(start_image=True), 30)[0]
+    table = v.modality_table()
+    inputs = [prompt[-1], *[r.id for r in doc.routing][:-1]]
+    for record, source in zip(doc.routing, inputs):
+        if table[source] == 1:  # image positions: the image adapter, as in vocabulary routing
+            assert record.adapter == "img"
+        else:  # text positions: whichever adapter the gates picked
+            assert record.adapter in ("txt", "img")
