@@ -2,8 +2,8 @@
 
     from models import InterleavedPipeline, Document, GenerationConfig, SamplingConfig
 
-The names are imported lazily (PEP 562): `routing` imports `models.vocab`, and the pipeline imports `routing`,
-so an eager import here would be circular.
+The names are imported lazily (PEP 562), so `import models.vocab` (or a model family) does not load the pipeline,
+the engine and transformers. Model families: models/family.py.
 """
 
 from __future__ import annotations
