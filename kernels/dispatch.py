@@ -40,9 +40,10 @@ GATHER_MAX_ROW_RANK = 4096
 #   r=32 (S*r=128) k=1: N=256 stacked 25.15 vs grp+meta 24.22, N=2048 49.92 vs 47.23: not narrow enough
 GATHER_MAX_ROWS_STACKED = 64
 STACKED_MAX_WIDTH = 64
-# ... except k=1 with prebuilt metadata above STACKED_MAX_TOKENS_WITH_META tokens, where the grouped kernel wins:
-#   r=16: N=512 stacked 19.84 vs grouped 22.56; N=2048 34.75 vs 28.74; N=8192 94.21 vs 49.02
-STACKED_MAX_TOKENS_WITH_META = 1024
+# ... except k=1 with prebuilt metadata above STACKED_MAX_TOKENS_WITH_META tokens, where the grouped kernel wins.
+# 2026-11-30 (one-launch grouped): r=16 N=512 stacked 19.84 vs grouped 22.56; N=2048 34.75 vs 28.74. 2026-12-01,
+# two-phase grouped: r=16 N=256 13.6 (stacked 15.97 on 11-30), N=2048 20.9 -> from 256 tokens up
+STACKED_MAX_TOKENS_WITH_META = 128
 # Top-k (k > 1) takes the stacked kernel up to this width too, because the grouped top-k path pays float32 atomics
 # on N*k sorted rows: r=64 (S*r=256) N=64 k=2 stacked 36.1 vs grouped 39.3; N=2048 k=2 85.5 vs 181.8; k=4 N=256
 # 68.9 vs 72.2 (one loss: N=256 k=2, 68.7 vs 53.9). Wider stacks do not fit the stacked kernel's tiles.
@@ -55,10 +56,6 @@ STACKED_TOPK_MAX_WIDTH = 256
 # Rows up to which the CPU uses the dense all-slots form instead of the slot-grouped loop (decode steps: 2-8 rows;
 # 30-39 us vs 57-62 us per layer at hidden 256, measured on the 2-core dev machine, 2026-11-30).
 CPU_DENSE_MAX_ROWS = 16
-
-# Projections sharing x (q/k/v, gate/up) take the stacked group kernel instead of one grouped call per projection
-# up to this width per projection (provisional: set from the H200 run, benchmarks/RESULTS.md "fused projections").
-GROUP_STACKED_MAX_WIDTH = 64
 
 PATHS = ("auto", "torch", "gather", "stacked", "grouped")
 
@@ -88,12 +85,13 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
 
 
 def choose_group_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: int, proj: int) -> str:
-    """Path for `proj` projections sharing x: as choose_path, except that where one projection would take the
-    grouped kernel, a stack narrow enough (S*r <= GROUP_STACKED_MAX_WIDTH) takes the stacked group kernel, which
-    reads x once for all projections instead of once per projection. Shapes only."""
+    """Path for `proj` projections sharing x: as choose_path, except that with prebuilt metadata and k = 1 the
+    grouped kernel replaces the stacked one (the stacked shrink does S times the arithmetic, times P here).
+    H200, 2026-12-01, q/k/v at d=4096, r=16, delta + three base GEMMs, median us: N=256 grouped 75.2 vs stacked
+    80.5, N=2048 309.7 vs 365.5, N=8192 1284 vs 1354. Shapes only."""
     path = choose_path(x, k, has_meta, num_slots, rank)
-    if proj > 1 and path == "grouped" and num_slots * rank <= GROUP_STACKED_MAX_WIDTH:
-        return "stacked"
+    if proj > 1 and k == 1 and has_meta and path == "stacked":
+        return "grouped"
     return path
 
 

@@ -46,3 +46,43 @@ def delta_target(x: torch.Tensor, d_out: int, out: torch.Tensor | None) -> tuple
         return out, True
     return torch.empty(x.shape[0], d_out, dtype=x.dtype, device=x.device), False
 
+
+
+# Launch through the compiled kernel's own launcher (CompiledKernel.run), skipping JITFunction.run's per-call
+# binding, cache-key hashing and hooks: H200, 2026-12-01, the same kernel 34.1 us per launch through
+# JITFunction.run vs 12.1 us through its launcher (benchmarks/kernels.py, eager section). Our key holds everything
+# Triton specialises a compiled kernel on (argument dtypes, 16-byte pointer alignment, ints equal to 1, divisible by
+# 16, 32- or 64-bit; constexpr values; num_warps; device), so a cached kernel only ever runs arguments it was
+# compiled for. The first call of each key goes through JITFunction.run (compiling if needed). Profiler launch hooks
+# are not called on the fast path. Off under the interpreter; FAST_LAUNCH = False turns it off.
+FAST_LAUNCH = True
+_LAUNCH_CACHE: dict = {}
+
+
+def _spec(a: object) -> object:
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if type(a) is int:
+        return a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31
+    if type(a) is bool or a is None:
+        return a
+    return type(a)
+
+
+def launch(fn, grid: tuple[int, ...], *args: object, num_warps: int, **constexprs: object) -> None:
+    """fn[grid](*args, **constexprs, num_warps=num_warps), fast after the first call of each specialisation."""
+    if not FAST_LAUNCH or interpreting():
+        fn[grid](*args, **constexprs, num_warps=num_warps)
+        return
+    key = (fn, tuple(map(_spec, args)), tuple(constexprs.items()), num_warps, args[0].device.index)
+    entry = _LAUNCH_CACHE.get(key)
+    if entry is None:
+        kernel = fn[grid](*args, **constexprs, num_warps=num_warps)
+        names = fn.arg_names[len(args):]  # the constexprs, in the kernel's signature order
+        _LAUNCH_CACHE[key] = (kernel, tuple(constexprs[n] for n in names))
+        return
+    kernel, consts = entry
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    kernel.run(grid[0], g1, g2, torch.cuda.current_stream().cuda_stream, kernel.function, kernel.packed_metadata,
+               None, None, None, *args, *consts)

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from kernels.triton_common import HAS_TRITON, delta_target, interpreting, next_pow2, tl, triton
+from kernels.triton_common import HAS_TRITON, delta_target, interpreting, launch, next_pow2, tl, triton
 
 # Most projections one launch serves (the expand reads the column boundaries as P - 1 scalars)
 MAX_PROJECTIONS = 4
@@ -94,18 +94,21 @@ if HAS_TRITON:
         tl.store(ptrs, acc, mask=mo)
 
 
-# (BLOCK_K, BLOCK_N) per padded rank, chosen on the H200 (benchmarks/kernels.py --only sweep; numbers in
-# benchmarks/RESULTS.md); ranks not listed take 256 / 256.
-GATHER_TILES: dict[int, tuple[int, int]] = {}
-
-
 @functools.lru_cache(maxsize=1024)  # pure in its int arguments; saves host time per call
-def gather_config(n_out: int, d_in: int, rank: int = 16) -> dict:
-    """Tile sizes: BLOCK_K is the split-K chunk of the shrink, BLOCK_N the output columns per expand program."""
+def gather_config(n_out: int, d_in: int, rank: int = 16, n: int = 1) -> dict:
+    """Tile sizes: BLOCK_K is the split-K chunk of the shrink, BLOCK_N the output columns per expand program.
+
+    H200, 2026-12-01, d=4096, 4 slots, bf16, median us (benchmarks/kernels.py --only sweep; BLOCK_K x BLOCK_N):
+      N=1:  r16 64x64 8.1 (256x256 9.8), r32 8.7 (12.3), r64 9.4 (14.7), r128 12.9 (18.1): BLOCK_K 64 and
+            BLOCK_N 64 best at every rank (more programs for one token's work)
+      N=32: r16 128x256 10.3 (64x256 10.6, 64x64 12.6), r32 256x128 12.2 (64x256 12.3), r64 64x256 15.0
+            (64x64 18.5), r128 64x256 24.1 (64x64 29.4): wide BLOCK_N once N * out / BLOCK_N fills the GPU
+    so BLOCK_K = 64 and BLOCK_N the power of two in [64, 256] nearest N * out / 512 programs' worth.
+    """
     if interpreting():  # tiny tiles so interpreter tests walk every split and mask
         return dict(BLOCK_K=16, BLOCK_N=16, num_warps=1)
-    block_k, block_n = GATHER_TILES.get(max(2, next_pow2(rank)), (256, 256))
-    return dict(BLOCK_K=min(block_k, max(16, next_pow2(d_in))), BLOCK_N=min(block_n, max(16, next_pow2(n_out))),
+    block_n = min(256, max(64, next_pow2(max(1, n * n_out // 512))))
+    return dict(BLOCK_K=min(64, max(16, next_pow2(d_in))), BLOCK_N=min(block_n, max(16, next_pow2(n_out))),
                 num_warps=4)
 
 
@@ -117,22 +120,22 @@ def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, c
     m_rows = n * k
     slots = slots.contiguous()
     w = weights.contiguous() if weights is not None else scale2
-    cfg = cfg or gather_config(d_out, d_in, r)
+    cfg = cfg or gather_config(d_out, d_in, r, n)
     block_r = max(2, next_pow2(r))
     split_k = triton.cdiv(d_in, cfg["BLOCK_K"])
     part = torch.empty(split_k, m_rows, p_count, block_r, dtype=torch.float32, device=x.device)
-    _bgmv_shrink_kernel[(m_rows, split_k)](x, A4, slots, part, m_rows, d_in, r, s_count,
-                                          x.stride(0), x.stride(1), A4.stride(0), A4.stride(1), A4.stride(2),
-                                          A4.stride(3), K=k, P=p_count, BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"],
-                                          num_warps=cfg["num_warps"])
+    launch(_bgmv_shrink_kernel, (m_rows, split_k), x, A4, slots, part, m_rows, d_in, r, s_count,
+           x.stride(0), x.stride(1), A4.stride(0), A4.stride(1), A4.stride(2),
+           A4.stride(3), K=k, P=p_count, BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"],
+           num_warps=cfg["num_warps"])
     o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
     grid = (n, triton.cdiv(d_out, cfg["BLOCK_N"]))
-    _bgmv_expand_kernel[grid](B, slots, w, scale2, part, out, m_rows, d_out, r, s_count, o1, o2, o3,
-                              B.stride(0), B.stride(1), B.stride(2), scale2.stride(0),
-                              out.stride(0) if out.dim() == 2 else 0, out.stride(-1),
-                              K=k, P=p_count, HAS_W=weights is not None, ACCUMULATE=accumulate, BLOCKS=blocks,
-                              SPLIT_K=split_k, SPLIT_PAD=max(2, next_pow2(split_k)), BLOCK_R=block_r,
-                              BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+    launch(_bgmv_expand_kernel, grid, B, slots, w, scale2, part, out, m_rows, d_out, r, s_count, o1, o2, o3,
+           B.stride(0), B.stride(1), B.stride(2), scale2.stride(0),
+           out.stride(0) if out.dim() == 2 else 0, out.stride(-1),
+           K=k, P=p_count, HAS_W=weights is not None, ACCUMULATE=accumulate, BLOCKS=blocks,
+           SPLIT_K=split_k, SPLIT_PAD=max(2, next_pow2(split_k)), BLOCK_R=block_r,
+           BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
 
 
 def gather_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,

@@ -1,18 +1,20 @@
-"""Grouped (SGMV-style) Triton kernel: tiles of slot-sorted rows, tensor-core tl.dot shrink and expand.
+"""Grouped (SGMV-style) Triton kernels: tiles of slot-sorted rows, tensor-core tl.dot shrink and expand.
 
 Rows are the flat (token, choice) pairs sorted by slot (kernels/metadata.py). Each program takes BLOCK_M rows of
-one slot's segment, finds that segment itself from the S + 2 offsets (a vector scan, no host help), and computes
-  t = (x[tokens] @ A[s]^T) * scale[s] * weight          [BLOCK_M, r]   (tl.dot over `in`)
-  y = t @ B[s]^T                                         [BLOCK_M, out] (tl.dot per output tile)
-The grid is (cdiv(M, BLOCK_M) + S, OUT_SPLIT): every segment adds at most one partial tile, so this bounds the
-tile count using shapes only; programs past the last tile exit. OUT_SPLIT programs share one row tile and each
-expands a slice of `out` (recomputing the shrink from L2) so that small N still fills the GPU.
+one slot's segment and finds that segment itself from the S + 2 offsets (a vector scan, no host help). Two
+launches, for P >= 1 projections sharing x (A [P, S, r, in], B [S, O, r], projection p owning output columns
+bounds[p]:bounds[p+1]; a plain call is P = 1):
+  shrink  grid (tiles, SPLIT_K): part[ks, sorted row, p, :] = x[tok, chunk_ks] @ A[p, s][:, chunk_ks]^T (float32)
+  expand  grid (tiles, P * OUT_SPLIT): t = sum_ks part * scale[p, s] * weight, then t @ B[s]^T for one slice of
+          projection p's columns (tl.dot per output tile)
+The tile grid is cdiv(M, BLOCK_M) + S: every segment adds at most one partial tile, so this bounds the tile count
+using shapes only; programs past the last tile exit.
+Measured on the H200 (2026-12-01, d=4096, 4 slots, bf16, metadata prebuilt, median us): the earlier one-launch
+kernel, in which each output slice's program recomputed its tile's shrink (re-reading A[s] from L2, 512 KB per
+program at r=64), took r16 N=256 20.2 / N=2048 27.9, r64 25.0 / 34.7, r128 28.6 / 43.4 at its best tiles; these
+two phases take 13.6 / 20.9, 16.2 / 26.6, 21.9 / 42.2, so only they are kept.
 Modes: 0 store the delta (no-adapter rows get explicit zeros), 1 add into `out` (no-adapter rows skipped:
 slot -1 costs nothing), 2 float32 atomic add (top-k: the k rows of a token live in different tiles).
-Two-phase schedule (wide ranks, and always for P projections sharing x: A [P, S, r, in], B [S, O, r]):
-  shrink  grid (tiles, SPLIT_K): part[ks, sorted row, p, :] = x[tok, chunk] @ A[p, s][:, chunk]^T
-  expand  grid (tiles, P * OUT_SPLIT): one slice of projection p's columns from sum_ks part, as above
-so A[s] is read once per row tile instead of once per output slice (at r = 64 that re-read is 512 KB per program).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import functools
 import torch
 
 from kernels.metadata import RoutingMeta, build_routing_meta
-from kernels.triton_common import HAS_TRITON, dot_config, interpreting, next_pow2, tl, triton
+from kernels.triton_common import HAS_TRITON, dot_config, interpreting, launch, next_pow2, tl, triton
 
 MODE_STORE, MODE_ADD, MODE_ATOMIC = 0, 1, 2
 
@@ -53,59 +55,6 @@ if HAS_TRITON:
             if MODE == 1:
                 y += tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
             tl.store(ptrs, y, mask=m2)
-
-    @triton.jit
-    def _grouped_kernel(x_ptr, a_ptr, b_ptr, rows_ptr, offsets_ptr, w_ptr, scale_ptr, out_ptr,
-                        IN, OUT, R, S, OUT_PER,
-                        sx0, sx1, sa0, sa1, sa2, sb0, sb1, sb2, so0, so1,
-                        K: tl.constexpr, HAS_W: tl.constexpr, MODE: tl.constexpr,
-                        DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, S_PAD: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
-        """One launch: every output slice's program recomputes its row tile's shrink (from L2)."""
-        found, s, row0, seg_end = _segment_tile(tl.program_id(0), offsets_ptr, S, S_PAD, BLOCK_M)
-        active = found
-        if MODE != 0:  # accumulating: no-adapter rows are skipped entirely
-            active = active & (s < S)
-        if active:
-            offs_m = row0 + tl.arange(0, BLOCK_M)
-            mrow = offs_m < seg_end
-            rows = tl.load(rows_ptr + offs_m, mask=mrow, other=0)
-            tok = (rows // K).to(tl.int64)
-            o_lo = tl.program_id(1) * OUT_PER
-            o_hi = tl.minimum(o_lo + OUT_PER, OUT)
-            offs_r = tl.arange(0, BLOCK_R)
-            mr = offs_r < R
-            if s < S:
-                acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-                for k0 in range(0, IN, BLOCK_K):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    mk = offs_k < IN
-                    xt = tl.load(x_ptr + tok[:, None] * sx0 + offs_k[None, :] * sx1,
-                                 mask=mrow[:, None] & mk[None, :], other=0.0)
-                    at = tl.load(a_ptr + s * sa0 + offs_r[None, :] * sa1 + offs_k[:, None] * sa2,
-                                 mask=mk[:, None] & mr[None, :], other=0.0)
-                    acc += tl.dot(xt.to(DOT_DTYPE), at.to(DOT_DTYPE), input_precision=PRECISION)
-                coef = tl.load(scale_ptr + s).to(tl.float32)
-                if HAS_W:
-                    w = tl.load(w_ptr + rows, mask=mrow, other=0.0).to(tl.float32)
-                    acc = acc * (w * coef)[:, None]
-                else:
-                    acc = acc * coef
-                t = acc.to(DOT_DTYPE)
-                for o0 in range(o_lo, o_hi, BLOCK_N):
-                    offs_o = o0 + tl.arange(0, BLOCK_N)
-                    mo = offs_o < o_hi
-                    bt = tl.load(b_ptr + s * sb0 + offs_o[None, :] * sb1 + offs_r[:, None] * sb2,
-                                 mask=mr[:, None] & mo[None, :], other=0.0)
-                    y = tl.dot(t, bt.to(DOT_DTYPE), input_precision=PRECISION)
-                    _store_rows(out_ptr, y, tok, offs_o, mrow[:, None] & mo[None, :], so0, so1, MODE)
-            else:  # MODE 0 only: the no-adapter rows' delta is an explicit zero
-                for o0 in range(o_lo, o_hi, BLOCK_N):
-                    offs_o = o0 + tl.arange(0, BLOCK_N)
-                    m2 = mrow[:, None] & (offs_o < o_hi)[None, :]
-                    zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                    tl.store(out_ptr + tok[:, None] * so0 + offs_o[None, :] * so1, zero, mask=m2)
 
     @triton.jit
     def _grouped_shrink_kernel(x_ptr, a_ptr, rows_ptr, offsets_ptr, part_ptr, M, IN, R, S, K_PER,
@@ -199,13 +148,16 @@ if HAS_TRITON:
                     tl.store(base + tok[:, None] * s0 + offs_o[None, :] * s1, zero, mask=m2)
 
 
-# Measured overrides (BLOCK_M, OUT_SPLIT, num_warps) by (padded rank, row bucket), row bucket = the smallest of
-# 256, 1024, 4096, 16384 that holds the rows; chosen on the H200 (benchmarks/kernels.py --only sweep, numbers in
-# benchmarks/RESULTS.md). Shapes not listed take the rule in grouped_config.
-GROUPED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
+# (BLOCK_M, OUT_SPLIT) by (padded rank, row bucket), row bucket = the smallest of 256, 1024, 4096, 16384 holding the
+# rows. H200, 2026-12-01, d=4096, 4 slots, bf16, metadata prebuilt, median us (benchmarks/kernels.py --only sweep,
+# BLOCK_M/OUT_SPLIT): N=256 r16 16/8 13.6 (32/8 13.55, 16/1 23.4), r32 16/8 14.4, r64 16/8 16.2 (64/8 20.5),
+# r128 32/8 21.9 (16/8 22.0); N=2048 r16 32/8 20.9 (16/4 21.0, 64/1 34.0), r32 16/4 22.8, r64 32/8 26.6 (16/4
+# 27.2), r128 64/2 42.2 (32/4 42.8, 16/8 51.1). Buckets not measured take the rule in grouped_config.
+GROUPED_TILES: dict[tuple[int, int], tuple[int, int]] = {
+    (16, 256): (16, 8), (32, 256): (16, 8), (64, 256): (16, 8), (128, 256): (32, 8),
+    (16, 4096): (32, 8), (32, 4096): (16, 4), (64, 4096): (32, 8), (128, 4096): (64, 2),
+}
 ROW_BUCKETS = (256, 1024, 4096, 16384)
-# Padded ranks whose single projections take the two-phase schedule (provisional until the H200 sweep).
-TWO_PHASE_RANKS = (64, 128)
 
 
 def row_bucket(m_rows: int) -> int:
@@ -214,24 +166,20 @@ def row_bucket(m_rows: int) -> int:
 
 @functools.lru_cache(maxsize=1024)  # pure in its int arguments; saves host time per call
 def grouped_config(m_rows: int, d_in: int, d_out: int, num_slots: int, rank: int = 16, proj: int = 1) -> dict:
-    """Tile sizes, output split and schedule (d_out: one projection's width; proj: projections sharing x).
+    """Tile sizes and splits (d_out: one projection's width; proj: projections sharing x).
 
-    GPU: BLOCK_M grows with the row count (16 rows below 1024, 32 below 4096, else 64) and OUT_SPLIT spreads a
-    row tile's output columns over enough programs for ~2 per SM of an H200 (132 SMs), in 512-column steps;
-    GROUPED_TILES overrides both where a measurement chose otherwise. TWO_PHASE: shrink once per row tile
-    (split over `in` in SPLIT_K chunks), then expand, instead of one launch in which every output slice
-    recomputes the shrink; always for several projections.
+    Rule where GROUPED_TILES has no measurement: BLOCK_M grows with the row count (16 below 1024, 32 below 4096,
+    else 64) and OUT_SPLIT spreads a row tile's columns over ~2 programs per SM of an H200 (132 SMs), in
+    512-column steps. SPLIT_K splits the shrink over `in` the same way (chunks of at least 2 * BLOCK_K).
     """
-    if interpreting():  # both schedules under the interpreter tests: rank 8 cases one launch, wider ones two
+    if interpreting():  # tiny tiles so interpreter tests walk every split and mask
         return dict(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, OUT_SPLIT=2 if d_out > 16 else 1, num_warps=1,
-                    TWO_PHASE=proj > 1 or rank > 8, SPLIT_K=2 if d_in > 16 else 1)
+                    SPLIT_K=2 if d_in > 16 else 1)
     block_m = 16 if m_rows < 1024 else (32 if m_rows < 4096 else 64)
     max_split = max(1, d_out // 512)
-    warps = 4
-    two_phase = proj > 1 or max(16, next_pow2(rank)) in TWO_PHASE_RANKS
     tuned = GROUPED_TILES.get((max(16, next_pow2(rank)), row_bucket(m_rows)))
     if tuned is not None:
-        block_m, warps = tuned[0], tuned[2]
+        block_m = tuned[0]
     tiles = triton.cdiv(m_rows, block_m) + num_slots
     split = 1
     while split * 2 <= max_split and tiles * proj * split < 264:
@@ -243,7 +191,7 @@ def grouped_config(m_rows: int, d_in: int, d_out: int, num_slots: int, rank: int
     while split_k * 2 * block_k * 2 <= d_in and tiles * split_k < 264:
         split_k *= 2
     return dict(BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_N=min(128, max(16, next_pow2(d_out))), OUT_SPLIT=split,
-                num_warps=warps, TWO_PHASE=two_phase, SPLIT_K=split_k)
+                num_warps=4, SPLIT_K=split_k)
 
 
 def _launch(x, A4, B, slots, weights, scale2, meta, target, mode, bounds, blocks, cfg) -> None:
@@ -259,29 +207,17 @@ def _launch(x, A4, B, slots, weights, scale2, meta, target, mode, bounds, blocks
     tiles = triton.cdiv(m_rows, cfg["BLOCK_M"]) + s_count
     block_r = max(16, next_pow2(r))
     s_pad = next_pow2(s_count + 2)
-    if not (cfg["TWO_PHASE"] or p_count > 1):
-        A, scale = A4[0], scale2[0]
-        out_per = triton.cdiv(triton.cdiv(d_out, cfg["OUT_SPLIT"]), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
-        target = target.view(n, d_out)
-        _grouped_kernel[(tiles, triton.cdiv(d_out, out_per))](
-            x, A, B, meta.rows, meta.offsets, w, scale, target, d_in, d_out, r, s_count, out_per,
-            x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
-            B.stride(0), B.stride(1), B.stride(2), target.stride(0), target.stride(1),
-            K=k, HAS_W=weights is not None, MODE=mode, DOT_DTYPE=dot_dtype, PRECISION=precision,
-            S_PAD=s_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
-            num_warps=cfg["num_warps"])
-        return
     k_per = triton.cdiv(triton.cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split_k = triton.cdiv(d_in, k_per)
     part = torch.empty(split_k, m_rows, p_count, block_r, dtype=torch.float32, device=x.device)
-    _grouped_shrink_kernel[(tiles, split_k)](
-        x, A4, meta.rows, meta.offsets, part, m_rows, d_in, r, s_count, k_per,
+    launch(
+        _grouped_shrink_kernel, (tiles, split_k), x, A4, meta.rows, meta.offsets, part, m_rows, d_in, r, s_count, k_per,
         x.stride(0), x.stride(1), A4.stride(0), A4.stride(1), A4.stride(2), A4.stride(3),
         K=k, P=p_count, DOT_DTYPE=dot_dtype, PRECISION=precision, S_PAD=s_pad, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
     o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
-    _grouped_expand_kernel[(tiles, p_count * cfg["OUT_SPLIT"])](
-        B, meta.rows, meta.offsets, w, scale2, part, target, m_rows, d_out, r, s_count, o1, o2, o3,
+    launch(
+        _grouped_expand_kernel, (tiles, p_count * cfg["OUT_SPLIT"]), B, meta.rows, meta.offsets, w, scale2, part, target, m_rows, d_out, r, s_count, o1, o2, o3,
         cfg["OUT_SPLIT"], split_k, B.stride(0), B.stride(1), B.stride(2), scale2.stride(0),
         target.stride(0) if target.dim() == 2 else 0, target.stride(-1),
         K=k, P=p_count, HAS_W=weights is not None, MODE=mode, BLOCKS=blocks, DOT_DTYPE=dot_dtype,

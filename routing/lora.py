@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 # Sibling linear layers that read the same input tensor in the model families we know (Llama, Qwen, Mistral,
 # Emu3, Chameleon, Janus's LM: q/k/v and gate/up; Mixtral-style MLPs: w1/w3).
 SHARED_INPUT_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+# True: the base GEMM runs onto the freshly computed delta (addmm_, beta = 1; needed for a group to compute every
+# member's delta before the members' GEMMs). False: every layer runs the base linear, then adds its own delta
+# (no sharing); kept for comparisons.
+BASE_ONTO_DELTA = True
 
 
 class ProjectionGroup:
@@ -162,7 +166,7 @@ class RoutedLoRALinear(nn.Linear):
         if x2.shape[0] != slots.shape[0]:
             raise RoutingError(f"routed layer '{self.name}' got {x2.shape[0]} tokens but the routing covers "
                                f"{slots.shape[0]}; call the model through RoutedModel.forward with the same input_ids")
-        if needs_autograd(x2, self.weight, self.lora_A, self.lora_B, weights) or \
+        if not BASE_ONTO_DELTA or needs_autograd(x2, self.lora_A, self.lora_B, weights) or \
                 torch.is_autocast_enabled(x.device.type) or x2.dtype != self.weight.dtype:
             return self._forward_add(x, x2, routing, slots, weights)
         delta = self._shared_delta(routing, x, x2, slots, weights)
