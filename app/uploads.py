@@ -135,7 +135,7 @@ def _ignored(parts: tuple[str, ...]) -> bool:
 def _parse_metadata(raw: bytes) -> dict:
     try:
         meta = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:  # RecursionError: nested too deep
         raise UploadError(f"{METADATA_NAME} is not valid JSON ({err})") from err
     if not isinstance(meta, dict) or meta.get("modality", "any") not in MODALITIES:
         raise UploadError(f"{METADATA_NAME} must be a JSON object whose modality is one of {', '.join(MODALITIES)}")
@@ -226,7 +226,7 @@ def _check_safetensors_header(data: bytes) -> None:
                           "not accepted)")
     try:
         header = json.loads(data[8:8 + header_len].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise UploadError(f"{WEIGHTS_NAME} has a corrupt safetensors header ({err})") from err
     if not isinstance(header, dict) or not any(key != "__metadata__" for key in header):
         raise UploadError(f"{WEIGHTS_NAME} holds no tensors")

@@ -89,7 +89,7 @@ def read_adapter_info(path: str | Path, name: str | None = None) -> AdapterInfo:
     if meta_path.is_file():
         try:
             meta = json.loads(meta_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
             raise ModelDirError(f"{meta_path} is not valid JSON: {exc}") from exc
         modality = meta.get("modality", "any") if isinstance(meta, dict) else None
         if modality not in MODALITIES:

@@ -120,7 +120,14 @@ edits = st.lists(st.tuples(st.integers(0, 2 ** 31), st.integers(0, 255)), min_si
 def good_adapter(tiny_assets: Path) -> tuple[bytes, bytes, dict[str, torch.Tensor]]:
     folder = tiny_assets / "adapters" / "text_style"
     tensors, _ = read_tensors(folder / WEIGHTS_NAME)
-    return (folder / CONFIG_NAME).read_bytes(), (folder / WEIGHTS_NAME).read_bytes(), tensors
+    return _Quiet(((folder / CONFIG_NAME).read_bytes(), (folder / WEIGHTS_NAME).read_bytes(), tensors))
+
+
+class _Quiet(tuple):
+    """A fixture value whose repr is short: hypothesis prints the arguments of a failing example."""
+
+    def __repr__(self) -> str:
+        return "<the tiny text_style adapter: config bytes, weights bytes, tensors>"
 
 
 @pytest.fixture(scope="module")
@@ -345,6 +352,29 @@ def test_an_adapter_for_another_model_size_is_refused(good_adapter, routed, rank
         assert (name is not None) == fits
 
 
+@FUZZ
+@given(meta=st.sampled_from(NASTY_JSON) | st.binary(max_size=64)
+       | st.dictionaries(st.sampled_from(["modality", "description"]),
+                         json_values | st.sampled_from(["text", "image", "any", "merged"])).map(
+                             lambda d: json.dumps(d).encode()))
+def test_a_fuzzed_molora_json_is_refused_or_loads_leaving_the_pipeline_untouched(pipe, good_adapter, meta):
+    """The modality file beside an adapter (pipeline.load_adapter) and inside an uploaded zip (app/uploads.py)."""
+    from app.uploads import validate_upload
+
+    before = (dict(pipe.adapters), pipe.routed.cache.stats())
+    with scratch() as root:
+        folder = adapter_folder(root, good_adapter[0], good_adapter[1])
+        (folder / "molora.json").write_bytes(meta)
+        name = refused_or_loaded(lambda: pipe.load_adapter(folder, name="fuzzed"))
+        if name is None:
+            assert (dict(pipe.adapters), pipe.routed.cache.stats()) == before
+        else:
+            pipe.remove_adapter(name)
+        (root / "up.zip").write_bytes(_zip([(f"a/{n}", (folder / n).read_bytes())
+                                            for n in (CONFIG_NAME, WEIGHTS_NAME, "molora.json")]))
+        refused_or_loaded(lambda: validate_upload([root / "up.zip"]))
+
+
 # --- learned-gate files and router folders ---------------------------------------------------------------------
 
 def gate_bytes(adapters: list[str], d_model: int, num_blocks: int, *, base_expert: bool = False,
@@ -516,6 +546,26 @@ def test_a_fuzzed_lm_config_is_refused_without_allocating_its_declared_size(tiny
     with model_copy(tiny_model_dir) as model:
         config = {**json.loads((model / "lm" / "config.json").read_text()), **changes}
         (model / "lm" / "config.json").write_text(json.dumps(config))
+        load_dir(model)
+
+
+vq_fields = st.sampled_from(["block_out_channels", "down_block_types", "up_block_types", "layers_per_block",
+                             "latent_channels", "vq_embed_dim", "num_vq_embeddings", "norm_num_groups", "sample_size",
+                             "in_channels", "out_channels", "_class_name", "norm_type", "act_fn"])
+
+
+@FUZZ
+@given(changes=st.dictionaries(vq_fields, st.sampled_from([0, -1, 1, 3, 7, 10 ** 6, 2 ** 40, None, "x", 1.5, [],
+                                                           [8] * 2000, [8, 8], [2 ** 40, 8, 8], ["DownEncoderBlock2D"],
+                                                           "UNet2DModel", "spatial", "gelu"]),
+                               min_size=1, max_size=3))
+def test_a_fuzzed_vq_config_is_refused_without_allocating_its_declared_size(tiny_model_dir, changes):
+    from models.image_tokenizer import ImageTokenizer
+
+    with model_copy(tiny_model_dir) as model:
+        config = {**json.loads((model / "vq" / "config.json").read_text()), **changes}
+        (model / "vq" / "config.json").write_text(json.dumps(config))
+        refused_or_loaded(lambda: ImageTokenizer.from_pretrained(model / "vq"))
         load_dir(model)
 
 
