@@ -64,6 +64,20 @@ EXAMPLES: list[tuple[str, bool, int]] = [
     ("Here is a purple diamond at the top:", False, 1),
 ]
 
+# (prompt, seed): two questions of two domains in one request, for the learned router (shown when the model ships
+# gates). The shipped router answers both right at the page's defaults, switching domain adapter between the two
+# answer spans (tests/test_app_examples.py checks the answers and that two domain adapters appear).
+LEARNED_EXAMPLES: list[tuple[str, int]] = [
+    ("A large pink diamond at the top right, a large orange triangle in the middle and a large pink diamond at the "
+     "bottom. What size is the orange triangle? How many large shapes are there? A:", 0),
+    ("A large brown circle on the left, a small pink square at the top left, a large red star on the right and a "
+     "small yellow square in the center. How many more squares than circles are there? What is above the red star? "
+     "A:", 0),
+    ("A small green star on the left, a large purple star in the bottom left corner, a large purple square in the "
+     "top right corner and a large purple star in the center. What is below the green star? How many purple shapes "
+     "are there? A:", 0),
+]
+
 # The pickers start on the shipped model's style adapters (its domain adapters, also "text", are for the learned
 # router): the examples above show these two at work in one document.
 DEFAULT_ADAPTERS = {"text": "pirate", "image": "outline"}
@@ -352,6 +366,9 @@ class MoLoRAApp:
                         stop = gr.Button("Stop", variant="stop", elem_id="stop")
                     gr.Examples([list(e) for e in self.examples], inputs=[prompt, start_image, seed],
                                 label="Example prompts")
+                    if any(value == "learned" for _, value in self.routing_choices()):
+                        gr.Examples([[text, "learned", s] for text, s in LEARNED_EXAMPLES], inputs=[prompt, routing, seed],
+                                    label="Mixed questions for the learned router (one domain adapter per answer)")
                     with gr.Accordion("Upload your own adapter (private to this session)", open=False):
                         gr.Markdown(
                             "A zipped PEFT LoRA folder, or its `adapter_config.json` and "

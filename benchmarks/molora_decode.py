@@ -10,7 +10,11 @@ excluded, median of --runs):
                  real pass), as its generate does; its classifier is untrained here (speed does not depend on it)
     base         the plain transformers model, KV cache (reference)
 
+Every row runs the same plain loop (HF DynamicCache, one forward per new id), so the rows differ only in how
+adapters are applied; on CUDA the clock stops after a device synchronise.
+
     python benchmarks/molora_decode.py --json benchmarks/molora_decode.json
+    python benchmarks/molora_decode.py --device cuda --runs 5 --new-tokens 32
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from eval_molora import arrow_model, fresh_lm  # noqa: E402
 from train_router import load_routed  # noqa: E402
 
-from models.shapes.domains import DOMAINS, mixed_items  # noqa: E402
+from models.runtime import device_name  # noqa: E402
+from models.shapes.domains import mixed_items  # noqa: E402
 from routing import LearnedGates, LearnedRouter  # noqa: E402
 
 
@@ -43,24 +48,33 @@ def prompts(tok, n: int) -> torch.Tensor:
     return torch.tensor([x[:width] for x in ids])
 
 
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
 @torch.no_grad()
 def decode_cached(step, ids: torch.Tensor, new: int) -> float:
     """step(ids, cache) -> (logits, cache); returns decode seconds for `new` greedy ids after the prefill."""
     logits, cache = step(ids, DynamicCache())
     nxt = logits[:, -1].argmax(-1, keepdim=True)
+    _sync(nxt)
     t0 = time.perf_counter()
     for _ in range(new):
         logits, cache = step(nxt, cache)
         nxt = logits[:, -1].argmax(-1, keepdim=True)
+    _sync(nxt)
     return time.perf_counter() - t0
 
 
 @torch.no_grad()
 def decode_uncached(forward, ids: torch.Tensor, new: int) -> float:
     seq = torch.cat([ids, forward(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    _sync(seq)
     t0 = time.perf_counter()
     for _ in range(new):
         seq = torch.cat([seq, forward(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    _sync(seq)
     return time.perf_counter() - t0
 
 
@@ -75,14 +89,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rows", nargs="+", default=["base", "ours_top2", "peft_arrow", "peft_xlora"])
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    adapters = list(DOMAINS)
-    routed, tok = load_routed(args.model_dir, args.adapters_dir, adapters)
+    gates = LearnedGates.load(args.router, device=args.device)
+    adapters = gates.adapters
+    routed, tok = load_routed(args.model_dir, args.adapters_dir, adapters, args.device)
     routed.eval()
-    gates = LearnedGates.load(args.router)
     router = LearnedRouter(gates, top_k=2, vocab=tok.vocab)
-    all_ids = prompts(tok, max(args.batch))
+    all_ids = prompts(tok, max(args.batch)).to(args.device)
 
     def ours(ids, cache):
         out = routed(ids, routers=router, past_key_values=cache, use_cache=True)
@@ -96,15 +111,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows: dict[str, tuple] = {}
     if "base" in args.rows:
-        rows["base"] = ("cached", hf(fresh_lm(args.model_dir)))
+        rows["base"] = ("cached", hf(fresh_lm(args.model_dir, args.device)))
     if "ours_top2" in args.rows:
         rows["ours_top2"] = ("cached", ours)
     if "peft_arrow" in args.rows:
-        arrow = arrow_model(argparse.Namespace(model_dir=args.model_dir, adapters_dir=args.adapters_dir), adapters)
+        arrow = arrow_model(argparse.Namespace(model_dir=args.model_dir, adapters_dir=args.adapters_dir,
+                                               device=args.device), adapters)
         rows["peft_arrow"] = ("cached", hf(arrow))
     if "peft_xlora" in args.rows:
         from peft import XLoraConfig, get_peft_model
-        lm = fresh_lm(args.model_dir)
+        lm = fresh_lm(args.model_dir, args.device)
         lm.config.use_cache = False
         xlora = get_peft_model(lm, XLoraConfig(task_type="CAUSAL_LM", hidden_size=int(lm.config.hidden_size),
                                                xlora_depth=1, layerwise_scalings=True,
@@ -112,7 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                          for i, a in enumerate(adapters)})).eval()
         rows["peft_xlora"] = ("uncached", lambda ids: xlora(input_ids=ids).logits)
     results: dict = {"rows": {}, "setup": {"new_tokens": args.new_tokens, "prompt_len": int(all_ids.shape[1]),
-                                           "runs": args.runs, "threads": args.threads, "device": "cpu",
+                                           "runs": args.runs, "threads": args.threads,
+                                           "device": device_name(args.device), "adapters": adapters,
+                                           "base_expert": gates.base_expert,
                                            "torch": torch.__version__, "python": platform.python_version()}}
     for name, (kind, fn) in rows.items():
         for b in args.batch:

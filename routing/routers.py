@@ -308,7 +308,7 @@ class LearnedGroup:
         else:
             slots[self.rows] = new_s
             weights[self.rows] = new_w
-        return BlockDecision(logits=logits, topk=top_idx, mask=mask)
+        return BlockDecision(logits=logits, topk=top_idx, mask=mask, base_expert=self.router.gates.base_expert)
 
 
 # --- auxiliary losses (training the gates) ----------------------------------------------------------------
@@ -323,14 +323,17 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def load_balance_loss(decision: BlockDecision) -> torch.Tensor:
     """Switch-Transformer load-balance loss generalised to top-k: E * sum_i f_i * P_i.
 
-    f_i = share of the k*n assignments that went to adapter i, P_i = mean gate probability of adapter i, over
-    gated positions.  Equals 1 when routing is uniform; grows as it collapses onto a few adapters.
+    f_i = share of the assignments to adapters that went to adapter i, P_i = mean gate probability of adapter i
+    (among the adapters), over gated positions.  Equals 1 when routing is uniform; grows as it collapses onto a
+    few adapters.  The base expert is left out: how much text needs no adapter is the data's business.
     """
     logits, topk, mask = decision.logits, decision.topk, decision.mask
-    num_experts, k = logits.shape[-1], topk.shape[-1]
-    probs = torch.softmax(logits, dim=-1)
-    dispatch = F.one_hot(topk, num_experts).sum(1).float() / k
-    return num_experts * (_masked_mean(dispatch, mask) * _masked_mean(probs, mask)).sum()
+    num_experts = logits.shape[-1]
+    adapters = num_experts - 1 if decision.base_expert else num_experts
+    probs = torch.softmax(logits[:, :adapters], dim=-1)
+    dispatch = F.one_hot(topk, num_experts).sum(1).float()[:, :adapters]
+    share = _masked_mean(dispatch, mask)
+    return adapters * (share / share.sum().clamp(min=1e-9) * _masked_mean(probs, mask)).sum()
 
 
 def router_z_loss(decision: BlockDecision) -> torch.Tensor:

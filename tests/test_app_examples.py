@@ -4,6 +4,7 @@ Every example is run through the app's own handler, exactly as clicking it and p
 default settings, the example's seed, pirate text adapter, outline image adapter, vocabulary routing), and the
 document it produces must hold both styles at once (pirate text, outlined pictures) with correct content: every
 picture shows what the text before it introduced, by ShapesEval's exact analyser.
+The learned router's examples (mixed questions) must get both answers right, one domain adapter per answer.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.ui import EXAMPLES, MoLoRAApp
+from app.ui import EXAMPLES, LEARNED_EXAMPLES, MoLoRAApp
 from models import InterleavedPipeline
 from models.document import Document
 from models.shapes.eval import document_consistency, is_outline, is_pirate
@@ -53,3 +54,20 @@ def test_each_example_shows_both_adapters_in_one_document_with_correct_content(a
     assert doc.text.strip() and is_pirate(doc.text), f"text in the text adapter's style: {doc.text!r}"
     verdicts = document_consistency([prompt, *doc.parts])
     assert verdicts and all(verdicts), f"a picture does not show what the text introduced: {verdicts} {doc.text!r}"
+
+
+@pytest.mark.parametrize("prompt, seed", LEARNED_EXAMPLES)
+def test_each_learned_example_answers_both_questions_with_two_domain_adapters(app, prompt, seed):
+    from models.shapes.domains import DOMAINS, mixed_items
+    item = next((it for it in mixed_items(40, seed="app", split="heldout") if it.prompt == prompt), None)
+    assert item is not None, "the example is a held-out mixed request (its true answer is known)"
+    d = app.defaults
+    state = app.sessions.new_state()
+    outputs = list(app.generate(prompt, app.default_adapter("text"), app.default_adapter("image"), "learned", False,
+                                d.text.temperature, d.text.top_k, d.text.top_p, d.image.temperature,
+                                min(d.image.top_k, app.codebook_size), d.cfg_scale, seed, 32, 1, state,
+                                SimpleNamespace(session_hash=f"learned-{seed}")))
+    doc = Document.load(outputs[-1][2])
+    assert doc.text.strip() == "".join(span.text for span in item.spans).strip()
+    used = {r.adapter for r in doc.routing if r.modality == "text"}
+    assert len(used & set(DOMAINS)) >= 2, f"one domain adapter per answer span: {used}"
