@@ -24,7 +24,8 @@ from safetensors import safe_open
 from torch import nn
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
-MAX_CONFIG_BYTES = 4 * 1024 * 1024
+# Emu3's config.json carries its whole vocabulary map (~5 MB); no real config comes near this
+MAX_CONFIG_BYTES = 64 * 1024 * 1024
 
 
 def read_headers(folder: Path, error: type[Exception]) -> dict[str, tuple[str, list[int]]]:
@@ -49,7 +50,7 @@ def read_config(path: Path, error: type[Exception]) -> dict:
     """A config.json as a dict: readable, small, a JSON object."""
     try:
         if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise error(f"{path} is {path.stat().st_size} bytes; a model config is a few kilobytes")
+            raise error(f"{path} is {path.stat().st_size} bytes; a model config is at most a few megabytes")
         config = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise error(f"{path} is not a readable JSON file: {exc}") from exc

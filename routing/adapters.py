@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 16 * 1024 * 1024  # peft writes ~2 kB; a rank_pattern over every module of a big model stays far below
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
 
@@ -236,6 +237,8 @@ def _read_config(folder: Path) -> dict[str, Any]:
         raise AdapterError(f"{folder} has no {CONFIG_NAME}; a PEFT LoRA folder needs {CONFIG_NAME} and "
                            f"{WEIGHTS_NAME}")
     try:
+        if cfg_path.stat().st_size > MAX_CONFIG_BYTES:
+            raise AdapterError(f"{cfg_path} is {cfg_path.stat().st_size} bytes; an adapter config is a few kilobytes")
         config = parse_adapter_config(cfg_path.read_bytes(), str(cfg_path))
     except OSError as e:
         raise AdapterError(f"{cfg_path} cannot be read: {e}") from e

@@ -332,8 +332,8 @@ def test_a_config_of_another_kind_is_refused(good_adapter, routed, index):
 
 
 @FUZZ
-@given(rank=st.integers(1, 6), dims=st.tuples(st.integers(1, 40), st.integers(1, 40)), module=st.integers(0, 27))
-def test_an_adapter_for_another_model_size_is_refused(good_adapter, routed, rank, dims, module):
+@given(rank=st.integers(1, 12), dims=st.tuples(st.integers(1, 40), st.integers(1, 40)), module=st.integers(0, 27))
+def test_an_adapter_for_another_model_size_or_above_r_max_is_refused(good_adapter, routed, rank, dims, module):
     config, _, tensors = good_adapter
     key = sorted(tensors)[module]
     other = key.replace("lora_A", "lora_B") if "lora_A" in key else key.replace("lora_B", "lora_A")
@@ -341,13 +341,14 @@ def test_an_adapter_for_another_model_size_is_refused(good_adapter, routed, rank
     changed = dict(tensors)
     changed[a_key], changed[b_key] = torch.randn(rank, dims[0]), torch.randn(dims[1], rank)
     cfg = {**json.loads(config), "r": rank}
-    changed = {k: (v[:rank].contiguous() if "lora_A" in k else v[:, :rank].contiguous()) if k not in (a_key, b_key)
-               else v for k, v in changed.items()}
+    widened = {k: torch.randn(rank, v.shape[1]) if "lora_A" in k else torch.randn(v.shape[0], rank)
+               for k, v in changed.items() if k not in (a_key, b_key)}  # every module at the new rank
+    changed.update(widened)
     with scratch() as root:
         save_file(changed, str(root / "w.safetensors"))
         folder = adapter_folder(root, json.dumps(cfg).encode(), (root / "w.safetensors").read_bytes())
         fits = tuple(changed[a_key].shape) == (rank, tensors[a_key].shape[1]) and \
-            tuple(changed[b_key].shape) == (tensors[b_key].shape[0], rank)
+            tuple(changed[b_key].shape) == (tensors[b_key].shape[0], rank) and rank <= routed.cache.r_max
         name = load_into(routed, folder)
         assert (name is not None) == fits
 
