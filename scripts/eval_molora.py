@@ -8,6 +8,7 @@ every causal routing). Rows:
     base              no adapter
     single:<name>     one adapter on every answer position, the prompt read by the base model (the contract the
                       domain adapters are trained with: scripts/train_domain_adapters.py)
+    every:<name>      one adapter on every position, the prompt included (how peft applies an adapter)
     oracle_request    per request, the best of the adapters of its true domains (max over them, per item)
     peft_cat / peft_ties / peft_dare_ties   peft add_weighted_adapter of all domain adapters (weights 1,
                       density 0.5 for ties / dare_ties; dare is seeded)
@@ -51,11 +52,11 @@ from train_router import load_routed  # noqa: E402
 from models.runtime import device_name  # noqa: E402
 from models.shapes.domain_batches import EncodedItem, encode_item, exact_matches, make_batch  # noqa: E402
 from models.shapes.domains import DOMAINS, domain_items, mixed_items  # noqa: E402
-from routing import LabelRouter, LearnedGates, LearnedRouter  # noqa: E402
+from routing import LabelRouter, LearnedGates, LearnedRouter, SequenceRouter  # noqa: E402
 
 log = logging.getLogger("eval_molora")
 REPO = Path(__file__).resolve().parents[1]
-ROWS = ("base", "single", "oracle_request", "peft_cat", "peft_ties", "peft_dare_ties", "peft_arrow", "peft_xlora",
+ROWS = ("base", "single", "every", "oracle_request", "peft_cat", "peft_ties", "peft_dare_ties", "peft_arrow", "peft_xlora",
         "ours", "oracle_span")
 
 
@@ -200,6 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
     if "single" in want or "oracle_request" in want:
         for a in adapters:
             routed_row(f"single:{a}", lambda b, a=a: LabelRouter([a], torch.where(b.labels >= 0, 0, -1)))
+    if "every" in want:
+        for a in adapters:
+            routed_row(f"every:{a}", lambda b, a=a: SequenceRouter(a))
     if "oracle_request" in want:
         # per request, the one adapter of its true domains that gets the most spans right (whole answer first)
         whole, spans = [], []
