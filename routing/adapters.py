@@ -17,6 +17,7 @@ import logging
 import math
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -264,13 +265,25 @@ def _check_header(weights_path: Path, header: dict[str, tuple[str, list[int]]]) 
                                "(A [r, in], B [out, r])")
 
 
-def _read_tensors(weights_path: Path) -> dict[str, torch.Tensor]:
+def _header_shapes(header: dict[str, tuple[str, list[int]]]) -> dict[str, tuple[list[int], list[int]]]:
+    """{module: (A shape, B shape)} of the modules that have both (a missing half is reported later, by name)."""
+    parts: dict[str, dict[str, list[int]]] = {}
+    for key, (_, shape) in header.items():
+        m = _KEY.match(key)
+        parts.setdefault(m.group("module"), {})[m.group("which")] = shape
+    return {module: (ab["A"], ab["B"]) for module, ab in parts.items() if set(ab) == {"A", "B"}}
+
+
+def _read_tensors(weights_path: Path, fits: Callable[[dict[str, tuple[list[int], list[int]]]], None] | None = None
+                  ) -> dict[str, torch.Tensor]:
     if not weights_path.is_file():
         raise AdapterError(f"{weights_path.parent} has no {WEIGHTS_NAME}")
     try:
         with safe_open(str(weights_path), framework="pt", device="cpu") as f:
-            _check_header(weights_path, {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape())
-                                         for k in f.keys()})
+            header = {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}
+            _check_header(weights_path, header)
+            if fits is not None:  # the caller's model: shapes that do not fit it are refused before any read
+                fits(_header_shapes(header))
             return {k: f.get_tensor(k) for k in f.keys()}
     except AdapterError:
         raise
@@ -280,11 +293,15 @@ def _read_tensors(weights_path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_peft_adapter(path: str | Path, *, name: str | None = None, base_model_name_or_path: str | None = None,
-                      force: bool = False) -> LoraAdapter:
+                      force: bool = False,
+                      fits: Callable[[str, dict[str, tuple[list[int], list[int]]]], None] | None = None
+                      ) -> LoraAdapter:
     """Read a LoRA folder written by `peft` (adapter_config.json + adapter_model.safetensors).
 
     `base_model_name_or_path`: the model it will be used with; a different base model in the adapter's config
-    is an error unless `force`.  `name` defaults to the folder name.
+    is an error unless `force`.  `name` defaults to the folder name.  `fits(name, {module: (A shape, B shape)})`
+    (e.g. HotSetCache.check_shapes) checks the shapes the file's header declares against a model before any
+    tensor is read: an adapter for another model is refused without reading its weights.
     """
     folder = Path(path)
     if not folder.exists():
@@ -296,8 +313,8 @@ def load_peft_adapter(path: str | Path, *, name: str | None = None, base_model_n
         else:
             raise AdapterError(f"{folder} is a file; pass the adapter folder holding {CONFIG_NAME} and {WEIGHTS_NAME}")
     config = _read_config(folder)
-    tensors = _read_tensors(folder / WEIGHTS_NAME)
     adapter_name = name or folder.resolve().name
+    tensors = _read_tensors(folder / WEIGHTS_NAME, None if fits is None else lambda shapes: fits(adapter_name, shapes))
 
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():

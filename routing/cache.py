@@ -101,24 +101,31 @@ class HotSetCache:
                                       "load it first with load_adapter / add_adapter")
         return entry
 
-    def validate(self, adapter: LoraAdapter) -> None:
-        """Every check `add` does, without changing anything."""
-        adapter.validate()
-        for module, (a, b) in adapter.weights.items():
+    def check_shapes(self, name: str, shapes: Mapping[str, tuple[Sequence[int], Sequence[int]]]) -> None:
+        """{module: (A shape, B shape)} fit this cache's routed layers and r_max.  The loader calls this with the
+        shapes a safetensors header declares, before any tensor is read (routing.load_peft_adapter `fits`)."""
+        for module, (a_shape, b_shape) in shapes.items():
             layer = self.layers.get(module)
             if layer is None:
-                raise AdapterError(f"adapter '{adapter.name}' has weights for '{module}', which is not a routed "
+                raise AdapterError(f"adapter '{name}' has weights for '{module}', which is not a routed "
                                    f"layer of this model ({len(self.layers)} routed layers, e.g. "
                                    f"'{next(iter(self.layers))}'); the adapter belongs to another model or "
                                    "attach_routed_lora needs that module in target_modules")
-            r = a.shape[0]
+            r = a_shape[0]
             if r > self.r_max:
-                raise AdapterError(f"adapter '{adapter.name}' has rank {r} at '{module}' but the cache holds ranks "
+                raise AdapterError(f"adapter '{name}' has rank {r} at '{module}' but the cache holds ranks "
                                    f"up to r_max={self.r_max}; attach_routed_lora(..., r_max>={r})")
-            if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
-                raise AdapterError(f"adapter '{adapter.name}' at '{module}': A {tuple(a.shape)} / B {tuple(b.shape)} "
+            if a_shape[1] != layer.in_features or b_shape[0] != layer.out_features:
+                raise AdapterError(f"adapter '{name}' at '{module}': A {tuple(a_shape)} / B {tuple(b_shape)} "
                                    f"do not fit the layer (in={layer.in_features}, out={layer.out_features}); "
                                    "the adapter was made for a model of another size")
+
+    def validate(self, adapter: LoraAdapter) -> None:
+        """Every check `add` does, without changing anything."""
+        adapter.validate()
+        self.check_shapes(adapter.name, {m: (a.shape, b.shape) for m, (a, b) in adapter.weights.items()})
+        for module, (a, b) in adapter.weights.items():
+            layer = self.layers[module]
             for label, t, dtype in (("A", a, layer.lora_A.dtype), ("B", b, layer.lora_B.dtype)):
                 # finite in its own dtype (adapter.validate) but maybe not in the layer's: float64 1e300 -> Inf
                 if t.dtype != dtype and not bool(torch.isfinite(t.detach().to(dtype)).all()):

@@ -182,20 +182,27 @@ class RoutedModel(nn.Module):
     def add_adapter(self, adapter: LoraAdapter, *, force: bool = False) -> None:
         """Add a LoraAdapter to the pool after checking it fits this model (nothing changes if it does not)."""
         check_base_model(adapter.base_model_name_or_path, self.name_or_path, name=adapter.name, force=force)
+        self.check_fits(adapter.name, {m: (a.shape, b.shape) for m, (a, b) in adapter.weights.items()})
+        self.cache.add(adapter)
+
+    def check_fits(self, name: str, shapes: dict[str, tuple[Any, Any]]) -> None:
+        """{module: (A shape, B shape)} of adapter `name` fit this model's routed layers (AdapterError if not)."""
         modules = dict(self.model.named_modules())
-        for module in adapter.weights:
+        for module in shapes:
             if module not in self.cache.layers:
                 if module in modules:
                     kind = type(modules[module]).__name__
-                    raise AdapterError(f"adapter '{adapter.name}' targets '{module}' ({kind}), which is not routed; "
+                    raise AdapterError(f"adapter '{name}' targets '{module}' ({kind}), which is not routed; "
                                        "attach_routed_lora(..., target_modules=...) must include it")
-                raise AdapterError(f"adapter '{adapter.name}' targets module '{module}', which this model does not "
+                raise AdapterError(f"adapter '{name}' targets module '{module}', which this model does not "
                                    "have; the adapter was made for another architecture")
-        self.cache.add(adapter)
+        self.cache.check_shapes(name, shapes)
 
     def load_adapter(self, path: str | Path, name: str | None = None, *, force: bool = False) -> str:
         """Load a PEFT LoRA folder and add it; returns its name (the folder name unless `name` is given)."""
-        adapter = load_peft_adapter(path, name=name, base_model_name_or_path=self.name_or_path, force=force)
+        # shapes that do not fit this model are refused from the file's header, before its tensors are read
+        adapter = load_peft_adapter(path, name=name, base_model_name_or_path=self.name_or_path, force=force,
+                                    fits=self.check_fits)
         self.add_adapter(adapter, force=True)  # base model already checked (or forced) by the loader
         return adapter.name
 

@@ -287,6 +287,55 @@ def test_wrong_key_names_are_refused_naming_the_key(good_adapter, routed, hows, 
         assert (name is not None) == harmless
 
 
+class _CountingOpen:
+    """safe_open, counting the tensors read (to show a refusal came from the header alone)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    @contextmanager
+    def __call__(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        counter = self
+
+        class Handle:
+            def __init__(self, f: Any) -> None:
+                self.f = f
+
+            def __getattr__(self, attr: str) -> Any:
+                return getattr(self.f, attr)
+
+            def get_tensor(self, key: str) -> torch.Tensor:
+                counter.reads += 1
+                return self.f.get_tensor(key)
+
+        with safe_open(*args, **kwargs) as f:
+            yield Handle(f)
+
+
+@FEW
+@given(width=st.integers(33, 5000), rank=st.integers(9, 64), which=st.sampled_from(["in", "out", "rank", "module"]))
+def test_an_adapter_that_does_not_fit_is_refused_from_its_header_before_any_tensor_is_read(
+        good_adapter, routed, width, rank, which):
+    config, _, tensors = good_adapter
+    q = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
+    shapes = {"in": ((4, width), (32, 4)), "out": ((4, 32), (width, 4)), "rank": ((rank, 32), (32, rank)),
+              "module": ((4, 32), (32, 4))}[which]
+    changed = {k: v for k, v in tensors.items() if not k.startswith(q)}
+    prefix = q.replace("q_proj", "qkv_proj") if which == "module" else q
+    changed[prefix + "A.weight"], changed[prefix + "B.weight"] = torch.zeros(shapes[0]), torch.zeros(shapes[1])
+    cfg = {**json.loads(config), "r": shapes[0][0], "rank_pattern": {}}
+    counting = _CountingOpen()
+    with scratch() as root, pytest.MonkeyPatch.context() as patch:
+        patch.setattr("routing.adapters.safe_open", counting)
+        save_file(changed, str(root / "w.safetensors"))
+        folder = adapter_folder(root, json.dumps(cfg).encode(), (root / "w.safetensors").read_bytes())
+        before = model_state(routed)
+        with pytest.raises(AdapterError, match="fit|rank|does not have"):
+            routed.load_adapter(folder, name="fuzzed", force=True)
+        assert_unchanged(before, model_state(routed))
+    assert counting.reads == 0
+
+
 config_keys = st.sampled_from(["r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "peft_type",
                                "base_model_name_or_path", "target_modules", "use_dora", "modules_to_save",
                                "fan_in_fan_out", "lora_bias", "layer_replication"])
