@@ -61,6 +61,10 @@ class UnifiedTokenizer:
         self._check()
         # Prompts are text: a literal "<boi>" typed by a user must not become the special token.
         self.backend.encode_special_tokens = True
+        # ids are exactly the text's: a tokenizer.json's padding (Fixed 2**33 aborted the process on the first
+        # encode) or truncation (silently cut prompts) never applies
+        self.backend.no_padding()
+        self.backend.no_truncation()
 
     # --- construction ------------------------------------------------------------------------
     @classmethod

@@ -581,6 +581,45 @@ def test_a_fuzzed_vocab_json_is_refused_or_loads(tiny_model_dir, changes, drop):
         load_dir(model)
 
 
+def _tokenizer_edit(how: str, value: int) -> Callable[[dict], None]:
+    def edit(t: dict) -> None:
+        if how == "padding":
+            t["padding"] = {"strategy": {"Fixed": value}, "direction": "Right", "pad_to_multiple_of": None,
+                            "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"}
+        elif how == "truncation":
+            t["truncation"] = {"max_length": value, "strategy": "LongestFirst", "stride": 0, "direction": "Right"}
+        elif how == "no_added_tokens":
+            t["added_tokens"] = []
+        elif how == "special_id":
+            t["added_tokens"][value % len(t["added_tokens"])]["id"] = value
+        elif how == "vocab_id":
+            t["model"]["vocab"]["zzz"] = value
+        elif how == "model_type":
+            t["model"]["type"] = ("WordPiece", "Unigram", "WordLevel", "Foo")[value % 4]
+        elif how == "merges":
+            t["model"]["merges"] = [["qq", "ww"]] if value % 2 else [[1, 2]]
+    return edit
+
+
+@FUZZ
+@given(how=st.sampled_from(["padding", "truncation", "no_added_tokens", "special_id", "vocab_id", "model_type",
+                            "merges"]),
+       value=st.sampled_from([0, 1, 3, 7, 2 ** 20, 2 ** 33, 2 ** 40, -1]))
+def test_a_fuzzed_tokenizer_json_is_refused_or_encodes_exactly(tiny_model_dir, how, value):
+    """Settings inside tokenizer.json never change the ids: padding to 2**33 aborted the process on encode."""
+    from models.tokenizer import UnifiedTokenizer
+
+    good = UnifiedTokenizer.load(tiny_model_dir)
+    with model_copy(tiny_model_dir) as model:
+        data = json.loads((model / "tokenizer.json").read_text())
+        _tokenizer_edit(how, value)(data)
+        (model / "tokenizer.json").write_text(json.dumps(data))
+        tok = refused_or_loaded(lambda: UnifiedTokenizer.load(model))
+        if tok is not None and how in ("padding", "truncation"):
+            text = "a red circle in the top left " * 3
+            assert tok.encode_text(text) == good.encode_text(text)
+
+
 lm_fields = st.sampled_from(["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                              "num_key_value_heads", "intermediate_size", "max_position_embeddings", "model_type",
                              "architectures", "torch_dtype", "dtype", "rope_theta", "tie_word_embeddings"])
