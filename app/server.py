@@ -35,17 +35,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="generations running at once")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: $MOLORA_THREADS, else 1; see models/runtime.py)")
+    parser.add_argument("--grid", default=os.environ.get("MOLORA_GRID") or None, metavar="ROWSxCOLS",
+                        help="picture size in codes for families that take it per load (Emu3), e.g. 32x32")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the short generation that warms the model up before serving")
     return parser.parse_args(argv)
 
 
-def load_pipeline(model: str | None, device: str | None) -> InterleavedPipeline:
+def load_pipeline(model: str | None, device: str | None, grid: str | None = None) -> InterleavedPipeline:
     # on a ZeroGPU Space CUDA only appears inside @spaces.GPU calls; the model is still placed on "cuda" at start
     zero_gpu = bool(os.environ.get("SPACES_ZERO_GPU"))
     device = device or ("cuda" if torch.cuda.is_available() or zero_gpu else "cpu")
     log.info("loading %s on %s", model or "the embedded model", device)
-    return InterleavedPipeline.from_pretrained(model, device=device)
+    options = {} if grid is None else {"grid": tuple(int(n) for n in grid.lower().split("x"))}
+    return InterleavedPipeline.from_pretrained(model, device=device, **options)
 
 
 def warm_up(pipe: InterleavedPipeline) -> None:
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own health checks, one line per request
     args = parse_args(argv)
     configure_cpu_threads(args.threads)
-    pipe = load_pipeline(args.model, args.device)
+    pipe = load_pipeline(args.model, args.device, args.grid)
     if not args.no_warmup:
         warm_up(pipe)
     serve(pipe, host=args.host, port=args.port, concurrency=args.concurrency)

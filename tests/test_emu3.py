@@ -168,3 +168,13 @@ def test_learned_gates_route_emu3_text_positions(emu3_dir, tmp_path):
             assert record.adapter == "img"
         else:  # text positions: whichever adapter the gates picked
             assert record.adapter in ("txt", "img")
+
+
+def test_the_app_serves_an_emu3_directory(emu3_dir):
+    from app.server import create_demo, load_pipeline, warm_up
+
+    pipe = load_pipeline(str(emu3_dir), "cpu", "2x2")
+    assert pipe.family == "emu3" and pipe.vocab.image_grid == (2, 2)
+    warm_up(pipe)
+    demo = create_demo(pipe)
+    assert demo is not None
