@@ -38,7 +38,7 @@ from kernels.errors import MoLoRAError
 from routing.adapters import CONFIG_NAME, WEIGHTS_NAME, load_peft_adapter
 from routing.errors import AdapterError, RoutingError
 
-FUZZ = settings(max_examples=30, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 FEW = settings(FUZZ, max_examples=12)
 
@@ -558,6 +558,27 @@ def test_a_damaged_model_directory_file_is_refused_or_loads(tiny_model_dir, name
         loaded = load_dir(model)
         if how in ("random", "truncate", "empty") and name.endswith(".safetensors"):
             assert loaded is None
+
+
+@settings(FUZZ, max_examples=10)
+@given(defaults=st.dictionaries(
+    st.sampled_from(["max_new_tokens", "text", "image", "cfg_scale", "seed", "max_images", "start_image",
+                     "min_new_tokens", "best_of", "check", "negative_prompt", "temperature", "unknown"]),
+    json_values | st.sampled_from([0, -1, 2 ** 63, 1e309, {"temperature": -1}, {"top_k": "x"}, {"top_p": 2}]),
+    min_size=1, max_size=3))
+def test_fuzzed_generation_defaults_are_refused_when_the_pipeline_is_built(tiny_assets, defaults):
+    """generation.json is read by the loader and turned into a GenerationConfig by the pipeline: a project error
+    at load time, never a later failure in generate."""
+    from models import InterleavedPipeline
+
+    with model_copy(tiny_assets / "model") as model:
+        (model / "generation.json").write_text(json.dumps(defaults))
+        pipeline = refused_or_loaded(lambda: InterleavedPipeline.from_pretrained(model, device="cpu"))
+        if pipeline is not None:
+            try:
+                pipeline.generate("a red circle", max_new_tokens=2, seed=0)
+            finally:
+                pipeline.engine.close()
 
 
 vocab_fields = st.sampled_from(["vocab_size", "text_start", "text_size", "image_start", "image_size", "pad_id",
