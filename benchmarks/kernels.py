@@ -62,7 +62,6 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import kernels.dispatch as dispatch  # noqa: E402
-import kernels.triton_common as tcommon  # noqa: E402
 import kernels.triton_gather as gather_mod  # noqa: E402
 import kernels.triton_grouped as grouped_mod  # noqa: E402
 import kernels.triton_stacked as stacked_mod  # noqa: E402
@@ -427,35 +426,36 @@ def run_eager() -> None:
         "1 routed layer o_proj (group of one)": lambda: o_proj[0](xs),
         "1 routed layer o_proj, add-after path": lambda: o_proj[0]._forward_add(xs, x, routing, slot.long(), None),
     }
+    def unrouted(layers):  # the same modules with no routing active: the baseline "without routing"
+        tok = set_routing(None)
+        for layer in layers:
+            layer(xs)
+        reset_routing(tok)
+    cases["3 routed layers q, k, v, routing off"] = lambda: unrouted(qkv)
     res = {}
-    for fast in (False, True):  # Triton's JITFunction.run, then our cached launcher (kernels/triton_common.py)
-        tcommon.FAST_LAUNCH = fast
-        print(f"  -- launches through {'the cached compiled launcher' if fast else 'JITFunction.run'}")
-        for name, fn in cases.items():
-            key = f"{name} [fast launch]" if fast else name
-            try:
-                with torch.no_grad():  # as inference runs (layer weights require grad)
+    for name, fn in cases.items():
+        try:
+            with torch.no_grad():  # as inference runs (the layers' weights require grad)
+                fn()
+                for _ in range(20):
                     fn()
-                    for _ in range(20):
-                        fn()
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    for _ in range(300):
-                        fn()
-                    torch.cuda.synchronize()
-            except Exception as exc:  # noqa: BLE001
-                print(f"  {name}: {type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            res[key] = (time.perf_counter() - t0) / 300 * 1e6
-            print(f"  {name:42s} {res[key]:8.2f}")
-        base3 = res.get("3 base F.linear (q, k, v)" + (" [fast launch]" if fast else ""), float("nan"))
-        sfx = " [fast launch]" if fast else ""
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(300):
+                    fn()
+                torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001
+            print(f"  {name}: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        res[name] = (time.perf_counter() - t0) / 300 * 1e6
+        print(f"  {name:42s} {res[name]:8.2f}")
+    for base_name in ("3 base F.linear (q, k, v)", "3 routed layers q, k, v, routing off"):
+        base3 = res.get(base_name, float("nan"))
         for name in ("3 routed layers q, k, v (one group call)", "3 routed layers q, k, v (ungrouped)"):
-            print(f"  host added per routed layer, {name[16:]}: {(res.get(name + sfx, float('nan')) - base3) / 3:.2f}"
-                  " us (target <= 40)")
+            print(f"  host added per routed layer vs {base_name}, {name[16:]}: "
+                  f"{(res.get(name, float('nan')) - base3) / 3:.2f} us (target <= 40)")
         for name in ("1 routed layer o_proj (group of one)", "1 routed layer o_proj, add-after path"):
-            print(f"  host added, {name[15:]}: {res.get(name + sfx, float('nan')) - base3 / 3:.2f} us")
-    tcommon.FAST_LAUNCH = True
+            print(f"  host added vs {base_name}, {name[15:]}: {res.get(name, float('nan')) - base3 / 3:.2f} us")
     reset_routing(token)
     RESULTS["eager_us"] = res
 

@@ -24,30 +24,34 @@ if HAS_TRITON:
 
 log = logging.getLogger(__name__)
 
-# Thresholds chosen from benchmarks/kernels.py on the H200, 2026-11-30 (4 slots, d=4096, bf16, CUDA-graph replay,
-# L2 flushed, median us; benchmarks/RESULTS.md, "Kernels: stacked slots"). "grp+meta" builds the metadata in the
-# call, "grouped" has it prebuilt.
+# Thresholds from benchmarks/kernels.py on the H200 (4 slots, d=4096, bf16, CUDA-graph replay, L2 flushed, median
+# us; benchmarks/RESULTS.md, "Kernels: fused projections, rank buckets"). 2026-12-01 run, per path, k=1; "meta" =
+# the grouped kernel with metadata prebuilt (as a model runs it: built once per forward), "grp+meta" = built in the
+# call.
 #
-# Wider hot sets: gather while rows * r <= GATHER_MAX_ROW_RANK (the gather kernel's cost grows with rows * r):
-#   r=16: N=256 gather 17.92, grp+meta 23.58;  N=512 27.23 vs 28.74 / grouped 22.56 (-> 256 rows)
-#   r=32: N=128 18.72 vs 23.65;  N=256 27.65 vs 24.22 (-> 128 rows)
-#   r=64: N=32 17.79 vs 26.05;   N=128 30.11 vs 26.72 (-> 64 rows)
-#   r=128: N=32 24.70 vs 28.14;  N=128 47.68 vs 29.18 (-> 32 rows)
-GATHER_MAX_ROW_RANK = 4096
-# Narrow hot sets (S*r <= STACKED_MAX_WIDTH) take the stacked kernel above GATHER_MAX_ROWS_STACKED rows, any k:
-#   r=16 k=1: N=32 gather 10.30 vs stacked 12.03; N=128 13.28 vs 13.06; N=256 17.92 vs 15.90; N=512 27.23 vs 19.84
-#   r=16 k=2: N=64 (128 rows) gather 13.0, stacked 12.4, grouped 34.4;  k=4 N=8 (32 rows) 12.2 vs 22.1
-#   r=32 (S*r=128) k=1: N=256 stacked 25.15 vs grp+meta 24.22, N=2048 49.92 vs 47.23: not narrow enough
+# Wide hot sets (S*r > STACKED_MAX_WIDTH): gather while rows * r <= GATHER_MAX_ROW_RANK (the gather kernel's cost
+# grows with rows * r), or <= GATHER_MAX_ROW_RANK_WITH_META when the metadata is prebuilt (k = 1):
+#   r=32:  N=32 gather 12.35, meta 13.22, grp+meta 15.58;  N=128 23.52 vs 13.86 / 16.61
+#   r=64:  N=32 gather 15.17, meta 14.27, grp+meta 16.67;  N=128 34.94 vs 15.04 / 17.60
+#   r=128: N=1 gather 12.99, meta 16.93;  N=32 24.16 vs 18.82 / 20.93
+GATHER_MAX_ROW_RANK = 2048
+GATHER_MAX_ROW_RANK_WITH_META = 1024
+# Narrow hot sets (S*r <= STACKED_MAX_WIDTH) take the gather kernel up to GATHER_MAX_ROWS_STACKED rows, then the
+# stacked kernel, any k:
+#   r=16 k=1: N=32 gather 10.51 vs stacked 11.49; N=128 18.18 vs 12.83;  r=8: N=32 10.02 vs 10.50
+#   r=16 k=2: N=64 (128 rows) gather 17.9, stacked 12.2, grouped 27.8;  k=4 N=8 (32 rows) 13.4 vs 17.5
 GATHER_MAX_ROWS_STACKED = 64
 STACKED_MAX_WIDTH = 64
-# ... except k=1 with prebuilt metadata above STACKED_MAX_TOKENS_WITH_META tokens, where the grouped kernel wins.
-# 2026-11-30 (one-launch grouped): r=16 N=512 stacked 19.84 vs grouped 22.56; N=2048 34.75 vs 28.74. 2026-12-01,
-# two-phase grouped: r=16 N=256 13.6 (stacked 15.97 on 11-30), N=2048 20.9 -> from 256 tokens up
-STACKED_MAX_TOKENS_WITH_META = 128
-# Top-k (k > 1) takes the stacked kernel up to this width too, because the grouped top-k path pays float32 atomics
-# on N*k sorted rows: r=64 (S*r=256) N=64 k=2 stacked 36.1 vs grouped 39.3; N=2048 k=2 85.5 vs 181.8; k=4 N=256
-# 68.9 vs 72.2 (one loss: N=256 k=2, 68.7 vs 53.9). Wider stacks do not fit the stacked kernel's tiles.
+# ... except k=1 with prebuilt metadata once N * r > STACKED_MAX_ROW_RANK_WITH_META, where the two-phase grouped
+# kernel wins: r=8 N=256 stacked 12.93 vs meta 14.30, N=2048 26.34 vs 22.14; r=16 N=128 12.83 vs 13.15,
+# N=256 15.58 vs 13.34, N=2048 33.50 vs 20.90, N=8192 74.72 vs 48.54
+STACKED_MAX_ROW_RANK_WITH_META = 2048
+# Top-k (k > 1) on wide hot sets up to STACKED_TOPK_MAX_WIDTH: the stacked kernel (cost independent of k, S/k times
+# the arithmetic) above STACKED_TOPK_MIN_ROWS_WIDE rows, the grouped kernel (float32 atomics) below. r=64 (S*r=256),
+# metadata built in the call: N=64 k=2 stacked 36.4 vs grouped 30.0, k=4 36.2 vs 31.6; N=256 k=2 68.6 vs 39.3, k=4
+# 68.6 vs 53.4; N=2048 k=2 59.3 vs 137.6; N=8192 k=2 142.3 vs 658.0. Wider stacks do not fit the stacked tiles.
 STACKED_TOPK_MAX_WIDTH = 256
+STACKED_TOPK_MIN_ROWS_WIDE = 1024
 # Small calls take the gather kernel whether or not a CUDA graph is being captured: the choice is by shape only, so
 # the serving engine's warm-up (eager) compiles exactly the kernels its capture then records. The stacked kernel's
 # one-launch schedule would halve an EAGER decode call's host cost (N=1, r=16: host 61.4 vs 117.8 us) but doubles
@@ -74,12 +78,15 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
     n = x.shape[0]
     rows = n * k
     width = num_slots * rank
-    narrow = width <= STACKED_MAX_WIDTH
-    if rows <= GATHER_MAX_ROWS_STACKED or (not narrow and rows * rank <= GATHER_MAX_ROW_RANK):
+    if width <= STACKED_MAX_WIDTH:  # narrow
+        if rows <= GATHER_MAX_ROWS_STACKED:
+            return "gather"
+        if k > 1 or not has_meta or n * rank <= STACKED_MAX_ROW_RANK_WITH_META:
+            return "stacked"
+        return "grouped"
+    if rows * rank <= (GATHER_MAX_ROW_RANK_WITH_META if has_meta and k == 1 else GATHER_MAX_ROW_RANK):
         return "gather"
-    if narrow and not (k == 1 and has_meta and n > STACKED_MAX_TOKENS_WITH_META):
-        return "stacked"
-    if k > 1 and width <= STACKED_TOPK_MAX_WIDTH:
+    if k > 1 and width <= STACKED_TOPK_MAX_WIDTH and rows > STACKED_TOPK_MIN_ROWS_WIDE:
         return "stacked"
     return "grouped"
 

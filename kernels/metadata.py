@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.triton_common import HAS_TRITON, interpreting, launch, next_pow2, tl, triton
+from kernels.triton_common import HAS_TRITON, interpreting, next_pow2, tl, triton
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,6 @@ def build_routing_meta(slots: torch.Tensor, num_slots: int, weights: torch.Tenso
         offsets.zero_()
     else:
         block = 1024 if m > 256 else max(16, next_pow2(m))
-        launch(_sort_rows_kernel, (1,), flat, rows, offsets, m, num_slots,
-               BLOCK=block, S_PAD=next_pow2(num_slots + 2), num_warps=4)
+        _sort_rows_kernel[(1,)](
+            flat, rows, offsets, m, num_slots, BLOCK=block, S_PAD=next_pow2(num_slots + 2), num_warps=4)
     return RoutingMeta(rows, offsets, num_slots, slots2d.shape[0], slots2d.shape[1])

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from kernels.triton_common import HAS_TRITON, delta_target, interpreting, launch, next_pow2, tl, triton
+from kernels.triton_common import HAS_TRITON, delta_target, interpreting, next_pow2, tl, triton
 
 # Most projections one launch serves (the expand reads the column boundaries as P - 1 scalars)
 MAX_PROJECTIONS = 4
@@ -124,18 +124,17 @@ def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, c
     block_r = max(2, next_pow2(r))
     split_k = triton.cdiv(d_in, cfg["BLOCK_K"])
     part = torch.empty(split_k, m_rows, p_count, block_r, dtype=torch.float32, device=x.device)
-    launch(_bgmv_shrink_kernel, (m_rows, split_k), x, A4, slots, part, m_rows, d_in, r, s_count,
-           x.stride(0), x.stride(1), A4.stride(0), A4.stride(1), A4.stride(2),
-           A4.stride(3), K=k, P=p_count, BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"],
-           num_warps=cfg["num_warps"])
+    _bgmv_shrink_kernel[(m_rows, split_k)](
+        x, A4, slots, part, m_rows, d_in, r, s_count, x.stride(0), x.stride(1), A4.stride(0), A4.stride(1),
+        A4.stride(2), A4.stride(3), K=k, P=p_count, BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg["num_warps"])
     o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
     grid = (n, triton.cdiv(d_out, cfg["BLOCK_N"]))
-    launch(_bgmv_expand_kernel, grid, B, slots, w, scale2, part, out, m_rows, d_out, r, s_count, o1, o2, o3,
-           B.stride(0), B.stride(1), B.stride(2), scale2.stride(0),
-           out.stride(0) if out.dim() == 2 else 0, out.stride(-1),
-           K=k, P=p_count, HAS_W=weights is not None, ACCUMULATE=accumulate, BLOCKS=blocks,
-           SPLIT_K=split_k, SPLIT_PAD=max(2, next_pow2(split_k)), BLOCK_R=block_r,
-           BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+    _bgmv_expand_kernel[grid](
+        B, slots, w, scale2, part, out, m_rows, d_out, r, s_count, o1, o2, o3, B.stride(0), B.stride(1), B.stride(2),
+        scale2.stride(0), out.stride(0) if out.dim() == 2 else 0, out.stride(-1),
+        K=k, P=p_count, HAS_W=weights is not None, ACCUMULATE=accumulate, BLOCKS=blocks, SPLIT_K=split_k,
+        SPLIT_PAD=max(2, next_pow2(split_k)), BLOCK_R=block_r, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
 
 
 def gather_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,

@@ -24,7 +24,7 @@ import functools
 import torch
 
 from kernels.metadata import RoutingMeta, build_routing_meta
-from kernels.triton_common import HAS_TRITON, dot_config, interpreting, launch, next_pow2, tl, triton
+from kernels.triton_common import HAS_TRITON, dot_config, interpreting, next_pow2, tl, triton
 
 MODE_STORE, MODE_ADD, MODE_ATOMIC = 0, 1, 2
 
@@ -210,15 +210,15 @@ def _launch(x, A4, B, slots, weights, scale2, meta, target, mode, bounds, blocks
     k_per = triton.cdiv(triton.cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split_k = triton.cdiv(d_in, k_per)
     part = torch.empty(split_k, m_rows, p_count, block_r, dtype=torch.float32, device=x.device)
-    launch(
-        _grouped_shrink_kernel, (tiles, split_k), x, A4, meta.rows, meta.offsets, part, m_rows, d_in, r, s_count, k_per,
-        x.stride(0), x.stride(1), A4.stride(0), A4.stride(1), A4.stride(2), A4.stride(3),
-        K=k, P=p_count, DOT_DTYPE=dot_dtype, PRECISION=precision, S_PAD=s_pad, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+    _grouped_shrink_kernel[(tiles, split_k)](
+        x, A4, meta.rows, meta.offsets, part, m_rows, d_in, r, s_count, k_per, x.stride(0), x.stride(1),
+        A4.stride(0), A4.stride(1), A4.stride(2), A4.stride(3), K=k, P=p_count, DOT_DTYPE=dot_dtype,
+        PRECISION=precision, S_PAD=s_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg["num_warps"])
     o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
-    launch(
-        _grouped_expand_kernel, (tiles, p_count * cfg["OUT_SPLIT"]), B, meta.rows, meta.offsets, w, scale2, part, target, m_rows, d_out, r, s_count, o1, o2, o3,
-        cfg["OUT_SPLIT"], split_k, B.stride(0), B.stride(1), B.stride(2), scale2.stride(0),
+    _grouped_expand_kernel[(tiles, p_count * cfg["OUT_SPLIT"])](
+        B, meta.rows, meta.offsets, w, scale2, part, target, m_rows, d_out, r, s_count, o1, o2, o3, cfg["OUT_SPLIT"],
+        split_k, B.stride(0), B.stride(1), B.stride(2), scale2.stride(0),
         target.stride(0) if target.dim() == 2 else 0, target.stride(-1),
         K=k, P=p_count, HAS_W=weights is not None, MODE=mode, BLOCKS=blocks, DOT_DTYPE=dot_dtype,
         PRECISION=precision, S_PAD=s_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=block_r, BLOCK_N=cfg["BLOCK_N"],

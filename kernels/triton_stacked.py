@@ -33,7 +33,6 @@ from kernels.triton_common import (
     delta_target,
     dot_config,
     interpreting,
-    launch,
     next_pow2,
     tl,
     triton,
@@ -235,30 +234,29 @@ def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, c
         A, scale = A4[0], scale2[0]
         out = out.view(n, d_out)  # P = 1: the flat block layout is the row-major [N, O]
         grid = (triton.cdiv(n, cfg["SHRINK_M"]), triton.cdiv(d_out, out_per))
-        launch(_stacked_fused_kernel, grid, x, A, B, slots, w, scale, out, n, d_in, d_out, r, s_count, out_per,
-               x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
-               B.stride(0), B.stride(1), B.stride(2), out.stride(0), out.stride(1),
-               K=k, HAS_W=weights is not None, ACCUMULATE=accumulate, DOT_DTYPE=dot_dtype,
-               PRECISION=precision, SR_PAD=sr_pad, BLOCK_M=cfg["SHRINK_M"],
-               BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+        _stacked_fused_kernel[grid](
+            x, A, B, slots, w, scale, out, n, d_in, d_out, r, s_count, out_per, x.stride(0), x.stride(1),
+            A.stride(0), A.stride(1), A.stride(2), B.stride(0), B.stride(1), B.stride(2), out.stride(0),
+            out.stride(1), K=k, HAS_W=weights is not None, ACCUMULATE=accumulate, DOT_DTYPE=dot_dtype,
+            PRECISION=precision, SR_PAD=sr_pad, BLOCK_M=cfg["SHRINK_M"], BLOCK_K=cfg["BLOCK_K"],
+            BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
         return
     k_per = triton.cdiv(triton.cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split_k = triton.cdiv(d_in, k_per)
     part = torch.empty(split_k, n, p_count * sr_pad, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg["SHRINK_M"]), p_count * sr_pad // cfg["BLOCK_C"], split_k)
-    launch(_stacked_shrink_kernel, grid, x, A4, slots, w, scale2, part, n, d_in, r, s_count, k_per,
-           x.stride(0), x.stride(1), A4.stride(0), A4.stride(1), A4.stride(2), A4.stride(3),
-           scale2.stride(0), K=k, P=p_count, HAS_W=weights is not None, DOT_DTYPE=dot_dtype,
-           PRECISION=precision, SR_PAD=sr_pad, BLOCK_M=cfg["SHRINK_M"],
-           BLOCK_C=cfg["BLOCK_C"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+    _stacked_shrink_kernel[grid](
+        x, A4, slots, w, scale2, part, n, d_in, r, s_count, k_per, x.stride(0), x.stride(1), A4.stride(0),
+        A4.stride(1), A4.stride(2), A4.stride(3), scale2.stride(0), K=k, P=p_count, HAS_W=weights is not None,
+        DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=sr_pad, BLOCK_M=cfg["SHRINK_M"], BLOCK_C=cfg["BLOCK_C"],
+        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
     o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
     grid = (triton.cdiv(n, cfg["EXPAND_M"]), p_count * cfg["OUT_SPLIT"])
-    launch(_stacked_expand_kernel, grid, B, part, out, n, d_out, r, s_count, o1, o2, o3, cfg["OUT_SPLIT"], split_k,
-           B.stride(0), B.stride(1), B.stride(2),
-           out.stride(0) if out.dim() == 2 else 0, out.stride(-1),
-           P=p_count, ACCUMULATE=accumulate, BLOCKS=blocks, DOT_DTYPE=dot_dtype,
-           PRECISION=precision, SR_PAD=sr_pad, BLOCK_M=cfg["EXPAND_M"],
-           BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+    _stacked_expand_kernel[grid](
+        B, part, out, n, d_out, r, s_count, o1, o2, o3, cfg["OUT_SPLIT"], split_k, B.stride(0), B.stride(1),
+        B.stride(2), out.stride(0) if out.dim() == 2 else 0, out.stride(-1), P=p_count, ACCUMULATE=accumulate,
+        BLOCKS=blocks, DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=sr_pad, BLOCK_M=cfg["EXPAND_M"],
+        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
 
 
 def stacked_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,

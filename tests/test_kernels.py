@@ -165,22 +165,38 @@ def test_dispatcher_picks_by_shape_only(monkeypatch):
 
     def pick(n, k=1, meta=False, s=4, r=16):
         return dispatch.choose_path(torch.zeros(n, 4), k, meta, s, r)
-    # few rows: gather, while rows <= GATHER_MAX_ROWS_STACKED (narrow) or rows * r <= GATHER_MAX_ROW_RANK (wide)
+    # few rows: gather, while rows <= GATHER_MAX_ROWS_STACKED (narrow) or rows * r <= GATHER_MAX_ROW_RANK (wide;
+    # GATHER_MAX_ROW_RANK_WITH_META when the grouped kernel would get prebuilt metadata)
     assert pick(dispatch.GATHER_MAX_ROWS_STACKED) == "gather"
     assert pick(dispatch.GATHER_MAX_ROW_RANK // 64, r=64) == "gather"
     assert pick(dispatch.GATHER_MAX_ROW_RANK // 64 + 1, r=64) == "grouped"
+    assert pick(dispatch.GATHER_MAX_ROW_RANK_WITH_META // 64, r=64, meta=True) == "gather"
+    assert pick(dispatch.GATHER_MAX_ROW_RANK_WITH_META // 64 + 1, r=64, meta=True) == "grouped"
     # a narrow hot set takes the stacked kernel above the gather rows, for any k
     assert pick(dispatch.GATHER_MAX_ROWS_STACKED + 1) == "stacked"
     assert pick(dispatch.GATHER_MAX_ROWS_STACKED, k=4) == "stacked"
     assert pick(5000, k=2, meta=True) == "stacked"
-    # ... except k=1 with prebuilt metadata at large N, where the grouped kernel wins
-    assert pick(dispatch.STACKED_MAX_TOKENS_WITH_META, meta=True) == "stacked"
-    assert pick(dispatch.STACKED_MAX_TOKENS_WITH_META + 1, meta=True) == "grouped"
-    assert pick(dispatch.STACKED_MAX_TOKENS_WITH_META + 1) == "stacked"
-    # wide hot sets: grouped for k=1; top-k stays stacked up to STACKED_TOPK_MAX_WIDTH
+    # ... except k=1 with prebuilt metadata once N * r is large, where the grouped kernel wins
+    n_meta = dispatch.STACKED_MAX_ROW_RANK_WITH_META // 16
+    assert pick(n_meta, meta=True) == "stacked"
+    assert pick(n_meta + 1, meta=True) == "grouped"
+    assert pick(n_meta + 1) == "stacked"
+    assert pick(2 * n_meta, r=8, meta=True) == "stacked"
+    # wide hot sets: grouped for k=1; top-k takes the stacked kernel up to STACKED_TOPK_MAX_WIDTH above
+    # STACKED_TOPK_MIN_ROWS_WIDE rows
     assert pick(300, s=4, r=32) == "grouped"
-    assert pick(300, k=2, s=4, r=64) == "stacked"
-    assert pick(300, k=2, s=4, r=128) == "grouped"
+    assert pick(300, k=2, s=4, r=64) == "grouped"
+    assert pick(dispatch.STACKED_TOPK_MIN_ROWS_WIDE // 2 + 1, k=2, s=4, r=64) == "stacked"
+    assert pick(3000, k=2, s=4, r=128) == "grouped"
+
+
+def test_group_path_prefers_the_grouped_kernel_with_metadata(monkeypatch):
+    monkeypatch.setattr(dispatch, "triton_usable", lambda _x: True)
+    x = torch.zeros(200, 4)
+    assert dispatch.choose_path(x, 1, True, 4, 8) == "stacked"
+    assert dispatch.choose_group_path(x, 1, True, 4, 8, 3) == "grouped"  # q/k/v: x read once, no S-fold shrink
+    assert dispatch.choose_group_path(x, 2, True, 4, 8, 3) == "stacked"  # top-k keeps the k-free kernel
+    assert dispatch.choose_group_path(x, 1, True, 4, 8, 1) == "stacked"
 
 
 def test_metadata_builder_is_sync_free_and_sorted(monkeypatch):
