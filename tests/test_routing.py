@@ -387,7 +387,13 @@ def test_cuda_routed_model_matches_cpu(setup, dtype):
         base_got = gpu(IDS.cuda(), routers=None).logits.float().cpu()
     rounding = rel_err(base_got, base_want)
     print(f"{dtype}: routed GPU vs CPU {rel_err(got, want):.2e}, base GPU vs CPU {rounding:.2e}")
-    assert rel_err(got, want) <= max(1e-4, 3 * rounding)
+    if dtype == torch.float32:
+        assert rel_err(got, want) <= max(1e-4, 3 * rounding)
+    else:  # the base GEMM runs onto the bf16 delta (routing/lora.py) and each device's GEMM rounds that sum its own
+        # way: hold both against the fp32 model instead (H200, 2026-12-01: GPU 4.15e-2, CPU 3.84e-2, base 1.3e-3)
+        with torch.no_grad():
+            truth = routed(IDS, routers=VocabRangeRouter(VOCAB, "T", "I")).logits.float()
+        assert rel_err(got, truth) <= 1.25 * rel_err(want, truth) + 3 * rounding
 
 
 def test_kv_cache_argument_follows_the_installed_transformers(setup):
