@@ -289,7 +289,8 @@ class DocumentBuilder:
             self.doc.routing.append(TokenRecord(token, self.tok.token_piece(token), "image", adapter,
                                                 len(self.doc.parts)))
             done = len(self._image)
-            if done % self._row_len == 0:
+            in_rows = done - len(v.image_prefix_ids)  # a row's progress event after its last code (or marker)
+            if in_rows > 0 and in_rows % self._row_len == 0:
                 return [ImageProgress(self._images, done, v.tokens_per_image, self.row)]
             return []
         if token == v.boi_id:

@@ -178,3 +178,14 @@ def test_the_app_serves_an_emu3_directory(emu3_dir):
     warm_up(pipe)
     demo = create_demo(pipe)
     assert demo is not None
+
+
+def test_picture_progress_comes_once_per_row_after_the_header(emu3):
+    from models.events import ImageProgress
+
+    v = emu3.vocab
+    events = list(emu3.stream("draw a cat", seed=0, start_image=True, max_new_tokens=v.tokens_per_image + 1,
+                              cfg_scale=1.0))
+    done = [e.done for e in events if isinstance(e, ImageProgress)]
+    rows, cols = v.image_grid
+    assert done == [len(v.image_prefix_ids) + (r + 1) * (cols + 1) for r in range(rows)]
