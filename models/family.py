@@ -17,7 +17,8 @@ The engine, the pipeline and the app know no family by name.  A family is a pack
     checks                     best_of checks the family registers: {name: factory(pipeline) -> check(docs)}
 
 Built-in families (imported lazily, on the first lookup): the embedded shapes world (models/shapes/family.py),
-Emu3 (models/emu3/) and Chameleon (models/chameleon/).  A third-party family calls register_family on import.
+Emu3 (models/emu3/), Chameleon / Anole (models/chameleon/) and Janus (models/janus/).  A third-party family calls
+register_family on import.
 """
 
 from __future__ import annotations
