@@ -189,3 +189,13 @@ def test_picture_progress_comes_once_per_row_after_the_header(emu3):
     done = [e.done for e in events if isinstance(e, ImageProgress)]
     rows, cols = v.image_grid
     assert done == [len(v.image_prefix_ids) + (r + 1) * (cols + 1) for r in range(rows)]
+
+
+def test_the_picture_size_can_come_from_an_area_and_a_ratio_as_emu3_computes_it(emu3_dir):
+    pipe = InterleavedPipeline.from_pretrained(emu3_dir, device="cpu", image_area=32 * 32, ratio="2:1")
+    assert pipe.vocab.image_grid == (3, 6)  # Emu3Processor.calculate_generate_size("2:1", 1024, 8)
+    doc = pipe.generate("draw a cat", seed=0, start_image=True, max_new_tokens=pipe.vocab.tokens_per_image + 1,
+                        cfg_scale=1.0)
+    assert doc.images[0].size == (48, 24)
+    with pytest.raises(ModelDirError, match="ratio"):
+        InterleavedPipeline.from_pretrained(emu3_dir, device="cpu", ratio="wide")

@@ -121,15 +121,21 @@ def emu3_vocab(hf_tokenizer: Any, vocabulary_mapping: Any, grid: tuple[int, int]
         raise ModelDirError(f"the Emu3 vocabulary does not fit the engine's layout: {exc}") from exc
 
 
-def default_grid(processor: Any) -> tuple[int, int]:
-    """The processor's default picture size in codes (image_area at ratio 1:1)."""
-    return tuple(processor.calculate_generate_size("1:1", processor.image_area, DOWNSAMPLE))
+def default_grid(processor: Any, image_area: int | None = None, ratio: str = "1:1") -> tuple[int, int]:
+    """Picture size in codes (rows, cols) for a pixel area (default: the processor's image_area) and a
+    width:height ratio, as Emu3Processor computes it for generation."""
+    try:
+        return tuple(processor.calculate_generate_size(ratio, image_area or processor.image_area, DOWNSAMPLE))
+    except (ValueError, ZeroDivisionError) as exc:
+        raise ModelDirError(f"ratio must be 'W:H' with positive whole numbers, got {ratio!r}") from exc
 
 
 def load_emu3(path: str | Path, *, adapters_dir: str | Path | None = None, device: torch.device | str | None = None,
-              dtype: torch.dtype | None = None, grid: tuple[int, int] | None = None,
-              threads: int | None = None) -> LoadedModel:
-    """Load an Emu3 directory (model + processor) and the adapters beside it; missing LM weights are an error."""
+              dtype: torch.dtype | None = None, grid: tuple[int, int] | None = None, image_area: int | None = None,
+              ratio: str = "1:1", threads: int | None = None) -> LoadedModel:
+    """Load an Emu3 directory (model + processor) and the adapters beside it; missing LM weights are an error.
+    The pictures it writes are `grid` (rows, cols) codes, else sized from `image_area` pixels (default: the
+    processor's) at `ratio` width:height, as Emu3Processor does."""
     from transformers import Emu3ForConditionalGeneration, Emu3Processor
 
     path = Path(path)
@@ -143,7 +149,7 @@ def load_emu3(path: str | Path, *, adapters_dir: str | Path | None = None, devic
     lm = lm.to(device).eval().requires_grad_(False)
     lm.name_or_path = getattr(lm.config, "molora_base_model", None) or lm.name_or_path
     mapping = lm.model.vocabulary_mapping
-    grid = tuple(int(g) for g in (grid or default_grid(processor)))
+    grid = tuple(int(g) for g in (grid or default_grid(processor, image_area, ratio)))
     if len(grid) != 2 or min(grid) < 1:
         raise ModelDirError(f"grid must be (rows, cols) of codes, both >= 1; got {grid}")
     vocab = emu3_vocab(processor.tokenizer, mapping, grid, int(lm.config.get_text_config().vocab_size))
