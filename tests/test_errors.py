@@ -77,6 +77,13 @@ def test_the_scan_finds_the_known_error_classes():
     assert ("MoLoRAError" in names) and sum(name == "MoLoRAError" for _, name in EXCEPTION_DEFS) == 1
 
 
+def test_each_error_class_is_defined_in_one_place():
+    where: dict[str, list[str]] = {}
+    for path, name in EXCEPTION_DEFS:
+        where.setdefault(name, []).append(str(path.relative_to(REPO)))
+    assert {n: w for n, w in where.items() if len(w) > 1} == {}
+
+
 @pytest.mark.parametrize("path, name", EXCEPTION_DEFS,
                          ids=[f"{p.relative_to(REPO)}:{n}" for p, n in EXCEPTION_DEFS])
 def test_every_project_error_derives_from_molora_error(path: Path, name: str):
