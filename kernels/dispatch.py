@@ -148,14 +148,19 @@ def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     if path == "auto":
         path = choose_group_path(x, k, meta is not None, s_count, r, p_count)
     n = x.shape[0]
-    spans = list(zip(bounds, bounds[1:]))
+    bounds = tuple(bounds)
     if path == "gather" or path == "grouped" or (path == "stacked" and s_count * r <= MAX_WIDTH):
-        if path == "grouped":
-            flat = grouped_lora_group(x, A, B, slots, weights, scale, tuple(bounds), meta)
+        if path == "gather":
+            flat = gather_lora_group(x, A, B, slots, weights, scale, bounds)
+        elif path == "grouped":
+            flat = grouped_lora_group(x, A, B, slots, weights, scale, bounds, meta)
         else:
-            flat = (gather_lora_group if path == "gather" else stacked_lora_group)(x, A, B, slots, weights, scale,
-                                                                                   tuple(bounds))
-        return [flat[n * lo:n * hi].view(n, hi - lo) for lo, hi in spans]
+            flat = stacked_lora_group(x, A, B, slots, weights, scale, bounds)
+        if p_count == 1:
+            return [flat.view(n, bounds[1])]
+        widths = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+        return [block.view(n, wd) for block, wd in zip(flat.split([n * wd for wd in widths]), widths)]
+    spans = list(zip(bounds, bounds[1:]))
     if path == "torch" and n * k <= CPU_DENSE_MAX_ROWS:
         return [d.to(x.dtype) for d in routed_lora_torch_group_dense(x, A, B, slots, weights, scale, bounds, meta)]
     return [routed_lora_forward(x, A[p], B[:, lo:hi], slots, weights, scale[p], None, meta, path)

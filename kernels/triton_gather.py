@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from kernels.triton_common import HAS_TRITON, delta_target, interpreting, next_pow2, tl, triton
+from kernels.triton_common import HAS_TRITON, cdiv, delta_target, interpreting, next_pow2, tl, triton
 
 # Most projections one launch serves (the expand reads the column boundaries as P - 1 scalars)
 MAX_PROJECTIONS = 4
@@ -113,6 +113,7 @@ def gather_config(n_out: int, d_in: int, rank: int = 16, n: int = 1) -> dict:
 
 
 def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, cfg) -> None:
+    # host time matters here (eager decode steps): stride tuples read once, no triton.cdiv
     n, d_in = x.shape
     p_count, s_count, r, _ = A4.shape
     d_out = B.shape[1]
@@ -122,17 +123,17 @@ def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, c
     w = weights.contiguous() if weights is not None else scale2
     cfg = cfg or gather_config(d_out, d_in, r, n)
     block_r = max(2, next_pow2(r))
-    split_k = triton.cdiv(d_in, cfg["BLOCK_K"])
+    split_k = cdiv(d_in, cfg["BLOCK_K"])
     part = torch.empty(split_k, m_rows, p_count, block_r, dtype=torch.float32, device=x.device)
+    sx, sa, sb = x.stride(), A4.stride(), B.stride()
     _bgmv_shrink_kernel[(m_rows, split_k)](
-        x, A4, slots, part, m_rows, d_in, r, s_count, x.stride(0), x.stride(1), A4.stride(0), A4.stride(1),
-        A4.stride(2), A4.stride(3), K=k, P=p_count, BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"],
-        num_warps=cfg["num_warps"])
-    o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
-    grid = (n, triton.cdiv(d_out, cfg["BLOCK_N"]))
-    _bgmv_expand_kernel[grid](
-        B, slots, w, scale2, part, out, m_rows, d_out, r, s_count, o1, o2, o3, B.stride(0), B.stride(1), B.stride(2),
-        scale2.stride(0), out.stride(0) if out.dim() == 2 else 0, out.stride(-1),
+        x, A4, slots, part, m_rows, d_in, r, s_count, sx[0], sx[1], sa[0], sa[1], sa[2], sa[3],
+        K=k, P=p_count, BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+    o1, o2, o3 = (bounds[1:-1] + (d_out,) * 3)[:3]
+    so = out.stride()
+    _bgmv_expand_kernel[(n, cdiv(d_out, cfg["BLOCK_N"]))](
+        B, slots, w, scale2, part, out, m_rows, d_out, r, s_count, o1, o2, o3, sb[0], sb[1], sb[2],
+        scale2.stride(0), so[0] if len(so) == 2 else 0, so[-1],
         K=k, P=p_count, HAS_W=weights is not None, ACCUMULATE=accumulate, BLOCKS=blocks, SPLIT_K=split_k,
         SPLIT_PAD=max(2, next_pow2(split_k)), BLOCK_R=block_r, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
 

@@ -47,6 +47,7 @@ class CallRouting:
     decisions: dict[int, list[tuple[Any, BlockDecision]]] = field(default_factory=dict)
     _static_k: tuple[torch.Tensor, torch.Tensor] | None = None
     _meta: dict[int | None, Any] = field(default_factory=dict)
+    _slots2d: torch.Tensor | None = None
     # projection group -> its members' deltas computed by the first member called (routing/lora.py)
     shared: dict[Any, SharedDeltas] = field(default_factory=dict)
 
@@ -72,6 +73,15 @@ class CallRouting:
         if block is not None and block in self.block_slots:
             return self.block_slots[block]
         return self.static_topk()
+
+    def kernel_slots(self, block: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """for_block(block) with static slots as [N, 1] (the kernels' form), the view made once per forward."""
+        slots, weights = self.for_block(block)
+        if slots.dim() == 2:
+            return slots, weights
+        if self._slots2d is None:
+            self._slots2d = slots[:, None]
+        return self._slots2d, None
 
     def meta(self, block: int | None) -> Any:
         """Slot-sorted kernel metadata for the layers of `block`, built once per forward."""

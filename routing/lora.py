@@ -58,12 +58,13 @@ class ProjectionGroup:
             layer.group, layer.group_index = self, p
             bounds.append(bounds[-1] + layer.out_features)
         self.bounds = tuple(bounds)
+        self.size = len(self.members)
         self._views: list[tuple[torch.Tensor, ...]] = []
         if len(self.members) > 1:
             self._stack()
 
     def __len__(self) -> int:
-        return len(self.members)
+        return self.size
 
     @torch.no_grad()
     def _stack(self) -> None:
@@ -82,32 +83,32 @@ class ProjectionGroup:
             layer._buffers["lora_A"], layer._buffers["lora_B"] = A[p], B[:, lo:hi]
             layer._buffers["lora_scale"] = scale[p]
         self.A, self.B, self.scale = A, B, scale
-        self._views = [(layer.lora_A, layer.lora_B, layer.lora_scale) for layer in self.members]
+        self._views = [(layer._buffers, layer.lora_A, layer.lora_B, layer.lora_scale) for layer in self.members]
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(A [P, S, r, in], B [S, O, r], scale [P, S]) over the members' current buffers."""
-        if len(self.members) == 1:
-            layer = self.members[0]
-            return layer.lora_A[None], layer.lora_B, layer.lora_scale[None]
-        for layer, (a, b, sc) in zip(self.members, self._views):
-            if layer.lora_A is not a or layer.lora_B is not b or layer.lora_scale is not sc:
+        if self.size == 1:
+            buffers = self.members[0]._buffers
+            return buffers["lora_A"][None], buffers["lora_B"], buffers["lora_scale"][None]
+        for buffers, a, b, sc in self._views:  # plain dict reads: this runs on every routed call
+            if buffers["lora_A"] is not a or buffers["lora_B"] is not b or buffers["lora_scale"] is not sc:
                 self._stack()  # the model was moved or cast: buffers are separate copies now
                 break
         return self.A, self.B, self.scale
 
     def deltas(self, routing: CallRouting, block: int | None, x2: torch.Tensor, slots: torch.Tensor,
                weights: torch.Tensor | None, only: int | None = None) -> list[torch.Tensor]:
-        """Fresh deltas [N, out_p] of every member (or of member `only`), in x's dtype."""
+        """Fresh deltas [N, out_p] of every member (or of member `only`), in x's dtype; slots [N, k]."""
         A, B, scale = self.stacked()
         bounds = self.bounds
-        if only is not None and len(self.members) > 1:
+        if only is not None and self.size > 1:
             lo, hi = bounds[only], bounds[only + 1]
             A, B, scale, bounds = A[only:only + 1], B[:, lo:hi], scale[only:only + 1], (0, hi - lo)
-        slots2 = slots if slots.dim() == 2 else slots[:, None]
         # one path decision (by shape) for the call; the grouped kernel and the CPU read per-forward metadata
-        path = choose_group_path(x2, slots2.shape[1], True, A.shape[1], A.shape[2], A.shape[0])
-        meta = routing.meta(block) if path in ("grouped", "torch") else None
-        return routed_lora_group_forward(x2, A, B, slots2, weights, scale, bounds, meta, path)
+        p_count, num_slots, rank = A.shape[:3]
+        path = choose_group_path(x2, slots.shape[1], True, num_slots, rank, p_count)
+        meta = routing.meta(block) if path == "grouped" or path == "torch" else None
+        return routed_lora_group_forward(x2, A, B, slots, weights, scale, bounds, meta, path)
 
 
 def group_projections(layers: Iterable[RoutedLoRALinear]) -> list[ProjectionGroup]:
@@ -159,27 +160,31 @@ class RoutedLoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = current_routing()
+        weight = self.weight
         if routing is None:
-            return F.linear(x, self.weight, self.bias)
-        slots, weights = routing.for_block(self.block)
+            return F.linear(x, weight, self.bias)
+        slots, weights = routing.kernel_slots(self.block)
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] != slots.shape[0]:
             raise RoutingError(f"routed layer '{self.name}' got {x2.shape[0]} tokens but the routing covers "
                                f"{slots.shape[0]}; call the model through RoutedModel.forward with the same input_ids")
-        if not BASE_ONTO_DELTA or needs_autograd(x2, self.lora_A, self.lora_B, weights) or \
-                torch.is_autocast_enabled(x.device.type) or x2.dtype != self.weight.dtype:
+        # (the cheap flags first: this runs on every routed call of an eager decode step)
+        if not BASE_ONTO_DELTA or x2.dtype != weight.dtype or \
+                torch.is_autocast_enabled("cuda" if x2.is_cuda else "cpu") or \
+                (torch.is_grad_enabled() and needs_autograd(x2, self.lora_A, self.lora_B, weights)):
             return self._forward_add(x, x2, routing, slots, weights)
         delta = self._shared_delta(routing, x, x2, slots, weights)
-        y = delta.addmm_(x2, self.weight.t())  # the base GEMM accumulates onto the delta (cuBLAS beta = 1)
-        if self.bias is not None:
-            y.add_(self.bias)
+        y = delta.addmm_(x2, weight.t())  # the base GEMM accumulates onto the delta (cuBLAS beta = 1)
+        bias = self.bias
+        if bias is not None:
+            y.add_(bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _shared_delta(self, routing: CallRouting, x: torch.Tensor, x2: torch.Tensor, slots: torch.Tensor,
                       weights: torch.Tensor | None) -> torch.Tensor:
         """This layer's delta: computed with its group's in one call, or taken from that call's results."""
         group, index = self.group, self.group_index
-        if len(group) == 1:
+        if group.size == 1:
             return group.deltas(routing, self.block, x2, slots, weights)[0]
         shared = routing.shared.get(group)
         if shared is not None and shared.x is x and shared.deltas[index] is not None:
@@ -199,11 +204,10 @@ class RoutedLoRALinear(nn.Linear):
                      weights: torch.Tensor | None) -> torch.Tensor:
         """Base linear, then the delta added into it (autograd, autocast): the ops' checks and backward."""
         y = F.linear(x, self.weight, self.bias)
-        k = slots.shape[1] if slots.dim() == 2 else 1
-        meta = routing.meta(self.block) if reads_meta(x2, k, self.lora_A) else None
+        meta = routing.meta(self.block) if reads_meta(x2, slots.shape[1], self.lora_A) else None
         out = y.view(-1, self.out_features)  # the kernels add the delta into the base output in place
         if weights is None:
-            routed_lora(x2, self.lora_A, self.lora_B, slots, self.lora_scale, out=out, meta=meta)
+            routed_lora(x2, self.lora_A, self.lora_B, slots[:, 0], self.lora_scale, out=out, meta=meta)
         else:
             routed_lora_topk(x2, self.lora_A, self.lora_B, slots, weights, self.lora_scale, out=out, meta=meta)
         return y
