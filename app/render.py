@@ -92,6 +92,7 @@ class RunView:
     candidate: int = 0  # best-of-n: the candidate being drawn (a Redraw event starts the next)
     best_of: int = 1
     rejected: list[_Draft] = field(default_factory=list)  # best-of-n: the candidates the check turned down
+    mix_labels: dict[str, str] = field(default_factory=dict)  # learned routing: "count .83 · arith .17" -> "count"
 
     # --- folding events ------------------------------------------------------------------------
     def apply(self, event: object) -> bool:
@@ -139,7 +140,7 @@ class RunView:
                     index = sum(isinstance(p, _ImageSlot) for p in self.parts)
                     self.parts.append(_ImageSlot(index, 1, 1, part, shown.get(id(part)) or image_data_uri(part)))
             self.tokens = [(IMAGE_TOKEN_GLYPH if record.modality == "image" else record.piece,
-                            self.label_of(record.adapter)) for record in event.document.routing]
+                            self._token_label(record.adapter, record.mix)) for record in event.document.routing]
             return True
         return False
 
@@ -150,8 +151,23 @@ class RunView:
             self.parts.append(event.text)
         # a delta carries one token (or none: the tail of a character); its text goes with its first token
         pieces = [event.text] + [""] * (len(event.token_ids) - 1)
-        for piece, name in zip(pieces, event.adapters):
-            self.tokens.append((piece, self.label_of(name)))
+        mixes = event.mixes or [()] * len(pieces)
+        for piece, name, mix in zip(pieces, event.adapters, mixes):
+            self.tokens.append((piece, self._token_label(name, mix)))
+
+    def _token_label(self, name: str | None, mix: tuple[tuple[str | None, float], ...] = ()) -> str:
+        """The routing map's label of a token: its adapter, or with learned routing its top-k adapters and
+        routing weights ("count .83 · arith .17": the weight averaged over blocks; coloured as its top-1)."""
+        label = self.label_of(name)
+        if len(mix) < 2:
+            return label
+        weights = " · ".join(f"{self.label_of(n)} {w:.2f}".replace(" 0.", " .") for n, w in mix)
+        self.mix_labels[weights] = label
+        return weights
+
+    def routing_colors(self, colors: dict[str, str]) -> dict[str, str]:
+        """`colors` (label -> colour) with learned routing's labels added, each in its top-1 adapter's colour."""
+        return {**colors, **{mixed: colors[top] for mixed, top in self.mix_labels.items() if top in colors}}
 
     def _slot(self, index: int) -> _ImageSlot:
         for part in reversed(self.parts):

@@ -236,7 +236,8 @@ class MoLoRAApp:
         if sent is not None:
             sent.update(keys)
         skip = gr.skip()
-        routing_map = gr.HighlightedText(value=view.routing_map(), color_map=colors) if fresh["routing"] else skip
+        routing_map = (gr.HighlightedText(value=view.routing_map(), color_map=view.routing_colors(colors))
+                       if fresh["routing"] else skip)
         cache = state.visible_cache(self.pipe.cache_stats(), self.builtin)
         return (view.text if fresh["text"] else skip, view.images if fresh["images"] else skip,
                 path if fresh["file"] else skip, keys["document"] if fresh["document"] else skip, routing_map,
@@ -386,7 +387,8 @@ class MoLoRAApp:
                                        value='<div class="molora-doc molora-empty">Press Generate.</div>')
                     drafts = gr.HTML(label="Rejected drafts", elem_id="rejected-drafts")
                     routing_map = gr.HighlightedText(label="Routing map: each generated token, coloured by the "
-                                                     "adapter it used", show_legend=True, show_inline_category=False,
+                                                     "adapter it used (learned routing: its top-2 and their "
+                                                     "weights)", show_legend=True, show_inline_category=False,
                                                      combine_adjacent=False, elem_id="routing-map")
                     stats = gr.HTML(label="Status, cache and latency", elem_id="stats")
                     html_file = gr.File(label="Download the document (HTML, images inside)", elem_id="html-file",

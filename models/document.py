@@ -62,13 +62,28 @@ class DocumentError(MoLoRAError):
 @dataclass
 class TokenRecord:
     """One generated token: its id, readable piece, modality ("text" | "image" | "special"), the adapter that
-    produced it (None = base model) and the index of the part it belongs to (None for <eos>)."""
+    produced it (None = base model), the index of the part it belongs to (None for <eos>), and with learned
+    routing the top-k adapters and their routing weights (`mix`, e.g. (("count", 0.83), ("arith", 0.17)))."""
 
     id: int
     piece: str
     modality: str
     adapter: str | None
     part: int | None = None
+    mix: tuple[tuple[str | None, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        self.mix = tuple((None if n is None else str(n), float(w)) for n, w in self.mix)  # JSON gives lists
+
+    def routing_note(self, labels: dict[str, str] | None = None) -> str:
+        """"count" or, with learned routing, "count 0.83 · arith 0.17" (display names from `labels`)."""
+        labels = labels or {}
+
+        def label(name: str | None) -> str:
+            return labels.get(name, name) if name else "base"
+        if len(self.mix) > 1:
+            return " · ".join(f"{label(n)} {w:.2f}" for n, w in self.mix)
+        return label(self.adapter)
 
 
 Part = str | Image.Image
@@ -137,7 +152,7 @@ class Document:
             routing = [TokenRecord(**r) for r in data.get("routing", [])]
             return cls(decode(data.get("parts", [])), routing, decode(data.get("prompt", [])),
                        dict(data.get("meta", {})), list(data.get("notices", [])))
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise DocumentError(f"damaged document data: {exc}") from exc
 
     # --- HTML ---------------------------------------------------------------------------------
@@ -278,8 +293,9 @@ class DocumentBuilder:
         """Events due before the first token (an image opened by the prompt, notices)."""
         return [Notice(n, self.row) for n in self.doc.notices] + self._opened_events
 
-    def add(self, token: int, adapter: str | None) -> list:
-        """Record one generated token; returns the events it causes."""
+    def add(self, token: int, adapter: str | None, mix: tuple[tuple[str | None, float], ...] = ()) -> list:
+        """Record one generated token (`mix`: learned routing's top-k adapters and weights); returns the events
+        it causes."""
         v = self.vocab
         if self._image is not None:
             if token == v.eoi_id:
@@ -302,7 +318,7 @@ class DocumentBuilder:
             events = self._close_text()
             self.doc.routing.append(TokenRecord(token, "<eos>", "special", adapter, None))
             return events
-        return self._add_text(token, adapter)
+        return self._add_text(token, adapter, mix)
 
     def finish(self, reason: str) -> list:
         """Close the document (reason "eos" or "length"); returns the last events, ending with Finished."""
@@ -316,20 +332,20 @@ class DocumentBuilder:
         return events + [Finished(self.doc, self.row, reason)]
 
     # --- internals ---------------------------------------------------------------------------
-    def _add_text(self, token: int, adapter: str | None) -> list:
+    def _add_text(self, token: int, adapter: str | None, mix: tuple[tuple[str | None, float], ...]) -> list:
         part = len(self.doc.parts)
-        record = TokenRecord(token, "", "text" if self._is_text(token) else "special", adapter, part)
+        record = TokenRecord(token, "", "text" if self._is_text(token) else "special", adapter, part, mix)
         self.doc.routing.append(record)
         self._seg_records.append(record)
         self._text_ids.append(token)
         self._pending.append(token)
         new = self.tok.decode_text(self._pending)
         if new.endswith("\ufffd") and len(self._pending) < 8:
-            return [TextDelta("", [token], [adapter], self.row)]
+            return [TextDelta("", [token], [adapter], self.row, [mix])]
         self._pending = []
         record.piece = new
         self._seg_text += new
-        return [TextDelta(new, [token], [adapter], self.row)]
+        return [TextDelta(new, [token], [adapter], self.row, [mix])]
 
     def _close_text(self) -> list:
         events = []
@@ -418,7 +434,7 @@ def _render_parts(parts: list[Part], kind: str, images: dict[str, str], routing:
                     continue
                 color = colors.get(r.adapter)
                 style = f' style="background:{color}"' if color else ""
-                tip = html.escape(f"{r.id} {labels.get(r.adapter, r.adapter) if r.adapter else 'base'}")
+                tip = html.escape(f"{r.id} {r.routing_note(labels)}")
                 spans.append(f'<span class="tok"{style} title="{tip}">{html.escape(r.piece)}</span>')
             out.append(f'<p class="text">{"".join(spans)}</p>')
         else:

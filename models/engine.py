@@ -108,7 +108,7 @@ class EngineConfig:
 @dataclass
 class Token:
     """One generated token of a request: its index in the request, the adapter that produced it (None = base
-    model), the wall time since the request's previous token (the first: since it was submitted, so queueing and
+    model; learned routing: the top-1, with the top-k and their weights in `mix`), the wall time since the request's previous token (the first: since it was submitted, so queueing and
     prefill included) and how many requests shared the step that made it."""
 
     index: int
@@ -116,6 +116,7 @@ class Token:
     adapter: str | None
     ms: float
     batch: int
+    mix: tuple[tuple[str | None, float], ...] = ()  # learned routing: its top-k adapters and weights (None = base)
 
 
 @dataclass
@@ -487,7 +488,7 @@ class Engine:
         return self.routed.run(ids, plan, attention_mask=mask, position_ids=positions, past_key_values=self.kv,
                                use_cache=True, logits_to_keep=1)
 
-    def _prefill_forward(self, entries: list[tuple[_Job, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefill_forward(self, entries: list[tuple[_Job, int, list[int]]]) -> tuple[torch.Tensor, _Producing]:
         """Write each (job, cache row, prompt) into its row, positions from 0, in ONE forward; returns the last
         logits [n, V] and producing slots [n].  Prompts are left-padded so every last token is the last column;
         a pad token is written past its row's prompt, where the row's own next tokens overwrite it before any
@@ -521,7 +522,7 @@ class Engine:
 
     def _prefill_body(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, table: torch.Tensor,
                       members: list[tuple[_Job, int]], length: int | None = None, routed: bool = True
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      ) -> tuple[torch.Tensor, _Producing]:
         columns = self.columns if length is None else self.columns[:length]
         mask = torch.where(columns[None, None, :] <= positions[:, :, None], 0.0, float("-inf"))
         mask = mask.to(self.dtype)[:, None]
@@ -530,7 +531,7 @@ class Engine:
         out = self._forward(ids, positions, rows, mask, plan, length=length)
         return out.logits[:, -1], _producing(out.routing, slots[:, -1])
 
-    def _replay_prefill(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay_prefill(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, _Producing]:
         """Copy the host layout into the (rows, tokens) bucket's static inputs and replay its graph."""
         key = tuple(inputs[0].shape)
         if key not in self._prefill_graphs:
@@ -619,7 +620,7 @@ class Engine:
                 filters=any(j.config.text.filters or j.config.image.filters for j in jobs))
         return self._index_cache
 
-    def _decode(self, width: int, jobs: list[_Job], learned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, width: int, jobs: list[_Job], learned: bool) -> tuple[torch.Tensor, _Producing]:
         """Logits [W, V] and producing slots [W] of one decode step over rows [0, W)."""
         if self.use_graphs and not learned:
             return self._replay(width)
@@ -627,7 +628,7 @@ class Engine:
         return self._decode_body(width, jobs, self._columns(needed), routed=any(j.names for j in jobs))
 
     def _decode_body(self, width: int, jobs: list[_Job], length: int | None = None, routed: bool = True
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, _Producing]:
         columns = self.columns if length is None else self.columns[:length]
         ids, positions, mask, slots = self.states.decode_inputs(width, columns, self.dtype)
         members = [(job, row) for job in jobs for row in (job.row, job.twin) if row is not None]
@@ -635,7 +636,7 @@ class Engine:
         out = self._forward(ids, positions, self.all_rows[:width], mask, plan, leading=width, length=length)
         return out.logits[:, -1], _producing(out.routing, slots)
 
-    def _replay(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(self, width: int) -> tuple[torch.Tensor, _Producing]:
         """Replay the captured step of this width (capturing it on first use). Replaying it again is harmless:
         the step recomputes and rewrites the same KV entries from the same inputs."""
         if width not in self._graphs:
@@ -667,31 +668,60 @@ class Engine:
         if self.step_ms is not None:
             self.step_ms.append((time.perf_counter() - started) * 1000.0)
 
-    def _emit(self, jobs: list[_Job], tokens: torch.Tensor, producing: torch.Tensor, done: torch.Tensor,
+    def _emit(self, jobs: list[_Job], tokens: torch.Tensor, producing: _Producing, done: torch.Tensor,
               batch: int) -> None:
-        """One host transfer for the step: tokens, producing slots, done flags; then tell every consumer."""
-        host = torch.cat([tokens, producing.long(), done.long()]).tolist()
+        """One host transfer for the step: tokens, producing slots, done flags (and learned routing's top-k
+        slots and weights, in 1e-4 steps); then tell every consumer."""
+        parts = [tokens, producing.slots.long(), done.long()]
+        k = 0
+        if producing.mix_slots is not None and producing.mix_weights is not None:
+            k = producing.mix_slots.shape[1]
+            parts += [producing.mix_slots.reshape(-1).long(), (producing.mix_weights.reshape(-1) * 1e4).round().long()]
+        host = torch.cat(parts).tolist()
         now = time.perf_counter()
         n = len(jobs)
         names = self.routed.cache.slots
+
+        def name(slot: int) -> str | None:
+            return names[slot] if 0 <= slot < len(names) else None
+
         eos = self.vocab.eos_id
+        mix_slots, mix_weights = host[3 * n:3 * n + n * k], host[3 * n + n * k:]
         for i, job in enumerate(jobs):
             token, slot = host[i], host[n + i]
-            adapter = names[slot] if 0 <= slot < len(names) else None
-            job.handle.sink.put((job.handle.tag, Token(job.emitted, token, adapter, (now - job.last) * 1000.0, batch)))
+            mix = ()
+            if k and job.learned is not None:
+                pairs = zip(mix_slots[i * k:(i + 1) * k], mix_weights[i * k:(i + 1) * k])
+                mix = tuple((name(s), w / 1e4) for s, w in pairs if w > 0)
+            job.handle.sink.put((job.handle.tag, Token(job.emitted, token, name(slot), (now - job.last) * 1000.0,
+                                                       batch, mix)))
             job.emitted += 1
             job.last = now
             if host[2 * n + i]:
                 self._end(job, "eos" if token == eos else "length")
 
 
-def _producing(routing: Any, slots: torch.Tensor) -> torch.Tensor:
-    """Slot [N] that produced each position's output: the static slot, or for learned routing the top-1 of the
-    routing weight averaged over blocks."""
+@dataclass
+class _Producing:
+    """Which adapter produced each row's output: the slot [n] (static routing's, or learned routing's top-1), and
+    for learned routing its top-k slots and routing weights [n, k] (the weight averaged over blocks)."""
+
+    slots: torch.Tensor
+    mix_slots: torch.Tensor | None = None
+    mix_weights: torch.Tensor | None = None
+
+    def __getitem__(self, index: Any) -> _Producing:
+        if self.mix_slots is None or self.mix_weights is None:
+            return _Producing(self.slots[index])
+        return _Producing(self.slots[index], self.mix_slots[index], self.mix_weights[index])
+
+
+def _producing(routing: Any, slots: torch.Tensor) -> _Producing:
     if routing is None or routing.weights is None:
-        return slots
-    best = routing.weights[:, -1].argmax(dim=-1, keepdim=True)
-    return routing.slots[:, -1].gather(1, best).squeeze(1)
+        return _Producing(slots)
+    top_slots, top_weights = routing.slots[:, -1], routing.weights[:, -1]
+    best = top_weights.argmax(dim=-1, keepdim=True)
+    return _Producing(top_slots.gather(1, best).squeeze(1), top_slots, top_weights)
 
 
 __all__ = ["Engine", "EngineConfig", "Token", "Done", "RequestHandle", "TEXT", "IMAGE"]

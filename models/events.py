@@ -4,7 +4,8 @@ Every event carries `row`: the index of its prompt in a batched call (0 for a si
 the events of each candidate stream as it decodes, a Redraw starts the next candidate of a row, and Finished
 carries the document kept (which may be an earlier candidate than the last one streamed).
 `adapters` lists, per token, the adapter that *produced* it (the one active at the position that predicted it;
-None = base model), so a UI can colour each token by adapter.
+None = base model), so a UI can colour each token by adapter; with learned routing `mixes` gives, per token, the
+top-k adapters and their routing weights.
 
     for event in pipe.stream("a red circle"):
         if isinstance(event, TextDelta): print(event.text, end="")
@@ -31,6 +32,7 @@ class TextDelta:
     token_ids: list[int]
     adapters: list[str | None]
     row: int = 0
+    mixes: list[tuple[tuple[str | None, float], ...]] = field(default_factory=list)  # learned routing, per token
 
 
 @dataclass

@@ -349,7 +349,7 @@ class InterleavedPipeline:
                     continue
                 times[row].append(item.ms)
                 yield StepTiming(item.index, item.ms, batch=item.batch, row=row)
-                yield from builders[row].add(item.token, item.adapter)
+                yield from builders[row].add(item.token, item.adapter, item.mix)
         finally:
             tokens.close()  # a consumer that stopped early cancels the requests still running
 

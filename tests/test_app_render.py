@@ -143,3 +143,20 @@ def test_an_image_is_one_number_explained_the_same_everywhere(tiny_pipeline):
     vocab = tiny_pipeline.vocab
     assert vocab.image_span_tokens == vocab.tokens_per_image + 2 == 274  # 16 rows of 16 codes + a row end, <boi>, <eoi>
     assert vocab.image_span_note() == "an image is 274 tokens: <boi>, 256 codes and 16 row ends, <eoi>"
+
+
+def test_learned_routing_shows_each_tokens_top_two_and_weights_in_its_top_one_colour(tmp_path):
+    view = RunView(label_of=label_of)
+    view.apply(TextDelta(" large", [40], ["size"], mixes=[(("size", 0.6628), ("arith", 0.211))]))
+    view.apply(TextDelta(" three", [41], ["count"], mixes=[(("count", 0.52), (None, 0.31))]))
+    view.apply(TextDelta(".", [42], ["count"]))  # static routing: the adapter alone
+    assert view.routing_map() == [(" large", "size .66 · arith .21"), (" three", f"count .52 · {BASE_LABEL} .31"),
+                                  (".", "count")]
+    colors = view.routing_colors({"size": "#0f0", "count": "#f00", "arith": "#00f", BASE_LABEL: BASE_COLOR})
+    assert colors["size .66 · arith .21"] == "#0f0" and colors[f"count .52 · {BASE_LABEL} .31"] == "#f00"
+    # the document keeps the weights (JSON round trip) and its HTML shows them on hover
+    record = TokenRecord(40, " large", "text", "size", 0, (("size", 0.6628), ("arith", 0.211)))
+    doc = Document([" large"], [record])
+    path = doc.save_html(tmp_path / "d.html")
+    assert Document.load(path).routing[0].mix == (("size", 0.6628), ("arith", 0.211))
+    assert 'title="40 size 0.66 · arith 0.21"' in path.read_text()

@@ -228,3 +228,19 @@ def test_load_balance_leaves_the_base_expert_out():
     balanced = load_balance_loss(BlockDecision(logits, topk, mask, base_expert=True))
     assert torch.isclose(balanced, torch.tensor(1.0), atol=1e-5)  # the two adapters share evenly: 1
     assert load_balance_loss(BlockDecision(logits, topk, mask)) > 1.1  # base counted as an expert: unbalanced
+
+
+def test_learned_generation_reports_each_tokens_top_two_adapters_and_weights(trained):
+    from models.pipeline import InterleavedPipeline
+    root, _, _, _, _ = trained
+    pipe = InterleavedPipeline.from_pretrained(root)
+    doc = pipe.generate("A red circle on the left. How many circles are there? A:", routing="learned",
+                        max_new_tokens=6, max_images=0, seed=0)
+    text = [r for r in doc.routing if r.modality == "text"]
+    assert text and all(1 <= len(r.mix) <= 2 for r in text) and any(len(r.mix) == 2 for r in text)
+    for r in text:  # the weight each adapter got, averaged over blocks (what a block gave the base expert is left out)
+        names = [n for n, _ in r.mix]
+        assert set(names) <= {"count", "spatial"} and all(0.0 < w <= 1.0 for _, w in r.mix)
+        assert r.adapter == names[0]  # the top-1 is the adapter the token is reported under
+    static = pipe.generate("A red circle", routing="vocab", max_new_tokens=4, max_images=0, seed=0)
+    assert all(r.mix == () for r in static.routing)
