@@ -24,7 +24,7 @@ import functools
 import torch
 
 from kernels.metadata import RoutingMeta, build_routing_meta
-from kernels.triton_common import HAS_TRITON, dot_config, interpreting, next_pow2, tl, triton
+from kernels.triton_common import HAS_TRITON, cdiv, dot_config, interpreting, next_pow2, tl, triton
 
 MODE_STORE, MODE_ADD, MODE_ATOMIC = 0, 1, 2
 
@@ -180,7 +180,7 @@ def grouped_config(m_rows: int, d_in: int, d_out: int, num_slots: int, rank: int
     tuned = GROUPED_TILES.get((max(16, next_pow2(rank)), row_bucket(m_rows)))
     if tuned is not None:
         block_m = tuned[0]
-    tiles = triton.cdiv(m_rows, block_m) + num_slots
+    tiles = cdiv(m_rows, block_m) + num_slots
     split = 1
     while split * 2 <= max_split and tiles * proj * split < 264:
         split *= 2
@@ -204,11 +204,11 @@ def _launch(x, A4, B, slots, weights, scale2, meta, target, mode, bounds, blocks
     cfg = cfg or grouped_config(m_rows, d_in, widest, s_count, r, p_count)
     dot_dtype, precision = dot_config(x.dtype)
     w = weights.contiguous() if weights is not None else scale2
-    tiles = triton.cdiv(m_rows, cfg["BLOCK_M"]) + s_count
+    tiles = cdiv(m_rows, cfg["BLOCK_M"]) + s_count
     block_r = max(16, next_pow2(r))
     s_pad = next_pow2(s_count + 2)
-    k_per = triton.cdiv(triton.cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    split_k = triton.cdiv(d_in, k_per)
+    k_per = cdiv(cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split_k = cdiv(d_in, k_per)
     part = torch.empty(split_k, m_rows, p_count, block_r, dtype=torch.float32, device=x.device)
     _grouped_shrink_kernel[(tiles, split_k)](
         x, A4, meta.rows, meta.offsets, part, m_rows, d_in, r, s_count, k_per, x.stride(0), x.stride(1),

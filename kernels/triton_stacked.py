@@ -30,6 +30,7 @@ import torch
 from kernels.errors import KernelInputError
 from kernels.triton_common import (
     HAS_TRITON,
+    cdiv,
     delta_target,
     dot_config,
     interpreting,
@@ -198,13 +199,13 @@ def stacked_config(n: int, d_in: int, d_out: int, width: int, proj: int = 1) -> 
     shrink_m = 16 if n <= 256 else 32
     block_c = min(sr_pad, 128)
     block_k = 128
-    tiles = triton.cdiv(n, shrink_m) * (proj * sr_pad // block_c)
+    tiles = cdiv(n, shrink_m) * (proj * sr_pad // block_c)
     split_k = 1
     while split_k * 2 * block_k * 2 <= d_in and tiles * split_k < TARGET_PROGRAMS:
         split_k *= 2
     expand_m = 16 if n <= 256 else (32 if n <= 2048 else 64)
     block_n = tile_cols
-    rows = triton.cdiv(n, expand_m) * proj
+    rows = cdiv(n, expand_m) * proj
     out_split = 1
     while out_split * 2 * block_n <= d_out and rows * out_split < TARGET_PROGRAMS:
         out_split *= 2
@@ -230,10 +231,10 @@ def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, c
     sr_pad = cfg["SR_PAD"]
     dot_dtype, precision = dot_config(x.dtype)
     if cfg["FUSED"]:
-        out_per = triton.cdiv(triton.cdiv(d_out, cfg["OUT_SPLIT"]), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+        out_per = cdiv(cdiv(d_out, cfg["OUT_SPLIT"]), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
         A, scale = A4[0], scale2[0]
         out = out.view(n, d_out)  # P = 1: the flat block layout is the row-major [N, O]
-        grid = (triton.cdiv(n, cfg["SHRINK_M"]), triton.cdiv(d_out, out_per))
+        grid = (cdiv(n, cfg["SHRINK_M"]), cdiv(d_out, out_per))
         _stacked_fused_kernel[grid](
             x, A, B, slots, w, scale, out, n, d_in, d_out, r, s_count, out_per, x.stride(0), x.stride(1),
             A.stride(0), A.stride(1), A.stride(2), B.stride(0), B.stride(1), B.stride(2), out.stride(0),
@@ -241,17 +242,17 @@ def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, c
             PRECISION=precision, SR_PAD=sr_pad, BLOCK_M=cfg["SHRINK_M"], BLOCK_K=cfg["BLOCK_K"],
             BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
         return
-    k_per = triton.cdiv(triton.cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    split_k = triton.cdiv(d_in, k_per)
+    k_per = cdiv(cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split_k = cdiv(d_in, k_per)
     part = torch.empty(split_k, n, p_count * sr_pad, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, cfg["SHRINK_M"]), p_count * sr_pad // cfg["BLOCK_C"], split_k)
+    grid = (cdiv(n, cfg["SHRINK_M"]), p_count * sr_pad // cfg["BLOCK_C"], split_k)
     _stacked_shrink_kernel[grid](
         x, A4, slots, w, scale2, part, n, d_in, r, s_count, k_per, x.stride(0), x.stride(1), A4.stride(0),
         A4.stride(1), A4.stride(2), A4.stride(3), scale2.stride(0), K=k, P=p_count, HAS_W=weights is not None,
         DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=sr_pad, BLOCK_M=cfg["SHRINK_M"], BLOCK_C=cfg["BLOCK_C"],
         BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
     o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
-    grid = (triton.cdiv(n, cfg["EXPAND_M"]), p_count * cfg["OUT_SPLIT"])
+    grid = (cdiv(n, cfg["EXPAND_M"]), p_count * cfg["OUT_SPLIT"])
     _stacked_expand_kernel[grid](
         B, part, out, n, d_out, r, s_count, o1, o2, o3, cfg["OUT_SPLIT"], split_k, B.stride(0), B.stride(1),
         B.stride(2), out.stride(0) if out.dim() == 2 else 0, out.stride(-1), P=p_count, ACCUMULATE=accumulate,
