@@ -16,12 +16,10 @@ top-k adapters and their routing weights.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from PIL import Image
 
-if TYPE_CHECKING:
-    from models.document import Document
+from models.document import Document
 
 
 @dataclass

@@ -36,7 +36,8 @@ import torch
 from PIL import Image
 
 from models.best_of import candidate_config, make_check, stream_best_of
-from models.document import Document, DocumentBuilder
+from models.builder import DocumentBuilder
+from models.document import Document
 from models.engine import Done, Engine, EngineConfig
 from models.events import Finished, StepTiming
 from models.family import load_family_model
@@ -265,6 +266,11 @@ class InterleavedPipeline:
             ids = kept
         return ids, parts, notices
 
+    def decode_image(self, ids: Sequence[int]) -> Image.Image:
+        """A finished picture's ids (its codes, and row markers where the family has them) as an image, through the
+        family's image decode (a family without a pixel decoder gives what its decode makes, e.g. a code map)."""
+        return self.image_tokenizer.decode(self.tokenizer.codes_from_ids(ids)[None])[0]
+
     # --- generation -------------------------------------------------------------------------------
     def resolve_config(self, config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
         config = (config or self.default_config).with_overrides(**overrides)
@@ -322,7 +328,7 @@ class InterleavedPipeline:
         for row, ((ids, parts, notices), t, i) in enumerate(zip(encoded, text_adapters, image_adapters)):
             meta = {"model": str(self.path), "routing": routing, "text_adapter": t, "image_adapter": i,
                     "config": config.to_dict(), "seed": config.seed, "prompt_tokens": len(ids)}
-            builders.append(DocumentBuilder(self.tokenizer, self.image_tokenizer, row=row, prompt=parts,
+            builders.append(DocumentBuilder(self.tokenizer, self.decode_image, row=row, prompt=parts,
                                             meta=meta, notices=notices + shared_notices,
                                             image_open=open_image_span(ids, self.vocab) is not None))
         uncond = None

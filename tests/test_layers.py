@@ -30,6 +30,35 @@ def _files(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
 
 
+def _module_level_imports(path: Path, known: set[str]) -> set[str]:
+    """The project modules a file imports when it is imported: top-level statements, `if TYPE_CHECKING:` blocks
+    included (a type checker follows them), imports inside functions left out (they run later)."""
+    names: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+                names.update(f"{node.module}.{a.name}" for a in node.names)  # `from pkg import module`
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body + node.orelse + [s for h in getattr(node, "handlers", []) for s in h.body])
+
+    visit(ast.parse(path.read_text()).body)
+    return names & known
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """{module: project modules it imports at module level} over kernels/, routing/, models/ and app/."""
+    paths = {}
+    for package in ("kernels", "routing", "models", "app"):
+        for path in _files(package):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return {name: _module_level_imports(path, set(paths)) - {name} for name, path in paths.items()}
+
+
 def test_routing_and_kernels_import_nothing_from_models_or_app():
     for package, forbidden in (("routing", ("models", "app")), ("kernels", ("models", "app", "routing"))):
         for path in _files(package):
@@ -39,10 +68,26 @@ def test_routing_and_kernels_import_nothing_from_models_or_app():
 
 def test_engine_pipeline_and_app_import_no_family():
     paths = [ROOT / "models" / n for n in ("engine.py", "pipeline.py", "row_states.py", "generation.py",
-                                           "document.py", "best_of.py", "family.py")] + _files("app")
+                                           "document.py", "builder.py", "best_of.py", "family.py")] + _files("app")
     for path in paths:
         bad = [m for m in _imports(path) if m.startswith(FAMILY_PACKAGES)]
         assert not bad, f"{path.relative_to(ROOT)} imports the model families {bad}"
+
+
+def test_no_import_cycles_at_module_level():
+    graph = _import_graph()
+    assert "models.events" not in graph["models.document"]  # a document records parts; events carry documents
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for imported in sorted(graph[module]):
+            assert imported not in path, f"import cycle: {' -> '.join(path[path.index(imported):] + [imported])}"
+            if imported not in done:
+                visit(imported, [*path, imported])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [module])
 
 
 def test_vocab_router_reads_any_modality_table():

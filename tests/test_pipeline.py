@@ -48,6 +48,18 @@ def test_text_to_image_document(image_doc, tiny_pipeline):
     assert image_doc.meta["finish_reason"] in ("eos", "length")
 
 
+def test_the_pipeline_decodes_each_finished_picture_through_the_family_image_decode(tiny_pipeline, monkeypatch):
+    """The document only records parts: a picture's codes reach the family's ImageCodec.decode once, from the
+    pipeline (InterleavedPipeline.decode_image), and the document holds the image that decode made."""
+    calls = []
+    decode = tiny_pipeline.image_tokenizer.decode
+    monkeypatch.setattr(tiny_pipeline.image_tokenizer, "decode", lambda codes: calls.append(codes) or decode(codes))
+    doc = tiny_pipeline.generate("a red circle", start_image=True, image_adapter="image_style", **FAST)
+    ids = [r.id for r in doc.routing if r.modality == "image"]
+    assert len(calls) == 1 and calls[0].tolist() == [tiny_pipeline.tokenizer.codes_from_ids(ids).tolist()]
+    assert np.array_equal(pixels(doc.images[0]), pixels(tiny_pipeline.decode_image(ids)))
+
+
 def test_html_round_trip_preserves_text_images_and_routing(image_doc, tiny_pipeline, tmp_path):
     doc = tiny_pipeline.generate(["a caption for", image_doc.images[0], "this: "], max_images=0,
                                  text_adapter="text_style", **FAST)
