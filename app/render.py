@@ -19,6 +19,7 @@ from PIL import Image
 
 from models.document import BASE_COLOR, adapter_colors
 from models.events import (
+    Event,
     Finished,
     ImageDone,
     ImageProgress,
@@ -95,7 +96,7 @@ class RunView:
     mix_labels: dict[str, str] = field(default_factory=dict)  # learned routing: "count .83 · arith .17" -> "count"
 
     # --- folding events ------------------------------------------------------------------------
-    def apply(self, event: object) -> bool:
+    def apply(self, event: Event) -> bool:
         """Fold one event in; return True when the page should be refreshed for it."""
         if isinstance(event, TextDelta):
             self._add_text(event)

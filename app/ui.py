@@ -40,6 +40,7 @@ from app.uploads import (
     validate_upload,
 )
 from models import GenerationConfig, SamplingConfig
+from models.events import Event
 from models.sampling import MAX_SEED, check_seed
 from routing.errors import MoLoRAError
 
@@ -131,7 +132,7 @@ _PIPELINES: dict[int, object] = {}
 
 @gpu
 def stream_events(pipe_key: int, prompt: str, text_adapter: str | None, image_adapter: str | None, routing: str,
-                  config: GenerationConfig, extra_adapters: dict[str, str]) -> Iterator[object]:
+                  config: GenerationConfig, extra_adapters: dict[str, str]) -> Iterator[Event]:
     """Run one generation; loads the session's uploads first if this process has not seen them (ZeroGPU workers)."""
     pipe = _PIPELINES[pipe_key]
     for name, folder in extra_adapters.items():

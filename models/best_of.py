@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from models.document import Document
-from models.events import Finished, Redraw
+from models.events import Event, Finished, Redraw
 from models.generation import GenerationConfig
 from models.sampling import MAX_SEED, GenerationError
 
@@ -36,7 +36,7 @@ RESAMPLE_TEMPERATURE = 0.7  # image temperature of candidates 1.. when the confi
 
 Check = Callable[[Sequence[Document]], list[bool]]
 # stream_rows(rows, config) -> the pipeline's events for the prompts at those indices (their rows 0..len(rows)-1)
-StreamRows = Callable[[list[int], GenerationConfig], Iterator[Any]]
+StreamRows = Callable[[list[int], GenerationConfig], Iterator[Event]]
 
 
 CHECKS: dict[str, Callable[[Any], Check]] = {}  # filled by register_check (model families register theirs)
@@ -72,7 +72,7 @@ def candidate_config(config: GenerationConfig, k: int) -> GenerationConfig:
 
 
 def stream_best_of(stream_rows: StreamRows, n_prompts: int, config: GenerationConfig, check: Check, *,
-                   first_round: Iterator[Any] | None = None) -> Iterator[Any]:
+                   first_round: Iterator[Event] | None = None) -> Iterator[Event]:
     """Events of every candidate as it decodes, then one Finished per prompt carrying the document kept: the first
     of up to config.best_of candidates that `check` passes, else candidate 0. A Redraw opens each later candidate
     of a prompt; a prompt's Finished comes as soon as one of its candidates passes. `first_round`: candidate 0's

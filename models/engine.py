@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,7 @@ from models.sampling import MAX_SEED, GenerationError
 from models.vocab import IMAGE, TEXT, UnifiedVocab
 from routing import CacheFullError, LearnedRouter, MoLoRAError, SequenceRouter, VocabRangeRouter
 from routing.context import CallRouting
-from routing.routers import LearnedGroup
+from routing.routers import LearnedGroup, Router
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class _Batch:
     filters: bool
 
 
-def _route_of(router: Any, vocab: UnifiedVocab) -> tuple[str | None, str | None, LearnedRouter | None]:
+def _route_of(router: Router | None, vocab: UnifiedVocab) -> tuple[str | None, str | None, LearnedRouter | None]:
     """(text adapter, image adapter, learned router) of a request's router; the engine routes by tables."""
     if router is None:
         return None, None, None
@@ -285,7 +285,7 @@ class Engine:
         return job.handle
 
     def stream(self, requests: Sequence[Request], config: GenerationConfig | Sequence[GenerationConfig]
-               ) -> Iterator[tuple[int, Token | Done]]:
+               ) -> Generator[tuple[int, Token | Done], None, None]:
         """Submit `requests` (one config, or one per request) and yield (request index, Token / Done) as they
         come. Closing the iterator early cancels whatever has not finished."""
         configs = list(config) if isinstance(config, (list, tuple)) else [config] * len(requests)
@@ -302,7 +302,8 @@ class Engine:
             raise
         return self._drain(sink, handles)
 
-    def _drain(self, sink: queue.Queue, handles: list[RequestHandle]) -> Iterator[tuple[int, Token | Done]]:
+    def _drain(self, sink: queue.Queue, handles: list[RequestHandle]
+               ) -> Generator[tuple[int, Token | Done], None, None]:
         open_ = len(handles)
         try:
             while open_:

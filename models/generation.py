@@ -19,6 +19,7 @@ import torch
 
 from models.sampling import GenerationError, SamplingConfig, check_seed
 from models.vocab import UnifiedVocab
+from routing.routers import Router
 
 # phases: what the NEXT token of a row may be
 TEXT_PHASE, CODE_PHASE, ROW_END_PHASE, EOI_PHASE, DONE_PHASE = range(5)
@@ -136,7 +137,7 @@ class Request:
     """One sequence to continue: unified prompt ids (starting with <bos>) and its router (None = base model)."""
 
     prompt_ids: list[int]
-    router: Any = None
+    router: Router | None = None
     uncond_prompt: list[int] | None = None  # ids the CFG twin starts from (<bos> + a negative prompt); None: <bos>
 
 

@@ -28,7 +28,7 @@ import json
 import logging
 import random
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +38,8 @@ from PIL import Image
 from models.best_of import candidate_config, make_check, stream_best_of
 from models.builder import DocumentBuilder
 from models.document import Document
-from models.engine import Done, Engine, EngineConfig
-from models.events import Finished, StepTiming
+from models.engine import Done, Engine, EngineConfig, Token
+from models.events import Event, Finished, StepTiming
 from models.family import load_family_model
 from models.generation import GenerationConfig, Request, open_image_span
 from models.loading import (
@@ -55,6 +55,7 @@ from routing import (
     AdapterError,
     LearnedGates,
     LearnedRouter,
+    Router,
     SequenceRouter,
     UnknownAdapterError,
     VocabRangeRouter,
@@ -210,7 +211,7 @@ class InterleavedPipeline:
         return self.routed.cache.stats()
 
     # --- routing and prompts ----------------------------------------------------------------------
-    def make_router(self, routing: str, text_adapter: str | None, image_adapter: str | None) -> Any:
+    def make_router(self, routing: str, text_adapter: str | None, image_adapter: str | None) -> Router | None:
         """The router of one request (None = base model). Unknown names raise, listing the loaded adapters."""
         if routing not in ROUTING_MODES:
             raise GenerationError(f"unknown routing mode {routing!r}; choose one of {', '.join(ROUTING_MODES)}")
@@ -280,7 +281,7 @@ class InterleavedPipeline:
 
     def stream(self, prompt: Prompt | list[Prompt], *, text_adapter: str | None | Sequence[str | None] = None,
                image_adapter: str | None | Sequence[str | None] = None, routing: str = "vocab",
-               config: GenerationConfig | None = None, **overrides: Any) -> Iterator[Any]:
+               config: GenerationConfig | None = None, **overrides: Any) -> Iterator[Event]:
         """Generate and yield events as they happen (models/events.py); the last event of each prompt is
         Finished(document). A list of prompts decodes as one batch; events carry their prompt's `row`.
         Bad arguments raise here, before the iterator is returned; closing the iterator stops decoding.
@@ -295,7 +296,7 @@ class InterleavedPipeline:
         text_adapters = _per_prompt(text_adapter, len(prompts), "text_adapter")
         image_adapters = _per_prompt(image_adapter, len(prompts), "image_adapter")
 
-        def stream_rows(rows: list[int], row_config: GenerationConfig) -> Iterator[Any]:
+        def stream_rows(rows: list[int], row_config: GenerationConfig) -> Iterator[Event]:
             return self._stream_rows([prompts[r] for r in rows], [text_adapters[r] for r in rows],
                                      [image_adapters[r] for r in rows], routing, row_config)
 
@@ -306,7 +307,7 @@ class InterleavedPipeline:
         return stream_best_of(stream_rows, len(prompts), config, check, first_round=first_round)
 
     def _stream_rows(self, prompts: list[Prompt], text_adapters: list[str | None], image_adapters: list[str | None],
-                     routing: str, config: GenerationConfig) -> Iterator[Any]:
+                     routing: str, config: GenerationConfig) -> Iterator[Event]:
         """One batch's events (a generator); bad arguments raise before it is returned."""
         if config.start_image and config.max_new_tokens < self.vocab.tokens_per_image + 1:
             raise GenerationError(f"start_image needs max_new_tokens >= {self.vocab.tokens_per_image + 1}: "
@@ -338,13 +339,14 @@ class InterleavedPipeline:
         return self._events(requests, builders, run_config)
 
     def _events(self, requests: list[Request], builders: list[DocumentBuilder], config: GenerationConfig
-                ) -> Iterator[Any]:
+                ) -> Iterator[Event]:
         """The engine's tokens as events (a generator: closing it early cancels the requests, e.g. a UI stop
         button; their rows and adapters are free within one engine step)."""
         tokens = self.engine.stream(requests, config)  # bad requests raise here, before any event
         return self._document_events(tokens, builders)
 
-    def _document_events(self, tokens: Any, builders: list[DocumentBuilder]) -> Iterator[Any]:
+    def _document_events(self, tokens: Generator[tuple[int, Token | Done], None, None],
+                         builders: list[DocumentBuilder]) -> Iterator[Event]:
         try:
             for builder in builders:
                 yield from builder.start()
@@ -382,7 +384,7 @@ class InterleavedPipeline:
         ordered = [documents[row] for row in sorted(documents)]
         return ordered if split_prompts(prompt)[1] else ordered[0]
 
-    def _finish(self, builder: DocumentBuilder, reason: str, times: list[float]) -> list:
+    def _finish(self, builder: DocumentBuilder, reason: str, times: list[float]) -> list[Event]:
         """Stamp the request's timing (its first token includes the prompt's prefill) and close the document."""
         steps, total_ms = len(times), sum(times)
         first_ms = times[0] if times else 0.0

@@ -90,6 +90,25 @@ def test_no_import_cycles_at_module_level():
         visit(module, [module])
 
 
+def test_the_seams_between_layers_are_typed():
+    """A request carries a routing.Router (or None); the pipeline, best_of and the app stream models.events.Event."""
+    from collections.abc import Iterator
+    from typing import get_type_hints
+
+    from app.render import RunView
+    from models.best_of import stream_best_of
+    from models.events import Event
+    from models.generation import Request
+    from models.pipeline import InterleavedPipeline
+    from routing import Router
+
+    assert get_type_hints(Request)["router"] == Router | None
+    assert get_type_hints(InterleavedPipeline.make_router)["return"] == Router | None
+    for function in (InterleavedPipeline.stream, stream_best_of):
+        assert get_type_hints(function)["return"] == Iterator[Event]
+    assert get_type_hints(RunView.apply)["event"] == Event
+
+
 def test_vocab_router_reads_any_modality_table():
     table = torch.tensor([TEXT, TEXT, IMAGE, IMAGE, TEXT])
     router = VocabRangeRouter(ModalityMap(table), "t", "i")
