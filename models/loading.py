@@ -108,11 +108,17 @@ def find_adapters(adapters_dir: Path) -> list[AdapterInfo]:
 
 
 def adapter_rank(path: Path) -> int:
-    """Largest LoRA rank an adapter folder declares (r and rank_pattern), for sizing the hot set."""
+    """Largest LoRA rank in an adapter folder's weights (rows of its lora_A tensors, from the safetensors header),
+    for sizing the hot set.  The config's r / rank_pattern are not trusted here: rank_pattern {"q_proj": 2**28}
+    sized 128 GB of slots before the loader could refuse the adapter.  A rank counts only with a non-empty A, whose
+    bytes the file must hold, so a declared rank is bounded by the file's size."""
+    from safetensors import safe_open
+
     try:
-        config = json.loads((path / "adapter_config.json").read_text())
-        return max([int(config.get("r", 0)), *(int(v) for v in (config.get("rank_pattern") or {}).values())])
-    except (OSError, ValueError, TypeError, AttributeError):
+        with safe_open(str(path / "adapter_model.safetensors"), framework="pt", device="cpu") as f:
+            shapes = [f.get_slice(k).get_shape() for k in f.keys() if ".lora_A" in k]
+        return max((s[0] for s in shapes if len(s) == 2 and min(s) > 0), default=0)
+    except Exception:  # safetensors' own error types
         return 0  # the adapter loader reports the real problem
 
 

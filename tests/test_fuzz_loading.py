@@ -581,6 +581,32 @@ def test_fuzzed_generation_defaults_are_refused_when_the_pipeline_is_built(tiny_
                 pipeline.engine.close()
 
 
+@settings(FUZZ, max_examples=12)
+@given(changes=st.dictionaries(st.sampled_from(["r", "rank_pattern", "lora_alpha", "peft_type"]),
+                               st.sampled_from([2 ** 28, 2 ** 62, -1, 0, "x", {"q_proj": 2 ** 28}, {"q_proj": -1},
+                                                {"(": 2}, [4], "IA3"]), max_size=2),
+       empty_rank=st.sampled_from([None, 2 ** 28, 2 ** 62]))
+def test_a_bad_adapter_beside_the_model_is_refused_before_the_hot_set_is_sized(tiny_assets, good_adapter, changes,
+                                                                               empty_rank):
+    """The pipeline sizes its slots (r_max) from the adapters it finds: from their weights' headers, never from a
+    config's r / rank_pattern (2**28 allocated 128 GB), nor from an empty A of a huge declared rank."""
+    from models import InterleavedPipeline
+
+    config, _, tensors = good_adapter
+    weights = dict(tensors)
+    if empty_rank is not None:
+        weights["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"] = torch.zeros(empty_rank, 0)
+    with model_copy(tiny_assets / "model") as model:
+        folder = model / "adapters" / "fuzzed"
+        folder.mkdir(parents=True)
+        (folder / CONFIG_NAME).write_text(json.dumps({**json.loads(config), **changes}))
+        save_file(weights, str(folder / WEIGHTS_NAME))
+        pipeline = refused_or_loaded(lambda: InterleavedPipeline.from_pretrained(model, device="cpu"))
+        if pipeline is not None:
+            assert pipeline.routed.cache.r_max <= 16
+            pipeline.engine.close()
+
+
 vocab_fields = st.sampled_from(["vocab_size", "text_start", "text_size", "image_start", "image_size", "pad_id",
                                 "bos_id", "eoi_id", "image_grid", "row_end_ids", "special_tokens", "extra"])
 
