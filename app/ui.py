@@ -28,7 +28,7 @@ from pathlib import Path
 import gradio as gr
 
 from app.render import BASE_LABEL, RunView, color_map
-from app.session import NONE_CHOICE, SessionRegistry, SessionState, UploadedAdapter
+from app.session import NONE_CHOICE, SessionRegistry, SessionState
 from app.streaming import in_background
 from app.uploads import (
     CONFIG_NAME,
@@ -149,7 +149,6 @@ class MoLoRAApp:
         self.pipe = pipe
         self.pipe_key = id(pipe)
         _PIPELINES[self.pipe_key] = pipe
-        self.builtin: dict[str, str] = dict(pipe.adapters)  # name -> modality, captured before any upload
         self.sessions = SessionRegistry(pipe)  # every session's uploads and files, under one temporary folder
         self.examples = examples if examples is not None else EXAMPLES
         self.defaults: GenerationConfig = getattr(pipe, "default_config", None) or GenerationConfig()
@@ -158,6 +157,14 @@ class MoLoRAApp:
         self.image_note = pipe.vocab.image_span_note()
 
     # --- helpers --------------------------------------------------------------------------------
+    @property
+    def builtin(self) -> dict[str, str]:
+        """{name: modality} of the shared adapters: the pipeline's adapter registry without the sessions' private
+        uploads (loaded from folders inside the app's temporary folder, app/session.py)."""
+        root = self.sessions.root
+        return {name: info.modality for name, info in self.pipe.adapter_infos().items()
+                if info.path is None or not Path(info.path).is_relative_to(root)}
+
     def routing_choices(self) -> list[tuple[str, str]]:
         has_router = getattr(self.pipe, "gates", None) is not None
         return ROUTING_CHOICES + ([LEARNED_CHOICE] if has_router else [])
@@ -191,6 +198,8 @@ class MoLoRAApp:
                                  f"{', '.join(value for _, value in self.routing_choices())}")
             text_adapter, text_label = state.resolve(text_choice, self.builtin)
             image_adapter, image_label = state.resolve(image_choice, self.builtin)
+            if routing == "learned" and getattr(self.pipe, "image_gates", None) is not None:
+                image_adapter = None  # the learned image gates pick each picture's adapter from the words
             config = GenerationConfig(
                 max_new_tokens=int(max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))),
                 text=SamplingConfig(temperature=text_temperature, top_k=int(text_top_k), top_p=text_top_p),
@@ -203,7 +212,7 @@ class MoLoRAApp:
             started = time.perf_counter()
             self.pipe.make_router(routing, text_adapter, image_adapter)  # checks the names before anything runs
             run = functools.partial(stream_events, self.pipe_key, prompt, text_adapter, image_adapter, routing,
-                                    config, state.extra_adapters())
+                                    config, state.extra_adapters(self.pipe))
             sent: dict = {}
             yield self._outputs(view, colors, f"starting…{note}", state, None, sent)  # clears the old download
             for batch in in_background(run, REFRESH_SECONDS):
@@ -280,7 +289,7 @@ class MoLoRAApp:
                 log.exception("loading an uploaded adapter failed")
                 raise user_error(f"adapter upload refused: the files could not be loaded ({type(err).__name__})",
                                  duration=None) from err
-            state.uploads[display] = UploadedAdapter(display, internal, modality, folder)
+            state.uploads[display] = internal
             log.info("a session loaded its uploaded adapter %r (%s)", display, modality)
         except MoLoRAError as err:
             # the toast stays until closed: a refusal is something to read, not to miss
@@ -308,8 +317,9 @@ class MoLoRAApp:
 
     def list_adapters(self, state: SessionState) -> dict:
         """What this session may pick: built-in adapters (shared) and its own uploads."""
-        return {"builtin": dict(self.builtin),
-                "uploaded": {name: up.modality for name, up in state.uploads.items()}}
+        loaded = self.pipe.adapters
+        return {"builtin": self.builtin,
+                "uploaded": {name: loaded[internal] for name, internal in state.uploads.items() if internal in loaded}}
 
     # --- layout ---------------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
@@ -456,7 +466,8 @@ PICKER_HINTS = {
     "vocab": ("used for text tokens", "used for image tokens"),
     "sequence": ("per-sequence: used for every token", "per-sequence: used only when the text adapter is none"),
     "none": ("not used: routing is off", "not used: routing is off"),
-    "learned": ("not used: the learned gates pick among the domain adapters", "used for image tokens"),
+    "learned": ("not used: the learned gates pick among the domain adapters",
+                "not used when the router has image gates (the words pick each picture's style); else used"),
 }
 
 

@@ -264,7 +264,7 @@ class Engine:
         if config.seed is None:
             config = config.with_overrides(seed=random.SystemRandom().randrange(MAX_SEED + 1))
         text, image, learned = _route_of(request.router, vocab)
-        names = list(dict.fromkeys(n for n in (text, image, *(learned.gates.adapters if learned else ()))
+        names = list(dict.fromkeys(n for n in (text, image, *(learned.adapters() if learned else ()))
                                    if n is not None))
         cache = self.routed.cache
         for name in names:
@@ -471,9 +471,9 @@ class Engine:
         learned = []
         for router, rows, slot_of in by_router.values():
             index = None if len(rows) == batch else torch.tensor(rows, dtype=torch.long, device=self.device)
-            expert = router.gates.expert_slots(slot_of, self.device)
-            learned.append(LearnedGroup(router, index, expert, router.gated(ids if index is None else ids[index])))
-        k = max((g.router.top_k for g in learned), default=1)
+            learned += LearnedGroup.for_router(router, index, ids if index is None else ids[index], slot_of,
+                                               self.device)
+        k = max((g.top_k for g in learned), default=1)
         return CallRouting(batch, length, slots, self.routed.cache.num_slots, learned=learned, k=k)
 
     def _columns(self, needed: int | None) -> int | None:

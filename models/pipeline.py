@@ -15,7 +15,9 @@ Routing modes (DESIGN.md §2):
     "sequence"  the baseline: one adapter for the whole sequence (text_adapter if given, else image_adapter)
     "none"      the base model
     "learned"   MoLoRA top-k gates over the adapters they were trained on (text positions); image positions ->
-                image_adapter. Needs learned gates (loaded from assets/router/ or with load_learned_router).
+                image_adapter, or with no image_adapter and image gates loaded, the image adapter (or the base)
+                the image gates pick per picture from the words. Needs learned gates (loaded from assets/router/
+                or with load_learned_router).
 
 Every call, from any thread, goes through the pipeline's serving engine (models/engine.py): concurrent calls
 share forward passes, each request keeps its own sampling settings and random generator, and its adapters stay
@@ -86,10 +88,10 @@ class InterleavedPipeline:
                                          r_max=r_max or max([16, *ranks]), **targets)
         self.device = self.routed.device
         self._lock = threading.RLock()
-        self._adapters: dict[str, AdapterInfo] = {}
         for info in loaded.adapters:
             self._add(info, info.name)
         self.gates: LearnedGates | None = None
+        self.image_gates: LearnedGates | None = None  # learned mode: pictures routed among the image adapters
         self.learned_top_k = learned_top_k
         if loaded.gates_path is not None:
             self.load_learned_router(loaded.gates_path)
@@ -126,8 +128,12 @@ class InterleavedPipeline:
     @property
     def adapters(self) -> dict[str, str]:
         """{name: modality} of every loaded adapter ("text", "image", or "any" without molora.json)."""
-        with self._lock:
-            return {name: info.modality for name, info in self._adapters.items()}
+        return {name: info.modality for name, info in self.adapter_infos().items()}
+
+    def adapter_infos(self) -> dict[str, AdapterInfo]:
+        """{name: AdapterInfo (modality, description, folder)} from the one adapter registry: the hot-set cache,
+        which holds every loaded adapter's weights and these facts beside them."""
+        return self.routed.cache.infos()
 
     def load_adapter(self, path: str | Path, name: str | None = None, *, force: bool = False) -> str:
         """Load a PEFT LoRA folder (+ optional molora.json); returns its name. Bad files raise, nothing changes."""
@@ -138,20 +144,15 @@ class InterleavedPipeline:
         """Unload an adapter. Unknown names raise UnknownAdapterError; an adapter in use by a running request
         (or named by the learned gates) raises AdapterError and stays loaded."""
         with self._lock:
-            if name not in self._adapters:
+            if name not in self.routed.cache:
                 raise UnknownAdapterError(f"no adapter named {name!r} is loaded "
-                                          f"(loaded: {', '.join(self._adapters) or 'none'})")
-            if self.gates is not None and name in self.gates.adapters:
+                                          f"(loaded: {', '.join(self.adapters) or 'none'})")
+            if any(g is not None and name in g.adapters for g in (self.gates, self.image_gates)):
                 raise AdapterError(f"adapter {name!r} is routed by the loaded learned gates; it cannot be removed")
             self.routed.remove_adapter(name)
-            del self._adapters[name]
 
     def _add(self, info: AdapterInfo, name: str | None, *, force: bool = False) -> str:
-        with self._lock:
-            loaded = self.routed.load_adapter(info.path, name=name, force=force)
-            info.name = loaded
-            self._adapters[loaded] = info
-            return loaded
+        return self.routed.load_adapter(info.path, name=name, force=force, info=info)
 
     def merge_adapters(self, names: Sequence[str], name: str | None = None) -> str:
         """Add an adapter that is the exact sum of `names` (modality "merged") and return its name.
@@ -162,49 +163,65 @@ class InterleavedPipeline:
         """
         names = list(names)
         with self._lock:
-            unknown = [n for n in names if n not in self._adapters]
+            loaded = self.adapters
+            unknown = [n for n in names if n not in loaded]
             if unknown:
                 raise UnknownAdapterError(f"cannot merge unknown adapters {unknown}; loaded adapters: "
-                                          f"{', '.join(self._adapters) or 'none'}")
+                                          f"{', '.join(loaded) or 'none'}")
             name = name or "+".join(names)
-            if name in self._adapters:
-                if self._adapters[name].modality == "merged":
+            if name in loaded:
+                if loaded[name] == "merged":
                     return name
                 raise AdapterError(f"an adapter named {name!r} is already loaded; pick another name for the merge")
             merged = merge_adapters([self.routed.adapter(n) for n in names], name)
-            self.routed.add_adapter(merged)
-            self._adapters[name] = AdapterInfo(name, self.path, "merged", f"sum of {', '.join(names)}")
+            self.routed.add_adapter(merged, info=AdapterInfo(name, None, "merged", f"sum of {', '.join(names)}"))
             return name
 
     def load_learned_router(self, path: str | Path, *, top_k: int | None = None) -> None:
         """Load learned gates (routing.LearnedGates.save); their adapters must be loaded already. A config.json
         beside the gates (scripts/train_router.py writes one) gives the default top_k and the hash of every
-        adapter the gates were trained on: gates trained on other weights are refused. Nothing changes on error."""
+        adapter the gates were trained on: gates trained on other weights are refused. Its "image_gates" section
+        (scripts/train_image_router.py) names image gates beside them, which then route pictures among the image
+        adapters in learned mode. Nothing changes on error."""
         path = Path(path)
+        config = read_router_config(path.parent / "config.json")
+        gates = self._checked_gates(path, config.get("adapter_sha256_16", {}), "text")
+        image_gates = None
+        if "image_gates" in config:
+            section = config["image_gates"]
+            image_gates = self._checked_gates(path.parent / str(section.get("file", "image_gates.safetensors")),
+                                              section.get("adapter_sha256_16", {}), "image")
+        with self._lock:
+            self.gates, self.image_gates = gates, image_gates
+            if top_k is not None or "top_k" in config:
+                self.learned_top_k = int(top_k if top_k is not None else config["top_k"])
+
+    def _checked_gates(self, path: Path, trained_on: dict[str, str], modality: str) -> LearnedGates:
+        """Gates from `path`, refused unless their adapters are loaded (image gates: as image adapters), they fit
+        this model, and every adapter has the weights they were trained on (`trained_on`: name -> hash)."""
         gates = LearnedGates.load(path, device=self.device)
         missing = [n for n in gates.adapters if n not in self.adapters]
         if missing:
             raise UnknownAdapterError(f"learned gates {path} route over adapters {missing} that are not loaded "
                                       f"(loaded: {', '.join(self.adapters) or 'none'})")
+        wrong = [n for n in gates.adapters if modality == "image" and self.adapters[n] != "image"]
+        if wrong:
+            raise AdapterError(f"image gates {path} route over {wrong}, which are not image adapters here")
         if (gates.d_model, gates.num_blocks) != (self.routed.hidden_size, self.routed.num_blocks):
             raise ModelDirError(f"learned gates {path} are sized for hidden size {gates.d_model} and {gates.num_blocks} "
                                 f"blocks, but this model has {self.routed.hidden_size} and {self.routed.num_blocks}; "
                                 "they were trained for another model (train a router for this one: "
                                 "scripts/train_router.py)")
-        config = read_router_config(path.parent / "config.json")
-        for name, trained_on in config.get("adapter_sha256_16", {}).items():
-            info = self._adapters.get(name)
-            if info is None or info.modality == "merged" or not (info.path / "adapter_model.safetensors").is_file():
+        for name, expected in trained_on.items():
+            info = self.adapter_infos().get(name)  # merged adapters have no folder (path None)
+            if info is None or info.path is None or not (info.path / "adapter_model.safetensors").is_file():
                 continue
             loaded = adapter_weights_hash(info.path)
-            if loaded != trained_on:
-                raise AdapterError(f"learned gates {path} were trained on adapter {name!r} with weights {trained_on}, "
+            if loaded != expected:
+                raise AdapterError(f"learned gates {path} were trained on adapter {name!r} with weights {expected}, "
                                    f"but the loaded {name!r} has weights {loaded}; load the adapters the router was "
                                    "trained on, or train a router over these (scripts/train_router.py)")
-        with self._lock:
-            self.gates = gates
-            if top_k is not None or "top_k" in config:
-                self.learned_top_k = int(top_k if top_k is not None else config["top_k"])
+        return gates
 
     def cache_stats(self) -> dict:
         """Hot-set adapter cache counters: hits, misses, evictions, bytes_copied, slots, ..."""
@@ -230,6 +247,8 @@ class InterleavedPipeline:
                 raise GenerationError("routing='learned' needs learned gates; none are loaded (ship "
                                       "assets/router/gates.safetensors or call load_learned_router(path))")
             top_k = max(1, min(self.learned_top_k, self.gates.num_experts))
+            if image_adapter is None and self.image_gates is not None:  # the words pick each picture's adapter
+                return LearnedRouter(self.gates, top_k=top_k, vocab=self.vocab, image_gates=self.image_gates)
             return LearnedRouter(self.gates, top_k=top_k, vocab=self.vocab, image_adapter=image_adapter)
         if text_adapter is None and image_adapter is None:
             return None

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from routing.adapters import LoraAdapter, check_base_model, load_peft_adapter, save_peft_adapter
-from routing.cache import HotSetCache
+from routing.cache import AdapterInfo, HotSetCache
 from routing.context import BlockDecision, CallRouting, current_routing, reset_routing, set_routing
 from routing.errors import AdapterError, RoutingError
 from routing.lora import RoutedLoRALinear, group_projections
@@ -179,11 +179,12 @@ class RoutedModel(nn.Module):
     def adapter_names(self) -> list[str]:
         return self.cache.names
 
-    def add_adapter(self, adapter: LoraAdapter, *, force: bool = False) -> None:
-        """Add a LoraAdapter to the pool after checking it fits this model (nothing changes if it does not)."""
+    def add_adapter(self, adapter: LoraAdapter, *, force: bool = False, info: AdapterInfo | None = None) -> None:
+        """Add a LoraAdapter to the pool (registered with `info`: modality, description, folder) after checking it
+        fits this model (nothing changes if it does not)."""
         check_base_model(adapter.base_model_name_or_path, self.name_or_path, name=adapter.name, force=force)
         self.check_fits(adapter.name, {m: (a.shape, b.shape) for m, (a, b) in adapter.weights.items()})
-        self.cache.add(adapter)
+        self.cache.add(adapter, info)
 
     def check_fits(self, name: str, shapes: dict[str, tuple[Any, Any]]) -> None:
         """{module: (A shape, B shape)} of adapter `name` fit this model's routed layers (AdapterError if not)."""
@@ -198,12 +199,15 @@ class RoutedModel(nn.Module):
                                    "have; the adapter was made for another architecture")
         self.cache.check_shapes(name, shapes)
 
-    def load_adapter(self, path: str | Path, name: str | None = None, *, force: bool = False) -> str:
-        """Load a PEFT LoRA folder and add it; returns its name (the folder name unless `name` is given)."""
+    def load_adapter(self, path: str | Path, name: str | None = None, *, force: bool = False,
+                     info: AdapterInfo | None = None) -> str:
+        """Load a PEFT LoRA folder and add it; returns its name (the folder name unless `name` is given).
+        `info`: what the registry keeps beside it (default: modality "any", this folder)."""
         # shapes that do not fit this model are refused from the file's header, before its tensors are read
         adapter = load_peft_adapter(path, name=name, base_model_name_or_path=self.name_or_path, force=force,
                                     fits=self.check_fits)
-        self.add_adapter(adapter, force=True)  # base model already checked (or forced) by the loader
+        info = AdapterInfo(adapter.name, Path(path)) if info is None else info
+        self.add_adapter(adapter, force=True, info=info)  # base model already checked (or forced) by the loader
         return adapter.name
 
     def remove_adapter(self, name: str) -> None:
@@ -238,14 +242,10 @@ class RoutedModel(nn.Module):
         batch, length = input_ids.shape
         device = input_ids.device
         groups: list[LearnedGroup] = []
-
-        def learned_group(router: LearnedRouter, rows: torch.Tensor | None, ids: torch.Tensor) -> LearnedGroup:
-            return LearnedGroup(router, rows, router.gates.expert_slots(slot_of, device), router.gated(ids))
-
         if not isinstance(routers, list):
             slots = routers.route(input_ids, slot_of).long()
             if isinstance(routers, LearnedRouter):
-                groups.append(learned_group(routers, None, input_ids))
+                groups += LearnedGroup.for_router(routers, None, input_ids, slot_of, device)
         else:
             slots = torch.full((batch, length), -1, dtype=torch.long, device=device)
             by_router: dict[int, tuple[Any, list[int]]] = {}
@@ -257,8 +257,8 @@ class RoutedModel(nn.Module):
                 ids = input_ids[index]
                 slots[index] = router.route(ids, slot_of).long()
                 if isinstance(router, LearnedRouter):
-                    groups.append(learned_group(router, index, ids))
-        k = max((g.router.top_k for g in groups), default=1)
+                    groups += LearnedGroup.for_router(router, index, ids, slot_of, device)
+        k = max((g.top_k for g in groups), default=1)
         return CallRouting(batch, length, slots.reshape(-1), self.cache.num_slots, slot_of=dict(slot_of),
                            learned=groups, k=k)
 

@@ -239,58 +239,86 @@ class LearnedGates(nn.Module):
 class LearnedRouter:
     """MoLoRA top-k routing over `gates.adapters`, decided per block from the block input.
 
-    With `vocab`, routing is hierarchical: image positions (vocab.modality_table) go to `image_adapter`
-    (None = base) and only text positions are gated.
+    With `vocab`, routing is hierarchical: the vocabulary decides the modality, then text positions are gated by
+    `gates` and image positions go to `image_adapter` (None = base), or, with `image_gates`, are gated among the
+    image adapters by their own gates (top `image_top_k`): a picture's style is picked from what the words before
+    it asked for, one pass for the whole document.
     """
 
     gates: LearnedGates
     top_k: int = 2
     vocab: ModalityTable | None = None
     image_adapter: str | None = None
+    image_gates: LearnedGates | None = None
+    image_top_k: int = 1
     _vocab_router: VocabRangeRouter | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.gates.num_experts:
             raise RoutingError(f"top_k={self.top_k} must be between 1 and the number of adapters "
                                f"({self.gates.num_experts})")
-        if self.image_adapter is not None and self.vocab is None:
-            raise RoutingError("image_adapter needs a vocab to tell image positions from text positions")
+        if (self.image_adapter is not None or self.image_gates is not None) and self.vocab is None:
+            raise RoutingError("image routing needs a vocab to tell image positions from text positions")
+        if self.image_adapter is not None and self.image_gates is not None:
+            raise RoutingError("give image positions either one image_adapter or image_gates, not both")
+        if self.image_gates is not None and not 1 <= self.image_top_k <= self.image_gates.num_experts:
+            raise RoutingError(f"image_top_k={self.image_top_k} must be between 1 and the number of image experts "
+                               f"({self.image_gates.num_experts})")
         if self.vocab is not None:
             self._vocab_router = VocabRangeRouter(self.vocab, None, self.image_adapter)
 
     def adapters(self) -> list[str]:
         extra = [self.image_adapter] if self.image_adapter is not None else []
-        return list(dict.fromkeys(self.gates.adapters + extra))
+        image = self.image_gates.adapters if self.image_gates is not None else []
+        return list(dict.fromkeys(self.gates.adapters + extra + image))
 
     def route(self, input_ids: torch.Tensor, slot_of: Mapping[str, int]) -> torch.Tensor:
-        """The static part: image positions' slot (hierarchical), -1 where the gate will decide."""
+        """The static part: image positions' slot (hierarchical), -1 where a gate will decide."""
         if self._vocab_router is None:
             return torch.full(input_ids.shape, -1, dtype=torch.long, device=input_ids.device)
         return self._vocab_router.route(input_ids, slot_of)
 
     def gated(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """bool, same shape: positions the learned gate routes."""
+        """bool, same shape: positions the text gates route."""
         if self._vocab_router is None:
             return torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
         return self._vocab_router.modality(input_ids) != IMAGE
 
+    def gate_sets(self, input_ids: torch.Tensor) -> list[tuple[LearnedGates, int, torch.Tensor]]:
+        """(gates, top-k, positions they route) of this router: the text gates, and the image gates if any."""
+        text = self.gated(input_ids)
+        sets = [(self.gates, self.top_k, text)]
+        if self.image_gates is not None:
+            sets.append((self.image_gates, self.image_top_k, ~text))
+        return sets
+
 
 @dataclass(eq=False)
 class LearnedGroup:
-    """One LearnedRouter's share of a forward pass: its rows, expert -> slot map and gated positions."""
+    """One gate set of a LearnedRouter in a forward pass: its rows, gates, k, expert -> slot map and the
+    positions it routes."""
 
     router: LearnedRouter
     rows: torch.Tensor | None  # row indices into the batch, None = every row
     expert_slots: torch.Tensor  # [E] long
     gated: torch.Tensor  # [b, T] bool
+    gates: LearnedGates  # the router's text gates or its image gates
+    top_k: int
+
+    @classmethod
+    def for_router(cls, router: LearnedRouter, rows: torch.Tensor | None, input_ids: torch.Tensor,
+                   slot_of: Mapping[str, int], device: torch.device | str) -> list[LearnedGroup]:
+        """One group per gate set of `router` over these rows (`input_ids`: those rows' ids)."""
+        return [cls(router, rows, gates.expert_slots(slot_of, device), mask, gates, k)
+                for gates, k, mask in router.gate_sets(input_ids)]
 
     def decide(self, block: int, hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
                k_max: int) -> BlockDecision:
         """Gate this group's rows of `hidden` [B, T, d]; write top-k slots/weights into `slots`/`weights` [B, T, K]."""
         h = hidden if self.rows is None else hidden[self.rows]
         b, t = h.shape[0], h.shape[1]
-        logits = self.router.gates.logits(block, h.reshape(b * t, -1))
-        k = self.router.top_k
+        logits = self.gates.logits(block, h.reshape(b * t, -1))
+        k = self.top_k
         top_val, top_idx = logits.topk(k, dim=-1)
         w = torch.softmax(top_val, dim=-1)
         s = self.expert_slots[top_idx]
@@ -308,7 +336,7 @@ class LearnedGroup:
         else:
             slots[self.rows] = new_s
             weights[self.rows] = new_w
-        return BlockDecision(logits=logits, topk=top_idx, mask=mask, base_expert=self.router.gates.base_expert)
+        return BlockDecision(logits=logits, topk=top_idx, mask=mask, base_expert=self.gates.base_expert)
 
 
 # --- auxiliary losses (training the gates) ----------------------------------------------------------------

@@ -176,3 +176,18 @@ def test_foreign_items_ask_one_question_of_another_domain_and_train_only_the_own
     for b, e in enumerate(encoded):
         scored = batch.target[b, e.answer_start:len(e)].tolist()
         assert scored == [d == "count" for d in e.span_domain] and any(scored) and not all(scored)
+
+
+def test_style_requests_alternate_name_their_style_and_render_in_it():
+    from models.shapes.eval import is_outline
+    from models.shapes.styles import STYLE_WORDS, style_items
+    from models.shapes.world import render
+    items = style_items(8, seed=0, split="heldout")
+    assert [it.style for it in items] == ["outline", "filled"] * 4
+    assert items == style_items(8, seed=0, split="heldout")  # seeded
+    for it in items:
+        words = it.prompt.split()
+        assert sum(w in words for w in STYLE_WORDS[it.style]) == 1
+        assert not any(w in words for other in STYLE_WORDS if other != it.style for w in STYLE_WORDS[other])
+        assert it.scene.style == it.style and is_outline(render(it.scene)) == (it.style == "outline")
+        assert it.adapter == ("outline" if it.style == "outline" else None)

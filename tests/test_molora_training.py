@@ -16,7 +16,7 @@ from models.shapes.domain_batches import encode_item, exact_matches, make_batch
 from models.shapes.domains import domain_items, mixed_items
 from models.testing import write_tiny_model_dir
 from routing import LabelRouter, LearnedGates, LearnedRouter, RoutingError, SequenceRouter
-from routing.errors import UnknownAdapterError
+from routing.errors import AdapterError, UnknownAdapterError
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -244,3 +244,55 @@ def test_learned_generation_reports_each_tokens_top_two_adapters_and_weights(tra
         assert r.adapter == names[0]  # the top-1 is the adapter the token is reported under
     static = pipe.generate("A red circle", routing="vocab", max_new_tokens=4, max_images=0, seed=0)
     assert all(r.mix == () for r in static.routing)
+
+
+def test_image_gates_route_each_picture_in_one_pass_text_gates_the_rest(trained):
+    """Hierarchical learned routing: the vocabulary decides the modality, the text gates route text positions and
+    the image gates pick each picture's adapter (here: the first picture 'spatial', the second the base)."""
+    root, model, adapters, _, _ = trained
+    routed, tok = _script("train_router").load_routed(model, adapters, ["count", "spatial"])
+    v = tok.vocab
+    text_gates = LearnedGates.for_model(routed, ["count"])
+    image_gates = LearnedGates.for_model(routed, ["spatial"], base_expert=True)
+    ids = torch.tensor([[v.bos_id, 40, v.boi_id, v.image_start, v.image_start + 1, 41, v.boi_id, v.image_start + 2]])
+    picture = torch.tensor([0, 0, 1, 1, 1, 0, 2, 2])  # which picture each position belongs to (0: text)
+    first = (picture == 1).float()[:, None]  # the gates score every position; only image positions are taken
+    image_gates.logits = lambda block, hidden: torch.cat([first * 9.0, (1 - first) * 9.0], dim=1)
+    router = LearnedRouter(text_gates, top_k=1, vocab=v, image_gates=image_gates)
+    assert router.adapters() == ["count", "spatial"]
+    with torch.no_grad():
+        out = routed(ids, routers=router)
+    names = out.routing.adapter_names(0)
+    assert [names[t] for t in range(8) if picture[t] == 0] == ["count"] * 3
+    assert [names[t] for t in range(8) if picture[t] == 1] == ["spatial"] * 3
+    assert [names[t] for t in range(8) if picture[t] == 2] == [None, None]
+    with pytest.raises(RoutingError, match="not both"):
+        LearnedRouter(text_gates, top_k=1, vocab=v, image_adapter="spatial", image_gates=image_gates)
+    with pytest.raises(RoutingError, match="needs a vocab"):
+        LearnedRouter(text_gates, top_k=1, image_gates=image_gates)
+
+
+def test_image_gates_load_beside_the_text_gates_and_bad_ones_change_nothing(trained, tmp_path):
+    import shutil
+
+    from models.pipeline import InterleavedPipeline
+    root, model, adapters, _, _ = trained
+    pipe = InterleavedPipeline.from_pretrained(model, adapters_dir=adapters)
+    text_gates = LearnedGates(pipe.routed.hidden_size, ["count", "spatial"], pipe.routed.num_blocks)
+    router_dir = tmp_path / "router"
+    router_dir.mkdir()
+    text_gates.save(router_dir / "gates.safetensors")
+    # image gates over a text adapter: refused, nothing changes
+    LearnedGates(pipe.routed.hidden_size, ["count"], pipe.routed.num_blocks, base_expert=True).save(
+        router_dir / "image_gates.safetensors")
+    (router_dir / "config.json").write_text(json.dumps({"top_k": 1, "image_gates": {"file": "image_gates.safetensors"}}))
+    before = (pipe.gates, pipe.image_gates, pipe.learned_top_k)
+    with pytest.raises(AdapterError, match="not image adapters"):
+        pipe.load_learned_router(router_dir / "gates.safetensors")
+    assert (pipe.gates, pipe.image_gates, pipe.learned_top_k) == before
+    # a missing image gate file: refused too
+    (router_dir / "image_gates.safetensors").unlink()
+    with pytest.raises(RoutingError):
+        pipe.load_learned_router(router_dir / "gates.safetensors")
+    assert (pipe.gates, pipe.image_gates) == before[:2]
+    shutil.rmtree(router_dir)

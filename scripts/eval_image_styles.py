@@ -1,0 +1,111 @@
+"""Per-picture learned routing among image adapters: does each picture come out in the style its words asked for?
+
+Held-out requests (models/shapes/styles.py, split "heldout"), half "outlined"/"hollow", half "filled"/"solid".
+Each row generates the pictures with the model's defaults and a fixed seed, and ShapesEval's exact reader
+(models/shapes/eval.is_outline) judges the style; `content` also checks the picture shows what the words named.
+
+    one picture        the sentence -> one picture
+    second picture     a document that already holds a picture in the OTHER style, then the sentence -> the
+                       second picture (per-picture routing inside one document)
+
+Rows: base (no adapter: filled), outline everywhere (vocabulary routing to the outline LoRA: what a per-request
+choice gives a document that mixes styles), oracle (the requested style's expert for the request), and learned
+(the router's image gates pick per picture from the words; text gates as shipped).
+
+    python scripts/eval_image_styles.py --json benchmarks/image_styles_eval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.pipeline import InterleavedPipeline  # noqa: E402
+from models.runtime import device_name  # noqa: E402
+from models.shapes import world  # noqa: E402
+from models.shapes.eval import is_outline, score_text_to_image  # noqa: E402
+from models.shapes.prompts import EvalPrompt  # noqa: E402
+from models.shapes.styles import StyleItem, style_items  # noqa: E402
+
+log = logging.getLogger("eval_image_styles")
+
+
+def prompts(items: list[StyleItem], second: bool) -> list[list]:
+    """One prompt per item: its sentence, or (second) another request's sentence and picture in the other style,
+    then its sentence (style_items alternates styles, so the request after item i asks for the other one)."""
+    if not second:
+        return [[it.prompt] for it in items]
+    firsts = style_items(len(items) + 1, seed="eval-first", split="heldout")
+    return [[first.prompt, world.render(first.scene), it.prompt] for it, first in zip(items, firsts[1:])]
+
+
+def run_row(pipe: InterleavedPipeline, items: list[StyleItem], batch: list[list], routing: str,
+            image_adapter, seed: int) -> dict:
+    adapters = image_adapter if isinstance(image_adapter, list) else [image_adapter] * len(items)
+    t0 = time.time()
+    docs = pipe.generate(batch, routing=routing, image_adapter=adapters, text_adapter=None,
+                         max_new_tokens=pipe.vocab.image_span_tokens + 1, max_images=1, seed=seed,
+                         start_image=True)
+    style_ok, content_ok = [], []
+    for item, doc in zip(items, docs):
+        pictures = doc.images
+        picture = pictures[0] if pictures else None
+        style_ok.append(picture is not None and is_outline(picture) == (item.style == "outline"))
+        content_ok.append(score_text_to_image(EvalPrompt("text_to_image", item.prompt, item.scene), picture))
+    n = len(items)
+    return {"style": round(sum(style_ok) / n, 4), "content": round(sum(content_ok) / n, 4),
+            "style_outline": round(sum(ok for ok, it in zip(style_ok, items) if it.style == "outline") / (n / 2), 4),
+            "style_filled": round(sum(ok for ok, it in zip(style_ok, items) if it.style == "filled") / (n / 2), 4),
+            "seconds": round(time.time() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None, help="model directory (default: the repo's assets)")
+    p.add_argument("--n", type=int, default=100, help="held-out requests (half of each style)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    pipe = InterleavedPipeline.from_pretrained(args.model, device=args.device)
+    if pipe.image_gates is None:
+        raise SystemExit("no image gates are loaded (train them: scripts/train_image_router.py)")
+    items = style_items(args.n, seed="eval", split="heldout")
+    rows: dict = {}
+    for kind, second in (("one picture", False), ("second picture", True)):
+        batch = prompts(items, second)
+        rows[kind] = {
+            "base": run_row(pipe, items, batch, "none", None, args.seed),
+            "outline everywhere": run_row(pipe, items, batch, "vocab", "outline", args.seed),
+            "oracle (requested style's expert)": run_row(pipe, items, batch, "vocab", [it.adapter for it in items],
+                                                         args.seed),
+            "learned image gates": run_row(pipe, items, batch, "learned", None, args.seed),
+        }
+        for name, r in rows[kind].items():
+            log.info("%s / %s: %s", kind, name, r)
+    results = {"rows": rows, "setup": {"n": args.n, "seed": args.seed, "split": "heldout",
+                                       "device": device_name(args.device), "torch": torch.__version__,
+                                       "threads": torch.get_num_threads()}}
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    lines = ["| row | one picture: style | outlined asked | filled asked | content | second picture: style |",
+             "|---|---|---|---|---|---|"]
+    for name in rows["one picture"]:
+        a, b = rows["one picture"][name], rows["second picture"][name]
+        lines.append(f"| {name} | {a['style']:.3f} | {a['style_outline']:.3f} | {a['style_filled']:.3f} | "
+                     f"{a['content']:.3f} | {b['style']:.3f} |")
+    print("\n".join(lines))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Train the image gates of a hierarchical MoLoRA router: the vocabulary decides the modality, the text gates route
+text positions among the domain adapters, and these gates route image positions among the image adapters and the
+base expert, per picture, from what the words before it asked for. Base, adapters and text gates stay frozen.
+
+Data (models/shapes/styles.py): "Here is an outlined small red circle at the top left:" + the picture in that
+style; the shipped `outline` LoRA draws outlined shapes, the base model filled ones (the base expert). Per block a
+gate Linear(d_model, 2) on the block input of image positions (`<boi>`, codes, row markers, `<eoi>`); loss =
+next-token loss on the picture's ids + lb * load-balance + z * z-loss + label * cross-entropy of every block's gate
+against the requested style's expert on the picture's positions. The gates train at k = 2 (with k = 1 the kept
+weight is always 1 and the next-token loss gives the gate no gradient) and serve at k = 1: one expert a picture.
+
+Writes OUT/image_gates.safetensors and an "image_gates" section in OUT/config.json (merged with what is there:
+the text router's own entries are kept). InterleavedPipeline.from_pretrained loads the image gates beside the text
+gates; routing="learned" then draws each picture in the style its words ask for.
+
+    python scripts/train_image_router.py --out assets/router --steps 150
+    python scripts/train_image_router.py --out /tmp/r --steps 2 --n 16 --n-val 4     # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.data import Schedule  # noqa: E402
+from models.loading import adapter_weights_hash  # noqa: E402
+from models.pipeline import InterleavedPipeline  # noqa: E402
+from models.runtime import device_name  # noqa: E402
+from models.shapes.styles import STYLE_ADAPTERS, StyleItem, style_items  # noqa: E402
+from routing import LearnedGates, LearnedRouter  # noqa: E402
+
+log = logging.getLogger("train_image_router")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, default=REPO / "assets" / "model")
+    p.add_argument("--adapters-dir", type=Path, default=REPO / "assets" / "adapters",
+                   help="where the image adapters' files are (their hashes go in the config)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--n", type=int, default=2000, help="training requests (half of each style)")
+    p.add_argument("--n-val", type=int, default=100, help="held-out requests scored at the end")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lb-coef", type=float, default=0.01)
+    p.add_argument("--z-coef", type=float, default=1e-3)
+    p.add_argument("--label-coef", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-minutes", type=float, default=0.0)
+    return p.parse_args(argv)
+
+
+def encode(pipe: InterleavedPipeline, items: list[StyleItem], experts: list[str | None]
+           ) -> list[tuple[list[int], int, int]]:
+    """(ids, index of <boi>, the requested style's expert index) of each item: <bos> + sentence + picture."""
+    from models.shapes import world
+    codes = pipe.image_tokenizer.encode([world.render(it.scene) for it in items])
+    out = []
+    for item, picture in zip(items, codes):
+        head = [pipe.vocab.bos_id, *pipe.tokenizer.encode_text(item.prompt)]
+        out.append((head + pipe.tokenizer.image_span(picture), len(head), experts.index(item.adapter)))
+    return out
+
+
+def batch_of(records: list[tuple[list[int], int, int]], device: str
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [B, T] (every record has the same length: one sentence shape, one picture; right-padded otherwise),
+    picture mask [B, T] (the positions from <boi> on) and the expert label of each row [B]."""
+    width = max(len(ids) for ids, _, _ in records)
+    ids = torch.zeros(len(records), width, dtype=torch.long)
+    picture = torch.zeros(len(records), width, dtype=torch.bool)
+    for b, (row, boi, _) in enumerate(records):
+        ids[b, :len(row)] = torch.tensor(row)
+        picture[b, boi:len(row)] = True
+    labels = torch.tensor([label for _, _, label in records])
+    return ids.to(device), picture.to(device), labels.to(device)
+
+
+def picture_loss(logits: torch.Tensor, ids: torch.Tensor, picture: torch.Tensor) -> torch.Tensor:
+    """Next-token loss on the picture's ids (codes, row markers, <eoi>): predicted from <boi> on."""
+    mask = picture[:, :-1]
+    return F.cross_entropy(logits[:, :-1][mask].float(), ids[:, 1:][mask])
+
+
+def gate_label_loss(decisions: dict, picture: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Every block's image-gate logits against the row's requested expert, on the picture's positions."""
+    target = labels[:, None].expand_as(picture).reshape(-1)
+    losses = []
+    for ds in decisions.values():
+        image = ds[-1]  # the router's gate sets run text gates first, image gates last
+        keep = image.mask & picture.reshape(-1)
+        losses.append(F.cross_entropy(image.logits[keep], target[keep]))
+    return torch.stack(losses).mean()
+
+
+@torch.no_grad()
+def agreement(pipe: InterleavedPipeline, router: LearnedRouter, records, device: str) -> dict:
+    """Teacher-forced: share of pictures whose <boi> position's top-1 (averaged over blocks) is the requested
+    expert, per block too."""
+    per_block = torch.zeros(pipe.routed.num_blocks)
+    for i in range(0, len(records), 16):
+        chunk = records[i:i + 16]
+        ids, _, labels = batch_of(chunk, device)
+        out = pipe.routed(ids, routers=router, use_cache=False)
+        boi = torch.tensor([b * ids.shape[1] + boi for b, (_, boi, _) in enumerate(chunk)], device=device)
+        for block, ds in out.decisions.items():
+            per_block[block] += float((ds[-1].topk[boi, 0] == labels).sum())
+    per_block /= len(records)
+    return {"picture_agreement_per_block": [round(float(a), 4) for a in per_block],
+            "picture_agreement": round(float(per_block.mean()), 4)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    pipe = InterleavedPipeline.from_pretrained(args.model_dir, device=args.device, dtype=torch.float32)
+    if pipe.gates is None:
+        raise SystemExit("the image gates extend a text router: the model needs its learned text gates loaded")
+    image_adapters = [a for a in dict.fromkeys(STYLE_ADAPTERS.values()) if a is not None]
+    missing = [a for a in image_adapters if pipe.adapters.get(a) != "image"]
+    if missing:
+        raise SystemExit(f"image adapters {missing} are not loaded as image adapters (loaded: {pipe.adapters})")
+    routed = pipe.routed
+    routed.requires_grad_(False)
+    torch.manual_seed(args.seed)
+    gates = LearnedGates.for_model(routed, image_adapters, base_expert=True)
+    train_router = LearnedRouter(pipe.gates, top_k=pipe.learned_top_k, vocab=pipe.vocab, image_gates=gates,
+                                 image_top_k=gates.num_experts)
+    train = encode(pipe, style_items(args.n, seed=args.seed, split="train"), gates.experts)
+    val = encode(pipe, style_items(args.n_val, seed=f"val{args.seed}", split="heldout"), gates.experts)
+    opt = torch.optim.AdamW(gates.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = Schedule(args.steps, max(1, args.steps // 10), args.max_minutes)
+    rng = random.Random(f"{args.seed}:image-router-order")
+    order: list[int] = []
+    step, curve = 0, []
+    bar = tqdm(total=args.steps, desc="image router", mininterval=5)
+    while not sched.done(step):
+        if len(order) < args.batch_size:
+            order += rng.sample(range(len(train)), len(train))
+        rows, order = order[:args.batch_size], order[args.batch_size:]
+        ids, picture, labels = batch_of([train[r] for r in rows], args.device)
+        for group in opt.param_groups:
+            group["lr"] = args.lr * sched.factor(step)
+        out = routed(ids, routers=train_router, use_cache=False, aux_losses=True)
+        nll = picture_loss(out.logits, ids, picture)
+        loss = (nll + args.lb_coef * out.load_balance_loss + args.z_coef * out.z_loss
+                + args.label_coef * gate_label_loss(out.decisions, picture, labels))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        bar.update(1)
+        if step % 10 == 0 or step == args.steps:
+            curve.append((step, round(nll.item(), 4), round(loss.item(), 4)))
+            bar.set_postfix(nll=f"{curve[-1][1]:.3f}", loss=f"{curve[-1][2]:.3f}")
+    bar.close()
+    serve = LearnedRouter(pipe.gates, top_k=pipe.learned_top_k, vocab=pipe.vocab, image_gates=gates, image_top_k=1)
+    val_metrics = agreement(pipe, serve, val, args.device)
+    log.info("validation: %s", val_metrics)
+    args.out.mkdir(parents=True, exist_ok=True)
+    gates.save(args.out / "image_gates.safetensors")
+    config_path = args.out / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    hashes = {a: adapter_weights_hash(args.adapters_dir / a) for a in image_adapters}
+    config["image_gates"] = {
+        "file": "image_gates.safetensors", "adapters": image_adapters, "base_expert": True, "top_k": 1,
+        "styles": {style: adapter for style, adapter in STYLE_ADAPTERS.items()},
+        "loss": {"next_token": 1.0, "load_balance": args.lb_coef, "z": args.z_coef, "label": args.label_coef},
+        "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed, "steps": step, "train_records": len(train),
+        "val_records": len(val), "data": "models/shapes/styles.py", "adapter_sha256_16": hashes,
+        "seconds": round(time.time() - t0, 1), "device": device_name(args.device), "threads": args.threads,
+        "torch": torch.__version__, "curve": curve, "val": val_metrics}
+    config_path.write_text(json.dumps(config, indent=2))
+    return config["image_gates"]
+
+
+if __name__ == "__main__":
+    main()
