@@ -3,11 +3,13 @@
 The model and its built-in adapters are shared by everybody; an uploaded adapter is private to the session that
 uploaded it. It is registered in the shared pipeline under an internal name carrying the session's id, but a
 request can only reach it through its own session's `SessionState`, which maps the visitor's display name to that
-internal name. Other sessions never see it: not in their pickers, not in their view of the hot-set cache
-(`visible_cache`), and naming it through the API is refused. When the tab closes (Gradio's unload event) the
-session's adapters leave the pipeline and its hot set and its folder is removed; an adapter still held by the
-session's own last generation is retried until that generation has stopped. Gradio's delete_callback (an hour
-later) and the app's shutdown (`SessionRegistry.close_all`) run the same cleanup, which is idempotent.
+internal name; its modality and folder are in the pipeline's adapter registry, beside its weights (the shared
+adapters are the registry's others: `MoLoRAApp.builtin`, app/ui.py). Other sessions never see it: not in their
+pickers, not in their view of the hot-set cache (`visible_cache`), and naming it through the API is refused. When
+the tab closes (Gradio's unload event) the session's adapters leave the pipeline and its hot set and its folder is
+removed; an adapter still held by the session's own last generation is retried until that generation has stopped.
+Gradio's delete_callback (an hour later) and the app's shutdown (`SessionRegistry.close_all`) run the same cleanup,
+which is idempotent.
 """
 
 from __future__ import annotations
@@ -33,19 +35,11 @@ REMOVE_RETRIES = 1200  # ...for at most 10 minutes (a stopped generation ends af
 
 
 @dataclass
-class UploadedAdapter:
-    display_name: str
-    internal_name: str
-    modality: str  # "text" | "image": which picker it is offered in (it may be used in either)
-    folder: Path
-
-
-@dataclass
 class SessionState:
     """What one visitor owns. Deep-copied by gr.State for each new session, so it starts empty."""
 
     session_id: str | None = None
-    uploads: dict[str, UploadedAdapter] = field(default_factory=dict)
+    uploads: dict[str, str] = field(default_factory=dict)  # display name -> internal name in the pipeline
     workdir: Path | None = None
     root: Path | None = None  # where `folder()` makes the session's folder (the app's own temporary folder)
 
@@ -81,7 +75,7 @@ class SessionState:
         if choice is None or choice == "" or choice == NONE_CHOICE:
             return None, None
         if choice in self.uploads:
-            return self.uploads[choice].internal_name, choice
+            return self.uploads[choice], choice
         if choice in builtin:
             return choice, choice
         raise UnknownAdapterError(f"unknown adapter {choice!r}: choose one of {', '.join(self.names(builtin)) or 'none'}")
@@ -91,21 +85,21 @@ class SessionState:
 
     def display_names(self) -> dict[str, str]:
         """internal name -> display name for this session's uploads (to label the routing map)."""
-        return {up.internal_name: name for name, up in self.uploads.items()}
+        return {internal: name for name, internal in self.uploads.items()}
 
     def choices(self, modality: str, builtin: dict[str, str]) -> list[tuple[str, str]]:
         """Picker choices for one modality: none, built-ins of that modality first, then the rest, then uploads."""
         out = [("none (base model)", NONE_CHOICE)]
         out += [(name, name) for name, mod in builtin.items() if mod == modality]
         out += [(f"{name} ({mod} adapter)", name) for name, mod in builtin.items() if mod != modality]
-        out += [(f"{name} (uploaded)", name) for name, up in self.uploads.items()]
+        out += [(f"{name} (uploaded)", name) for name in self.uploads]
         return out
 
     def visible_cache(self, stats: dict, builtin: dict[str, str]) -> dict:
         """The hot-set cache's stats as this session may see them: a slot holding another session's upload reads
         as empty (its name, and that it is there at all, are that session's business), and the adapter lists
         name only built-in adapters and this session's own uploads."""
-        mine = {*builtin, *(up.internal_name for up in self.uploads.values())}
+        mine = {*builtin, *self.uploads.values()}
         view = dict(stats)
         view["slots"] = [name if name in mine else None for name in stats.get("slots", [])]
         for key in ("pool", "pinned"):
@@ -115,15 +109,17 @@ class SessionState:
                 view[key] = [name for name in stats[key] if name in mine]
         return view
 
-    def extra_adapters(self) -> dict[str, str]:
-        """internal name -> folder, so a worker process (ZeroGPU) can load uploads it has not seen yet."""
-        return {up.internal_name: str(up.folder) for up in self.uploads.values()}
+    def extra_adapters(self, pipe: Any) -> dict[str, str]:
+        """internal name -> folder (from `pipe`'s adapter registry), so a worker process (ZeroGPU) can load uploads
+        it has not seen yet."""
+        infos = pipe.adapter_infos()
+        return {internal: str(infos[internal].path) for internal in self.uploads.values() if internal in infos}
 
     def cleanup(self, pipe: Any) -> None:
         """Unload this session's adapters from the shared pipeline (and so from its hot set) and delete its files.
         Safe to call more than once."""
-        for up in list(self.uploads.values()):
-            _remove_adapter(pipe, up.internal_name, REMOVE_RETRIES)
+        for internal in list(self.uploads.values()):
+            _remove_adapter(pipe, internal, REMOVE_RETRIES)
         self.uploads.clear()
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)

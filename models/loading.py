@@ -23,6 +23,7 @@ import torch
 
 from models.checkpoint import check_checkpoint, check_finite, read_config
 from models.runtime import configure_cpu_threads
+from routing.cache import AdapterInfo  # the adapter registry's metadata (name, path, modality, description)
 from routing.errors import MoLoRAError
 
 log = logging.getLogger(__name__)
@@ -36,16 +37,6 @@ MODALITIES = ("text", "image", "any")
 
 class ModelDirError(MoLoRAError):
     """A model or adapter directory that is missing files or whose pieces do not fit together."""
-
-
-@dataclass
-class AdapterInfo:
-    """An adapter folder: its name, modality ("text" | "image" | "any" when molora.json is absent) and path."""
-
-    name: str
-    path: Path
-    modality: str = "any"
-    description: str = ""
 
 
 @dataclass

@@ -6,7 +6,7 @@
 """
 
 from routing.adapters import LoraAdapter, load_peft_adapter, merge_adapters, save_peft_adapter
-from routing.cache import HotSetCache
+from routing.cache import AdapterInfo, HotSetCache
 from routing.errors import AdapterError, CacheFullError, MoLoRAError, RoutingError, UnknownAdapterError
 from routing.lora import RoutedLoRALinear
 from routing.modality import ModalityMap, ModalityTable
@@ -25,7 +25,7 @@ from routing.routers import (
 __all__ = [
     "MoLoRAError", "AdapterError", "UnknownAdapterError", "CacheFullError", "RoutingError",
     "LoraAdapter", "load_peft_adapter", "merge_adapters", "save_peft_adapter",
-    "attach_routed_lora", "RoutedModel", "RoutedOutput", "HotSetCache", "RoutedLoRALinear",
+    "attach_routed_lora", "RoutedModel", "RoutedOutput", "HotSetCache", "AdapterInfo", "RoutedLoRALinear",
     "VocabRangeRouter", "SequenceRouter", "LabelRouter", "LearnedRouter", "LearnedGates", "Router", "TokenRouting",
     "load_balance_loss", "router_z_loss", "ModalityMap", "ModalityTable",
 ]

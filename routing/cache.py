@@ -1,5 +1,8 @@
 """HotSetCache: a fixed set of GPU adapter slots in front of a CPU pool holding every loaded adapter.
 
+The pool is the one registry of loaded adapters: beside each adapter's weights it keeps a thin AdapterInfo
+(modality, description, the folder it came from), so what is loaded and what is known about it can never disagree.
+
 Every routed layer owns stacked slot tensors A[S, r_max, in], B[S, out, r_max], scale[S], allocated once when
 the layer is wrapped.  Swapping an adapter in copies into those tensors (`copy_`), so their addresses never
 change and a captured CUDA graph stays valid while adapters come and go (DESIGN.md §4).
@@ -20,7 +23,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,12 +37,25 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class AdapterInfo:
+    """What the registry knows of an adapter beside its weights: its name, modality ("text" | "image" | "any" when
+    molora.json is absent, "merged" for a sum of adapters), the folder it came from (None: made in memory) and a
+    description."""
+
+    name: str
+    path: Path | None = None
+    modality: str = "any"
+    description: str = ""
+
+
+@dataclass
 class _PoolEntry:
     """One adapter in the CPU pool, already zero-padded to r_max so a swap-in is one contiguous copy per tensor."""
 
     adapter: LoraAdapter  # name, scales, config; its weights dict points at the padded pool tensors' slices
     A: dict[str, torch.Tensor]  # layer name -> [r_max, in]
     B: dict[str, torch.Tensor]  # layer name -> [out, r_max]
+    info: AdapterInfo
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.A.values()) + sum(t.nbytes for t in self.B.values())
@@ -93,6 +110,16 @@ class HotSetCache:
         with self._lock:
             return self._entry(name).adapter
 
+    def info(self, name: str) -> AdapterInfo:
+        """The registry's AdapterInfo of `name` (UnknownAdapterError naming the loaded ones if there is none)."""
+        with self._lock:
+            return self._entry(name).info
+
+    def infos(self) -> dict[str, AdapterInfo]:
+        """{name: AdapterInfo} of every loaded adapter, in the order they were added."""
+        with self._lock:
+            return {name: entry.info for name, entry in self._pool.items()}
+
     def _entry(self, name: str) -> _PoolEntry:
         entry = self._pool.get(name)
         if entry is None:
@@ -137,8 +164,9 @@ class HotSetCache:
                 raise AdapterError(f"adapter '{adapter.name}' at '{module}': scale {adapter.scales[module]!r} is beyond "
                                    f"the range of the model's {scale_dtype}; check lora_alpha and r")
 
-    def add(self, adapter: LoraAdapter) -> None:
-        """Put `adapter` in the CPU pool (it reaches a GPU slot on its first acquire)."""
+    def add(self, adapter: LoraAdapter, info: AdapterInfo | None = None) -> None:
+        """Put `adapter` in the CPU pool (it reaches a GPU slot on its first acquire), registered with `info`
+        (stored under the adapter's name; None: an adapter of modality "any" made in memory)."""
         with self._lock:
             if adapter.name in self._pool:
                 raise AdapterError(f"an adapter named '{adapter.name}' is already loaded; remove_adapter it first "
@@ -158,7 +186,8 @@ class HotSetCache:
                 A[module], B[module] = pa, pb
                 weights[module] = (pa[:r], pb[:, :r])
             stored = LoraAdapter(adapter.name, weights, dict(adapter.scales), dict(adapter.config))
-            self._pool[adapter.name] = _PoolEntry(stored, A, B)
+            info = AdapterInfo(adapter.name) if info is None else replace(info, name=adapter.name)
+            self._pool[adapter.name] = _PoolEntry(stored, A, B, info)
             self._last_use[adapter.name] = 0
             log.debug("adapter '%s' added to the pool (%d modules, %.1f KiB)", adapter.name, len(A),
                      self._pool[adapter.name].nbytes() / 1024)

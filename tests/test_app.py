@@ -28,7 +28,7 @@ from PIL import Image
 
 from app.render import BASE_LABEL
 from app.server import serve, warm_up
-from app.session import SessionState, UploadedAdapter
+from app.session import SessionState
 from app.ui import MoLoRAApp
 from models import InterleavedPipeline
 from models.best_of import CHECKS
@@ -251,7 +251,7 @@ def test_ending_a_session_unloads_its_adapters_and_deletes_its_files(pipe, uploa
         zf.extractall(state.folder())
     folder = state.folder() / "mine"
     internal = pipe.load_adapter(folder, name=state.internal_name("mine"))
-    state.uploads["mine"] = UploadedAdapter("mine", internal, "text", folder)
+    state.uploads["mine"] = internal
     assert internal in pipe.adapters
     workdir = state.folder()
     state.cleanup(pipe)
@@ -263,7 +263,10 @@ def test_a_closed_tab_unloads_its_upload_from_the_pipeline_and_the_hot_set_at_on
     app = MoLoRAApp(pipe)
     state, tab = app.sessions.new_state(), SimpleNamespace(session_hash="closing-tab")
     app.upload_adapter([str(upload_zip)], "mine", "text", state, tab)
-    internal = state.uploads["mine"].internal_name
+    internal = state.uploads["mine"]
+    assert pipe.adapter_infos()[internal].path.parent == state.workdir  # the registry holds its folder
+    assert state.extra_adapters(pipe) == {internal: str(pipe.adapter_infos()[internal].path)}
+    assert internal not in app.builtin and app.list_adapters(state)["uploaded"] == {"mine": "text"}
     pipe.generate("Draw a red circle.", text_adapter=internal, routing="sequence", seed=0, max_new_tokens=4)
     assert internal in pipe.cache_stats()["slots"]  # the upload holds a hot-set slot
     folder = state.workdir

@@ -4,6 +4,7 @@ hypothesis state machine checking the invariants over long random sequences of o
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from routing import (
     AdapterError,
+    AdapterInfo,
     CacheFullError,
     HotSetCache,
     LoraAdapter,
@@ -171,6 +173,21 @@ def test_bad_adapters_and_names_are_refused_without_changes():
     cache.release(["x"])
     with pytest.raises(AdapterError, match="without a matching acquire"):
         cache.release(["x"])
+
+
+def test_the_pool_is_the_registry_adapters_and_their_infos_come_and_go_together():
+    cache = make_cache()
+    cache.add(make_adapter("t", 1), AdapterInfo("ignored", Path("/adapters/t"), "text", "a style"))
+    cache.add(make_adapter("m", 2))  # made in memory: no folder, modality "any"
+    assert cache.infos() == {"t": AdapterInfo("t", Path("/adapters/t"), "text", "a style"), "m": AdapterInfo("m")}
+    assert cache.info("t").name == "t" and cache.names == ["t", "m"]  # stored under the adapter's name
+    with pytest.raises(AdapterError, match="already loaded"):
+        cache.add(make_adapter("t", 3), AdapterInfo("t", None, "image"))
+    assert cache.info("t").modality == "text"  # a refused add changes nothing
+    cache.remove("t")
+    assert list(cache.infos()) == ["m"]
+    with pytest.raises(UnknownAdapterError, match="loaded: m"):
+        cache.info("t")
 
 
 def test_remove_frees_the_slot():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import threading
@@ -213,6 +214,23 @@ def test_sequence_and_none_routing(tiny_pipeline):
     assert {r.adapter for r in seq.routing} == {"text_style"}
     base = tiny_pipeline.generate("a star", routing="none", text_adapter="text_style", start_image=True, **FAST)
     assert {r.adapter for r in base.routing} == {None}
+
+
+def test_the_pipeline_lists_the_hot_set_caches_registry(tiny_assets):
+    """One adapter registry: what the pipeline lists is what the cache holds, with the folder's molora.json facts;
+    an adapter added to the routed model directly is listed too, and a removed one leaves both at once."""
+    pipe = InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")
+    infos = pipe.adapter_infos()
+    assert list(infos) == pipe.routed.cache.names == list(pipe.adapters)
+    assert infos["text_style"].path == tiny_assets / "adapters" / "text_style"
+    assert infos["text_style"].modality == "text"
+    merged = pipe.merge_adapters(["text_style", "image_style"])
+    assert pipe.adapter_infos()[merged].path is None and pipe.adapters[merged] == "merged"
+    pipe.routed.add_adapter(dataclasses.replace(pipe.routed.adapter("text_style"), name="direct"))
+    assert pipe.adapters["direct"] == "any"
+    for name in (merged, "direct"):
+        pipe.remove_adapter(name)
+    assert list(pipe.adapters) == pipe.routed.cache.names == ["image_style", "text_style"]
 
 
 def test_load_adapter_validates_and_changes_nothing_on_error(tiny_assets, tmp_path):
