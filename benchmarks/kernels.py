@@ -1,12 +1,15 @@
 """Benchmark the routed-LoRA kernels on a CUDA GPU (DESIGN.md §8: K1-K5; issue 13: ranks, top-k, eager cost).
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/kernels.py            # on the GPU; writes kernels.json/.md to $OUT if set
+    PYTHONUNBUFFERED=1 python3 benchmarks/kernels.py            # on the GPU; writes kernels.json to $OUT if set
+    python3 benchmarks/kernels.py --only group,k3 --quick-correct  # some sections (names below)
     python3 benchmarks/kernels.py --dry-run                      # CPU smoke run: interpreter, tiny sizes, no timing claims
 
-Sections: correctness (every path and rank bucket, bf16 + fp16, NaN-poisoned outputs, out= variant, graph capture
-with slot values changed after capture); copy bandwidth; per-rank sweep of every path (r = 8..128, with GB/s and
-the memory floor per row, and vLLM's published numbers beside ours); top-k cost; stacked tile sweeps; eager
-host cost per call; K1/K2; K3 (base linear + routed delta in place).
+Sections (--only names): correct (every path and rank bucket, bf16 + fp16, NaN-poisoned outputs, out= variant,
+graph capture with slot values changed after capture); group (routed_lora_group on every path vs each
+projection's reference); copy bandwidth; ranks (every path across N and r = 8..128, with and without prebuilt
+metadata, GB/s, the memory floor, and vLLM's numbers beside ours); topk; sweep (gather and grouped tiles per
+rank); tune (stacked tiles); k1 (K1/K2); k3 (base linear + delta: per layer, and q/k/v sharing one group call,
+by path, and with the delta on a side stream); eager (host cost per op call and per routed layer).
 
 Every timed function is captured in a CUDA graph and its replays are timed with triton.testing.do_bench
 (median; do_bench clears the L2 before each replay, so inputs come from HBM). Correctness against
@@ -542,13 +545,27 @@ def run_k3() -> None:
             return [d.addmm_(x, W.t()) for d, W in zip(deltas, Ws)]
         row["qkv"] = bench_us(qkv)
         row["path"] = dispatch.choose_group_path(x, 1, meta3 is not None, S, R, 3)
+        if DEV == "cuda":  # not built into routing/lora.py: measured to decide whether it should be
+            side = torch.cuda.Stream()
+
+            def qkv_overlap():
+                """The group's delta on a side stream while q's GEMM runs (beta = 0), then q's delta added,
+                k and v onto theirs: the delta leaves the critical path except for one add."""
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    deltas = dispatch.routed_lora_group_forward(x, A, B, slots, None, scale, bounds, meta3)
+                y_q = torch.mm(x, Ws[0].t(), out=ys[0])
+                torch.cuda.current_stream().wait_stream(side)
+                return [y_q.add_(deltas[0])] + [d.addmm_(x, W.t()) for d, W in zip(deltas[1:], Ws[1:])]
+            row["qkv_overlap"] = bench_us(qkv_overlap)
         if n >= 256 and not ARGS.dry_run:
             row["qkv_stacked"] = bench_us(lambda: qkv("stacked"))
             row["qkv_grouped"] = bench_us(lambda: qkv("grouped"))
         row["old/base"], row["solo/base"], row["qkv/base3"] = (row["old"] / row["base"], row["solo"] / row["base"],
                                                               row["qkv"] / row["base3"])
         res[n] = row
-        extra = "".join(f"  {p} {row[f'qkv_{p}']:.2f}" for p in ("stacked", "grouped") if f"qkv_{p}" in row)
+        extra = "".join(f"  {p} {row[f'qkv_{p}']:.2f}" for p in ("stacked", "grouped", "overlap")
+                        if f"qkv_{p}" in row)
         print(f"  N={n:5d} base {row['base']:8.2f} (beta=1 {row['base_beta1']:8.2f})  old {row['old']:8.2f} "
               f"({row['old/base']:.3f}x)  solo {row['solo']:8.2f} ({row['solo/base']:.3f}x)  | 3 bases "
               f"{row['base3']:8.2f}  qkv[{row['path']}] {row['qkv']:8.2f} ({row['qkv/base3']:.3f}x, <= 1.15x at "
