@@ -3,8 +3,11 @@
 The choice depends only on shapes (rows M = N*k, rank r, stacked width S*r), never on slot values or on whether a
 CUDA graph is being captured, so a warm-up compiles what a capture records and every replay takes the same path:
   gather   few rows (rows * r small): reads only the chosen slots, split-K latency kernel
-  stacked  narrow hot sets (S*r small) above that, any k: cost independent of k, no metadata
-  grouped  wide hot sets, and k=1 with prebuilt metadata at large N
+  stacked  narrow hot sets (S*r small) above that, any k: cost independent of k, no metadata; and top-k on
+           hot sets up to S*r = 256 at many rows
+  grouped  wide hot sets, and k=1 with prebuilt metadata once N*r is large (two phases, slot-sorted tiles)
+Projections that share x (routed_lora_group_forward) take the same choice, except that with prebuilt metadata
+and k = 1 the grouped kernel replaces the stacked one; every Triton path then shrinks once for all of them.
 """
 
 from __future__ import annotations
