@@ -591,25 +591,24 @@ def run_sweep() -> None:
                     line.append(f"{bk}x{bn}={us:.1f}")
                     best = min(best, (us, (bk, bn)))
             print(f"  r={r:3d} N={n:3d} best {best[1]} {best[0]:.2f}: " + " ".join(line))
-    print("\n== grouped tile sweep (median us, k=1, metadata prebuilt; schedule 1 = one launch, 2 = two phases; "
-          "BLOCK_M/OUT_SPLIT) ==")
+    print("\n== grouped tile sweep (median us, k=1, metadata prebuilt; BLOCK_M/OUT_SPLIT/SPLIT_K) ==")
     for r in ([16] if ARGS.dry_run else [16, 32, 64, 128]):
         for n in ([40] if ARGS.dry_run else [256, 2048]):
             x, A, B, slots, _, scale = make_inputs(n, seed=22, r=r)
             meta = build_routing_meta(slots, S)
             base = grouped_mod.grouped_config(n, D, D, S, r)
             line, best = [], (float("inf"), None)
-            for two in (False, True):
-                for bm in ([16] if ARGS.dry_run else [16, 32, 64]):
-                    for split in ([1] if ARGS.dry_run else [1, 2, 4, 8]):
-                        cfg = {**base, "BLOCK_M": bm, "OUT_SPLIT": split, "TWO_PHASE": two}
+            for bm in ([16] if ARGS.dry_run else [16, 32, 64]):
+                for split in ([1] if ARGS.dry_run else [2, 4, 8]):
+                    for split_k in sorted({base["SPLIT_K"], max(1, base["SPLIT_K"] // 4)}):
+                        cfg = {**base, "BLOCK_M": bm, "OUT_SPLIT": split, "SPLIT_K": split_k}
                         us = bench_us(lambda cfg=cfg: grouped_mod.grouped_lora(x, A, B, slots, None, scale, None,
                                                                                meta, cfg))
-                        res[f"grouped r{r} N{n} ph{1 + two} M{bm} s{split}"] = us
-                        line.append(f"{1 + two}:{bm}/{split}={us:.1f}")
-                        best = min(best, (us, (1 + two, bm, split)))
-            print(f"  r={r:3d} N={n:5d} default {1 + base['TWO_PHASE']}:{base['BLOCK_M']}/{base['OUT_SPLIT']} "
-                  f"(split_k {base['SPLIT_K']}) best {best[1]} {best[0]:.2f}: " + " ".join(line))
+                        res[f"grouped r{r} N{n} M{bm} s{split} k{split_k}"] = us
+                        line.append(f"{bm}/{split}/{split_k}={us:.1f}")
+                        best = min(best, (us, (bm, split, split_k)))
+            print(f"  r={r:3d} N={n:5d} default {base['BLOCK_M']}/{base['OUT_SPLIT']}/{base['SPLIT_K']} best "
+                  f"{best[1]} {best[0]:.2f}: " + " ".join(line))
     RESULTS["sweep"] = res
 
 
