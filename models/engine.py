@@ -42,6 +42,7 @@ from kernels.graphs import capture_graph
 from models.generation import GenerationConfig, Request, open_image_span
 from models.kv_cache import RowKVCache
 from models.row_states import RowStates
+from models.runtime import available_memory
 from models.sampling import MAX_SEED, GenerationError
 from models.vocab import IMAGE, TEXT, UnifiedVocab
 from routing import CacheFullError, LearnedRouter, MoLoRAError, SequenceRouter, VocabRangeRouter
@@ -218,6 +219,14 @@ class Engine:
         if self.max_rows < 1 or self.max_len < 2:
             raise GenerationError(f"an engine needs max_rows >= 1 and max_len >= 2, got {self.max_rows}, "
                                   f"{self.max_len}")
+        # the KV space is sized from the model's config, which may declare any length: checked before allocating
+        kv_bytes = RowKVCache.planned_nbytes(routed.model.config, self.max_rows + 1, self.max_len,
+                                             next(routed.model.parameters()).dtype)
+        free = available_memory(self.device)
+        if free is not None and kv_bytes > free:
+            raise GenerationError(f"the KV cache of {self.max_rows} rows x {self.max_len} positions needs "
+                                  f"{kv_bytes / 2 ** 30:.1f} GiB but {free / 2 ** 30:.1f} GiB are free (the model's "
+                                  f"config allows {limit} positions); pass EngineConfig(max_len=..., max_rows=...)")
         self.logits_size = logits_size or vocab.vocab_size
         self.use_graphs = on_cuda and self.config.cuda_graphs
         low = 1 if on_cuda or not self.config.exact_rows else min(CPU_MIN_WIDTH, self.max_rows)

@@ -44,6 +44,16 @@ class RowKVCache(Cache):
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
         return cls(int(text.num_hidden_layers), max_rows, max_len, kv_heads, head_dim, dtype=dtype, device=device)
 
+    @staticmethod
+    def planned_nbytes(config: Any, max_rows: int, max_len: int, dtype: torch.dtype) -> int:
+        """What for_model would allocate, computed without allocating (a config may declare any length)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = int(text.num_attention_heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        item = torch.empty((), dtype=dtype).element_size()
+        return 2 * int(text.num_hidden_layers) * max_rows * max_len * kv_heads * head_dim * item
+
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
 

@@ -64,10 +64,26 @@ def configure_cpu_threads(requested: int | None = None) -> int:
     return torch.get_num_threads()
 
 
+def available_memory(device: str | torch.device) -> int | None:
+    """Bytes that can still be allocated on `device` (free GPU memory; the CPU's MemAvailable), None if unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def device_name(device: str | torch.device) -> str:
     """What a results file records as the device: the GPU's name, or "cpu"."""
     device = torch.device(device)
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-__all__ = ["DEFAULT_CPU_THREADS", "THREADS_ENV", "configure_cpu_threads", "cpu_threads", "device_name"]
+__all__ = ["DEFAULT_CPU_THREADS", "THREADS_ENV", "available_memory", "configure_cpu_threads", "cpu_threads",
+           "device_name"]

@@ -705,6 +705,19 @@ def test_a_fuzzed_vq_config_is_refused_without_allocating_its_declared_size(tiny
         load_dir(model)
 
 
+@pytest.mark.parametrize("positions", [2 ** 40, 2 ** 62])
+def test_a_declared_context_too_long_for_memory_is_refused_when_the_pipeline_is_built(tiny_model_dir, positions):
+    """max_position_embeddings sizes the engine's KV cache and no weight bounds it (rotary positions): a length
+    whose cache cannot fit is a project error at load, not an allocation failure at the first generate."""
+    from models import InterleavedPipeline
+
+    with model_copy(tiny_model_dir) as model:
+        config = {**json.loads((model / "lm" / "config.json").read_text()), "max_position_embeddings": positions}
+        (model / "lm" / "config.json").write_text(json.dumps(config))
+        with pytest.raises(MoLoRAError, match="KV cache.*max_len"):
+            InterleavedPipeline.from_pretrained(model, device="cpu")
+
+
 def _family_configs() -> list[dict]:
     from transformers import BertConfig, ChameleonConfig, Emu3Config, GPT2Config, JanusConfig, T5Config
 
