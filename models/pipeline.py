@@ -427,10 +427,21 @@ def read_router_config(path: Path) -> dict:
     top_k = config.get("top_k", 1)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ModelDirError(f"{path}: top_k must be a whole number >= 1, got {top_k!r}")
-    hashes = config.get("adapter_sha256_16", {})
-    if not isinstance(hashes, dict) or not all(isinstance(h, str) for h in hashes.values()):
-        raise ModelDirError(f"{path}: adapter_sha256_16 must be an object {{adapter name: weights hash}}, got "
-                            f"{hashes!r:.80}")
+    sections = [("", config)]
+    if "image_gates" in config:
+        image = config["image_gates"]
+        if not isinstance(image, dict):
+            raise ModelDirError(f"{path}: image_gates must be an object {{file, adapter_sha256_16}}, got {image!r:.80}")
+        name = image.get("file", "image_gates.safetensors")
+        if not isinstance(name, str) or Path(name).name != name or not name.endswith(".safetensors"):
+            raise ModelDirError(f"{path}: image_gates.file must name a .safetensors file beside the gates, got "
+                                f"{name!r:.80}")
+        sections.append(("image_gates.", image))
+    for where, section in sections:
+        hashes = section.get("adapter_sha256_16", {})
+        if not isinstance(hashes, dict) or not all(isinstance(h, str) for h in hashes.values()):
+            raise ModelDirError(f"{path}: {where}adapter_sha256_16 must be an object {{adapter name: weights hash}}, "
+                                f"got {hashes!r:.80}")
     return config
 
 

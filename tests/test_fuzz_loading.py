@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -497,13 +497,19 @@ def pipe(tiny_assets: Path):
 
 
 router_config = st.dictionaries(
-    st.sampled_from(["top_k", "adapter_sha256_16", "adapters", "steps"]),
+    st.sampled_from(["top_k", "adapter_sha256_16", "adapters", "steps", "image_gates"]),
     json_values | st.sampled_from([0, 1, 2, 3, True, 2.0, "2", {"text_style": "0" * 16}, {"text_style": 5},
-                                   {"unknown": "x"}, ["text_style"], {"text_style": None}]),
+                                   {"unknown": "x"}, ["text_style"], {"text_style": None}, {"file": 5},
+                                   {"file": "../gates.safetensors"}, {"file": "gates.safetensors"},
+                                   {"file": "gates.safetensors", "adapter_sha256_16": [1]},
+                                   {"adapter_sha256_16": {"image_style": 3}}]),
     max_size=3)
 
 
 @FUZZ
+@example(config={"image_gates": "x"}, gates="good", random=b"")
+@example(config={"image_gates": {"adapter_sha256_16": [1]}}, gates="good", random=b"")
+@example(config={"image_gates": {"file": "../router/gates.safetensors"}}, gates="good", random=b"")
 @given(config=router_config | st.sampled_from(NASTY_JSON) | st.binary(max_size=64),
        gates=st.sampled_from(["good", "base", "unknown", "size", "random"]), random=st.binary(max_size=256))
 def test_a_router_folder_loads_or_is_refused_leaving_the_pipeline_untouched(pipe, config, gates, random):
@@ -511,20 +517,21 @@ def test_a_router_folder_loads_or_is_refused_leaving_the_pipeline_untouched(pipe
     gate_file = {"good": lambda: gate_bytes(names, 32, 2), "base": lambda: gate_bytes(names, 32, 2, base_expert=True),
                  "unknown": lambda: gate_bytes(["text_style", "nope"], 32, 2), "size": lambda: gate_bytes(names, 16, 3),
                  "random": lambda: random}[gates]()
-    before = (pipe.gates, pipe.learned_top_k, dict(pipe.adapters))
+    before = (pipe.gates, pipe.image_gates, pipe.learned_top_k, dict(pipe.adapters))
     with scratch() as root:
         (root / "gates.safetensors").write_bytes(gate_file)
+        (root / "image_gates.safetensors").write_bytes(gate_bytes(["image_style"], 32, 2))
         (root / "config.json").write_bytes(config if isinstance(config, bytes) else json.dumps(config).encode())
         loaded = refused_or_loaded(lambda: pipe.load_learned_router(root / "gates.safetensors") or True)
     try:
         if loaded is None:
-            assert (pipe.gates, pipe.learned_top_k, dict(pipe.adapters)) == before
+            assert (pipe.gates, pipe.image_gates, pipe.learned_top_k, dict(pipe.adapters)) == before
         else:
             assert gates in ("good", "base") and pipe.gates is not before[0]
             if pipe.gates.num_experts:  # the learned router is usable with what was loaded
                 pipe.make_router("learned", None, None)
     finally:
-        pipe.gates, pipe.learned_top_k = before[0], before[1]
+        pipe.gates, pipe.image_gates, pipe.learned_top_k = before[0], before[1], before[2]
 
 
 # --- model directories ---------------------------------------------------------------------------------------
