@@ -225,6 +225,9 @@ def crafted_file(entries: dict, fill: bytes, metadata: dict | None = None) -> by
 
 
 @FUZZ
+@example(entries={"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": ("F8_E4M3", [2, 32], None), "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": ("F8_E4M3", [32, 2], None)},
+         fill=b"\x7f")  # found: isfinite is not implemented for float8 (NotImplementedError)
+@example(entries={"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": ("F32", [2 ** 31, 2 ** 31], None)}, fill=b"")
 @given(entries=header_entries, fill=st.binary(max_size=16))
 def test_crafted_safetensors_headers_are_checked_before_any_tensor_is_read(good_adapter, entries, fill):
     """Wrong dtypes, huge declared shapes, inconsistent offsets, odd names: refused from the header alone."""
@@ -342,6 +345,9 @@ config_keys = st.sampled_from(["r", "lora_alpha", "rank_pattern", "alpha_pattern
 
 
 @FUZZ
+@example(changes={"rank_pattern": [1]})  # found: AttributeError
+@example(changes={"alpha_pattern": {"(": 1}})  # found: re.error
+@example(changes={"lora_alpha": 1e308, "use_rslora": True})  # found: a scale that is Inf in float32
 @given(changes=st.dictionaries(config_keys, json_values | st.sampled_from([0, -4, 4, 8, True, 1e308, "(", {"(": 1},
                                                                           {"q_proj": 0}, {".*": 2 ** 40}]),
        max_size=4))
@@ -403,6 +409,7 @@ def test_an_adapter_for_another_model_size_or_above_r_max_is_refused(good_adapte
 
 
 @FUZZ
+@example(meta=b"[" * 100_000)  # found: RecursionError
 @given(meta=st.sampled_from(NASTY_JSON) | st.binary(max_size=64)
        | st.dictionaries(st.sampled_from(["modality", "description"]),
                          json_values | st.sampled_from(["text", "image", "any", "merged"])).map(
@@ -468,6 +475,10 @@ gate_meta = st.fixed_dictionaries({
 
 
 @FUZZ
+@example(meta={"adapters": '["a", "b"]', "d_model": str(10 ** 5), "num_blocks": str(10 ** 4), "base_expert": "false"},
+         drop=set(), shape=[2, 8], dtype="F32", blocks=1)  # found: 8 GB of gates built before the tensors were checked
+@example(meta={"adapters": '"ab"', "d_model": "8", "num_blocks": "1", "base_expert": "false"}, drop=set(),
+         shape=[2, 8], dtype="F32", blocks=1)  # found: a string taken as one adapter per letter
 @given(meta=gate_meta, drop=st.sets(st.sampled_from(["adapters", "d_model", "num_blocks", "base_expert"])),
        shape=st.lists(st.integers(0, 9) | st.sampled_from(HUGE), max_size=3),
        dtype=st.sampled_from(SAFETENSORS_DTYPES), blocks=st.integers(0, 3))
@@ -589,6 +600,8 @@ def test_fuzzed_generation_defaults_are_refused_when_the_pipeline_is_built(tiny_
 
 
 @settings(FUZZ, max_examples=12)
+@example(changes={"rank_pattern": {"q_proj": 2 ** 28}}, empty_rank=None)  # found: 128 GB of slots allocated
+@example(changes={}, empty_rank=2 ** 62)
 @given(changes=st.dictionaries(st.sampled_from(["r", "rank_pattern", "lora_alpha", "peft_type"]),
                                st.sampled_from([2 ** 28, 2 ** 62, -1, 0, "x", {"q_proj": 2 ** 28}, {"q_proj": -1},
                                                 {"(": 2}, [4], "IA3"]), max_size=2),
@@ -619,6 +632,8 @@ vocab_fields = st.sampled_from(["vocab_size", "text_start", "text_size", "image_
 
 
 @FUZZ
+@example(changes={"image_grid": []}, drop=set())  # found: IndexError
+@example(changes={"special_tokens": 5}, drop=set())  # found: AttributeError
 @given(changes=st.dictionaries(vocab_fields, json_values | st.sampled_from([0, -1, 2 ** 40, 2 ** 63, [16], [0, 16],
                                                                             [16, 16, 16], ["a", 1], [2 ** 40, 1]]),
                                min_size=1, max_size=3),
@@ -656,6 +671,7 @@ def _tokenizer_edit(how: str, value: int) -> Callable[[dict], None]:
 
 
 @FUZZ
+@example(how="padding", value=2 ** 33)  # found: the process aborted on the first encode
 @given(how=st.sampled_from(["padding", "truncation", "no_added_tokens", "special_id", "vocab_id", "model_type",
                             "merges"]),
        value=st.sampled_from([0, 1, 3, 7, 2 ** 20, 2 ** 33, 2 ** 40, -1]))
@@ -680,6 +696,8 @@ lm_fields = st.sampled_from(["vocab_size", "hidden_size", "num_hidden_layers", "
 
 
 @FUZZ
+@example(changes={"num_attention_heads": 0})  # found: ZeroDivisionError
+@example(changes={"num_hidden_layers": 10 ** 6})
 @given(changes=st.dictionaries(lm_fields, st.sampled_from([0, -1, 1, 3, 64, 10 ** 6, 2 ** 40, None, "x", 1.5, [1],
                                                            "bert", "gpt2", "emu3", "chameleon", "t5", "llama",
                                                            "float8", ["BertModel"], True]),
@@ -805,6 +823,12 @@ hf_config_changes = st.dictionaries(
 
 
 @FEW
+@example(family="emu3", name="config.json", how="config", data=b"", cut=0.0, changes=[(0, 0)], nasty=b"{}",
+         config={"num_hidden_layers": 10 ** 5}, nested="text_config", edit="drop", index=0)  # found: 188 s, GBs
+@example(family="emu3", name="config.json", how="config", data=b"", cut=0.0, changes=[(0, 0)], nasty=b"{}",
+         config={"model_type": "chameleon"}, nested=None, edit="drop", index=0)  # found: AttributeError
+@example(family="chameleon", name="config.json", how="nasty", data=b"", cut=0.0, changes=[(0, 0)],
+         nasty=b"[" * 100_000, config={"x": 0}, nested=None, edit="drop", index=0)  # found: RecursionError
 @given(family=st.sampled_from(["emu3", "chameleon", "janus"]), name=st.sampled_from(HF_FILES),
        how=st.sampled_from(["random", "truncate", "flip", "nasty", "config", "tensors"]),
        data=st.binary(max_size=512), cut=st.floats(0, 0.999), changes=edits, nasty=st.sampled_from(NASTY_JSON),
@@ -851,6 +875,8 @@ upload_names = st.sampled_from([CONFIG_NAME, WEIGHTS_NAME, "a/" + CONFIG_NAME, "
 
 
 @FUZZ
+@example(entries=[("a/" + CONFIG_NAME, "config"), ("a/" + WEIGHTS_NAME, "weights"), ("a/molora.json", "nasty")],
+         random=b"", cut=0.0, changes=[(0, 0)], as_zip=True, nasty=b"[" * 100_000)  # found: RecursionError
 @given(entries=st.lists(st.tuples(upload_names, st.sampled_from(["config", "weights", "random", "truncated",
                                                                  "flipped", "meta", "nasty"])), max_size=5),
        random=st.binary(max_size=512), cut=st.floats(0, 0.999), changes=edits, as_zip=st.booleans(),
