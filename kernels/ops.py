@@ -21,6 +21,9 @@ from kernels.dispatch import routed_lora_forward, routed_lora_group_forward
 from kernels.errors import KernelInputError
 from kernels.metadata import RoutingMeta
 
+# The expand kernels read a group's column boundaries as three scalars (kernels/triton_gather.py)
+MAX_PROJECTIONS = 4
+
 
 def _check_meta(meta: RoutingMeta | None, slots: torch.Tensor, num_slots: int) -> None:
     if meta is not None and (meta.n_tokens, meta.k, meta.num_slots) != (slots.shape[0], slots.shape[1], num_slots):
@@ -71,8 +74,8 @@ def routed_lora_group(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: 
     if len(bounds) != p_count + 1 or bounds[0] != 0 or bounds[-1] != B.shape[1] or \
             any(b > c for b, c in zip(bounds, bounds[1:])):
         raise KernelInputError(f"bounds must rise from 0 to O={B.shape[1]} in P+1={p_count + 1} steps, got {bounds}")
-    if p_count > 4:
-        raise KernelInputError(f"at most 4 projections share one call, got P={p_count}")
+    if p_count > MAX_PROJECTIONS:
+        raise KernelInputError(f"at most {MAX_PROJECTIONS} projections share one call, got P={p_count}")
     if not isinstance(scale, torch.Tensor) or scale.shape != A.shape[:2]:
         raise KernelInputError(f"scale must be [P, S]={tuple(A.shape[:2])}, got {getattr(scale, 'shape', None)}")
     slots2 = slots[:, None] if isinstance(slots, torch.Tensor) and slots.dim() == 1 else slots

@@ -23,9 +23,6 @@ import torch
 
 from kernels.triton_common import HAS_TRITON, cdiv, delta_target, interpreting, next_pow2, tl, triton
 
-# Most projections one launch serves (the expand reads the column boundaries as P - 1 scalars)
-MAX_PROJECTIONS = 4
-
 if HAS_TRITON:
     @triton.jit
     def _bgmv_shrink_kernel(x_ptr, a_ptr, slot_ptr, part_ptr, M, IN, R, S,
@@ -129,7 +126,7 @@ def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, c
     _bgmv_shrink_kernel[(m_rows, split_k)](
         x, A4, slots, part, m_rows, d_in, r, s_count, sx[0], sx[1], sa[0], sa[1], sa[2], sa[3],
         K=k, P=p_count, BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
-    o1, o2, o3 = (bounds[1:-1] + (d_out,) * 3)[:3]
+    o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
     so = out.stride()
     _bgmv_expand_kernel[(n, cdiv(d_out, cfg["BLOCK_N"]))](
         B, slots, w, scale2, part, out, m_rows, d_out, r, s_count, o1, o2, o3, sb[0], sb[1], sb[2],
