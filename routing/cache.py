@@ -110,11 +110,6 @@ class HotSetCache:
         with self._lock:
             return self._entry(name).adapter
 
-    def info(self, name: str) -> AdapterInfo:
-        """The registry's AdapterInfo of `name` (UnknownAdapterError naming the loaded ones if there is none)."""
-        with self._lock:
-            return self._entry(name).info
-
     def infos(self) -> dict[str, AdapterInfo]:
         """{name: AdapterInfo} of every loaded adapter, in the order they were added."""
         with self._lock:
