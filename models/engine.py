@@ -395,6 +395,8 @@ class Engine:
         self._prefill_lengths = [16 << i for i in range(max(1, self.max_len.bit_length()))]
         self.dtype = dtype
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # learned image gates decide once per picture: each row's decision per block, kept across decode steps
+        self._pictures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # top-k -> (slots, weights) [rows+1, blocks, k]
         self._ready = True
         log.info("engine: %d rows x %d positions (%.1f MiB of KV cache), widths %s, CUDA graphs %s",
                  self.max_rows, self.max_len, self.kv.nbytes() / 2 ** 20, self.widths, self.use_graphs)
@@ -539,6 +541,7 @@ class Engine:
         slots = table.gather(1, self.states.modality[ids])
         plan = self._plan(ids, slots.view(-1), members, routed)
         out = self._forward(ids, positions, rows, mask, plan, length=length)
+        self._keep_pictures(plan, rows)
         return out.logits[:, -1], _producing(out.routing, slots[:, -1])
 
     def _replay_prefill(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, _Producing]:
@@ -643,8 +646,42 @@ class Engine:
         ids, positions, mask, slots = self.states.decode_inputs(width, columns, self.dtype)
         members = [(job, row) for job in jobs for row in (job.row, job.twin) if row is not None]
         plan = self._plan(ids, slots, members, routed)
+        self._hold_pictures(plan)
         out = self._forward(ids, positions, self.all_rows[:width], mask, plan, leading=width, length=length)
+        self._keep_pictures(plan, self.all_rows[:width])
         return out.logits[:, -1], _producing(out.routing, slots)
+
+    def _picture_tables(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if k not in self._pictures:
+            shape = (self.max_rows + 1, self.routed.num_blocks, k)
+            self._pictures[k] = (torch.full(shape, -1, dtype=torch.long, device=self.device),
+                                 torch.zeros(shape, dtype=torch.float32, device=self.device))
+        return self._pictures[k]
+
+    def _hold_pictures(self, plan: CallRouting | None) -> None:
+        """Decode step: rows inside a picture begun in an earlier step reuse the decision kept for it (the rows
+        of a decode step are cache rows; a CFG twin has no picture state and decides at each of its steps)."""
+        for group in plan.learned if plan is not None else ():
+            if group.per_picture:
+                rows = group.rows if group.rows is not None else self.all_rows[:group.gated.shape[0]]
+                inside = self.states.in_image[rows] & (self.states.image_pos[rows] > 0)
+                slots, weights = self._picture_tables(group.top_k)
+                group.held = (slots[rows], weights[rows], inside[:, None] & group.gated)
+
+    def _keep_pictures(self, plan: CallRouting | None, cache_rows: torch.Tensor) -> None:
+        """After a forward: rows whose last position is inside a picture keep that position's decision per block
+        (the picture's own decision: anchored or held), for the picture's later steps."""
+        for group in plan.learned if plan is not None else ():
+            if not group.per_picture or not plan.block_slots:
+                continue
+            local = group.rows if group.rows is not None else torch.arange(plan.batch, device=self.device)
+            last = group.gated[:, -1]
+            rows = cache_rows[local][last]
+            slots, weights = self._picture_tables(group.top_k)
+            for block, (block_slots, block_weights) in plan.block_slots.items():
+                at_last = (local * plan.length + plan.length - 1)[last]
+                slots[rows, block] = block_slots[at_last, :group.top_k]
+                weights[rows, block] = block_weights[at_last, :group.top_k].float()
 
     def _replay(self, width: int) -> tuple[torch.Tensor, _Producing]:
         """Replay the captured step of this width (capturing it on first use). Replaying it again is harmless:

@@ -296,7 +296,13 @@ class LearnedRouter:
 @dataclass(eq=False)
 class LearnedGroup:
     """One gate set of a LearnedRouter in a forward pass: its rows, gates, k, expert -> slot map and the
-    positions it routes."""
+    positions it routes.
+
+    Image gates decide once per picture: every position of a picture takes the decision made at its first
+    position (`anchor`, within this forward), or, when the picture began in an earlier forward (token-by-token
+    decode), the decision kept from then (`held`: the serving engine keeps it per row). Gated per position, the
+    first codes drawn pull a picture's later positions to whichever adapter drew them (benchmarks/RESULTS.md).
+    """
 
     router: LearnedRouter
     rows: torch.Tensor | None  # row indices into the batch, None = every row
@@ -304,13 +310,22 @@ class LearnedGroup:
     gated: torch.Tensor  # [b, T] bool
     gates: LearnedGates  # the router's text gates or its image gates
     top_k: int
+    anchor: torch.Tensor | None = None  # [b*T] long: the position whose decision each position takes
+    held: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # slots, weights [b, blocks, k]; use [b, T]
+
+    @property
+    def per_picture(self) -> bool:
+        return self.gates is self.router.image_gates
 
     @classmethod
     def for_router(cls, router: LearnedRouter, rows: torch.Tensor | None, input_ids: torch.Tensor,
                    slot_of: Mapping[str, int], device: torch.device | str) -> list[LearnedGroup]:
         """One group per gate set of `router` over these rows (`input_ids`: those rows' ids)."""
-        return [cls(router, rows, gates.expert_slots(slot_of, device), mask, gates, k)
-                for gates, k, mask in router.gate_sets(input_ids)]
+        groups = []
+        for gates, k, mask in router.gate_sets(input_ids):
+            anchor = picture_anchor(mask) if gates is router.image_gates else None
+            groups.append(cls(router, rows, gates.expert_slots(slot_of, device), mask, gates, k, anchor))
+        return groups
 
     def decide(self, block: int, hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
                k_max: int) -> BlockDecision:
@@ -322,6 +337,13 @@ class LearnedGroup:
         top_val, top_idx = logits.topk(k, dim=-1)
         w = torch.softmax(top_val, dim=-1)
         s = self.expert_slots[top_idx]
+        if self.anchor is not None:
+            s, w = s[self.anchor], w[self.anchor]
+        if self.held is not None:
+            held_slots, held_weights, use = self.held
+            use = use.reshape(-1, 1)
+            s = torch.where(use, held_slots[:, block].repeat_interleave(t, dim=0), s)
+            w = torch.where(use, held_weights[:, block].repeat_interleave(t, dim=0), w)
         if k < k_max:
             s = torch.cat([s, s.new_full((b * t, k_max - k), -1)], dim=1)
             w = torch.cat([w, w.new_zeros(b * t, k_max - k)], dim=1)
@@ -337,6 +359,18 @@ class LearnedGroup:
             slots[self.rows] = new_s
             weights[self.rows] = new_w
         return BlockDecision(logits=logits, topk=top_idx, mask=mask, base_expert=self.gates.base_expert)
+
+
+def picture_anchor(image: torch.Tensor) -> torch.Tensor:
+    """[b*T] long: for each image position of `image` [b, T] (bool), the flat index of its picture's first position
+    in this forward (a run of image positions is one picture); every other position points at itself."""
+    b, t = image.shape
+    columns = torch.arange(t, device=image.device).expand(b, t)
+    before = torch.cat([torch.zeros_like(image[:, :1]), image[:, :-1]], dim=1)
+    starts = torch.where(image & ~before, columns, torch.full_like(columns, -1))
+    first = torch.cummax(starts, dim=1).values
+    local = torch.where(image & (first >= 0), first, columns)
+    return (local + torch.arange(b, device=image.device)[:, None] * t).reshape(-1)
 
 
 # --- auxiliary losses (training the gates) ----------------------------------------------------------------

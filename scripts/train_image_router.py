@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=2000, help="training requests (half of each style)")
     p.add_argument("--n-val", type=int, default=100, help="held-out requests scored at the end")
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--second", type=float, default=0.5,
+                   help="share of requests that follow a picture in the other style (a two-picture document)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--lb-coef", type=float, default=0.01)
@@ -65,14 +67,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def encode(pipe: InterleavedPipeline, items: list[StyleItem], experts: list[str | None]
-           ) -> list[tuple[list[int], int, int]]:
-    """(ids, index of <boi>, the requested style's expert index) of each item: <bos> + sentence + picture."""
+def encode(pipe: InterleavedPipeline, items: list[StyleItem], experts: list[str | None], *, seed: int | str,
+           split: str, second: float) -> list[tuple[list[int], int, int]]:
+    """(ids, index of the scored picture's <boi>, the requested style's expert index) of each item: <bos> +
+    sentence + picture; a `second` share of them first hold another request's sentence and picture in the other
+    style (context, not scored), so the gates learn to follow the words, not the document's last picture."""
     from models.shapes import world
-    codes = pipe.image_tokenizer.encode([world.render(it.scene) for it in items])
+    firsts = style_items(len(items) + 1, seed=f"first:{seed}", split=split)[1:]  # firsts[i]: the other style
+    rng = random.Random(f"second:{seed}")
+    lead = [rng.random() < second for _ in items]
+    scenes = [it.scene for it in items] + [f.scene for f, use in zip(firsts, lead) if use]
+    codes = iter(pipe.image_tokenizer.encode([world.render(scene) for scene in scenes]))
+    pictures = [next(codes) for _ in items]
     out = []
-    for item, picture in zip(items, codes):
-        head = [pipe.vocab.bos_id, *pipe.tokenizer.encode_text(item.prompt)]
+    for item, first, use, picture in zip(items, firsts, lead, pictures):
+        head = [pipe.vocab.bos_id]
+        if use:
+            head += [*pipe.tokenizer.encode_text(first.prompt), *pipe.tokenizer.image_span(next(codes))]
+        head += pipe.tokenizer.encode_text(item.prompt)
         out.append((head + pipe.tokenizer.image_span(picture), len(head), experts.index(item.adapter)))
     return out
 
@@ -150,8 +162,10 @@ def main(argv: list[str] | None = None) -> dict:
     gates = LearnedGates.for_model(routed, image_adapters, base_expert=True)
     train_router = LearnedRouter(pipe.gates, top_k=pipe.learned_top_k, vocab=pipe.vocab, image_gates=gates,
                                  image_top_k=gates.num_experts)
-    train = encode(pipe, style_items(args.n, seed=args.seed, split="train"), gates.experts)
-    val = encode(pipe, style_items(args.n_val, seed=f"val{args.seed}", split="heldout"), gates.experts)
+    train = encode(pipe, style_items(args.n, seed=args.seed, split="train"), gates.experts, seed=args.seed,
+                   split="train", second=args.second)
+    val = encode(pipe, style_items(args.n_val, seed=f"val{args.seed}", split="heldout"), gates.experts,
+                 seed=f"val{args.seed}", split="heldout", second=args.second)
     opt = torch.optim.AdamW(gates.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = Schedule(args.steps, max(1, args.steps // 10), args.max_minutes)
     rng = random.Random(f"{args.seed}:image-router-order")
@@ -190,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
         "file": "image_gates.safetensors", "adapters": image_adapters, "base_expert": True, "top_k": 1,
         "styles": {style: adapter for style, adapter in STYLE_ADAPTERS.items()},
         "loss": {"next_token": 1.0, "load_balance": args.lb_coef, "z": args.z_coef, "label": args.label_coef},
-        "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed, "steps": step, "train_records": len(train),
+        "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed, "second": args.second, "steps": step, "train_records": len(train),
         "val_records": len(val), "data": "models/shapes/styles.py", "adapter_sha256_16": hashes,
         "seconds": round(time.time() - t0, 1), "device": device_name(args.device), "threads": args.threads,
         "torch": torch.__version__, "curve": curve, "val": val_metrics}

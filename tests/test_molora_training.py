@@ -296,3 +296,29 @@ def test_image_gates_load_beside_the_text_gates_and_bad_ones_change_nothing(trai
         pipe.load_learned_router(router_dir / "gates.safetensors")
     assert (pipe.gates, pipe.image_gates) == before[:2]
     shutil.rmtree(router_dir)
+
+
+def test_image_gates_decide_once_per_picture_in_the_engine_and_in_one_pass(trained):
+    """A picture's positions all take the decision made at its first position: in one pass (anchored) and
+    token by token through the engine (kept per row across decode steps)."""
+    from models.pipeline import InterleavedPipeline
+    from routing.routers import picture_anchor
+    image = torch.tensor([[False, True, True, False, True, True, True]])
+    assert picture_anchor(image).tolist() == [0, 1, 1, 3, 4, 4, 4]
+    root, model, adapters, _, _ = trained
+    pipe = InterleavedPipeline.from_pretrained(root)
+    torch.manual_seed(3)
+    gates = LearnedGates.for_model(pipe.routed, ["spatial"], base_expert=True, init_std=1.0)  # varies by position
+    pipe.image_gates = gates
+    docs = pipe.generate(["A red circle", "A blue square", "Two green stars"], routing="learned", max_images=1,
+                         max_new_tokens=pipe.vocab.image_span_tokens + 1, start_image=True, seed=0)
+    seen = set()
+    for doc in docs:
+        picture = [r.adapter for r in doc.routing if r.modality == "image"]
+        assert picture and len(set(picture)) == 1, picture  # one decision for the whole picture
+        seen |= set(picture)
+        ids = torch.tensor([[pipe.vocab.bos_id, *[r.id for r in doc.routing if r.part is not None]]])
+        with torch.no_grad():  # the same picture in one pass: the same decision everywhere
+            out = pipe.routed(ids, routers=pipe.make_router("learned", None, None))
+        image_names = [n for n, r in zip(out.routing.adapter_names(0)[1:], doc.routing) if r.modality == "image"]
+        assert len(set(image_names)) == 1
