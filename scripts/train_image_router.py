@@ -53,8 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=2000, help="training requests (half of each style)")
     p.add_argument("--n-val", type=int, default=100, help="held-out requests scored at the end")
     p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--second", type=float, default=0.5,
-                   help="share of requests that follow a picture in the other style (a two-picture document)")
+    p.add_argument("--second", type=float, default=0.0,
+                   help="share of requests that follow a picture in the other style (a two-picture document; "
+                        "0.5 did not help the second picture: benchmarks/RESULTS.md)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--lb-coef", type=float, default=0.01)
