@@ -16,6 +16,7 @@ import torch
 
 from models.checkpoint import check_declared_counts, check_finite, read_config
 from models.loading import ModelDirError
+from models.runtime import configure_cpu_threads
 from models.vocab import UnifiedVocab, VocabError
 
 
@@ -116,6 +117,37 @@ def load_checked(cls: Any, path: Path, dtype: torch.dtype) -> Any:
                             f"(e.g. {missing[:3]}); it was saved from another class or is incomplete")
     check_finite(model, path, ModelDirError)
     return model
+
+
+def load_model_and_processor(model_cls: Any, processor_cls: Any, path: Path, *, what: str,
+                             device: torch.device | str | None, dtype: torch.dtype | None, threads: int | None
+                             ) -> tuple[Any, Any, torch.device]:
+    """(processor, model on `device` in eval mode, device) of a family's directory: threads set, the processor
+    loaded (any failure a ModelDirError naming `what`), the model through load_checked, and its name for adapter
+    checks taken from `molora_base_model` in its config where the checkpoint records one."""
+    configure_cpu_threads(threads)
+    device, dtype = device_and_dtype(device, dtype)
+    try:
+        processor = processor_cls.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises many types on damaged files (RecursionError, StrictDataclass...)
+        raise ModelDirError(f"cannot load the {what} from {path}: {exc}") from exc
+    model = load_checked(model_cls, path, dtype).to(device).eval().requires_grad_(False)
+    model.name_or_path = getattr(model.config, "molora_base_model", None) or model.name_or_path
+    return processor, model, device
+
+
+def tiny_byte_bpe(texts: Iterable[str], specials: Iterable[str], vocab_size: int = 300) -> Any:
+    """A byte-level BPE trained on `texts`, `specials` added after it: the tokenizer of the families' tiny test
+    models (models/<family>/testing.py)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(list(texts), trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_special_tokens(list(specials))
+    return tok
 
 
 def read_generation_defaults(path: Path) -> dict:

@@ -38,9 +38,8 @@ import torch
 from PIL import Image
 
 from models.family import ModelFamily, config_model_type, register_family
-from models.hf_family import SpanTokenizer, device_and_dtype, load_checked, read_generation_defaults
+from models.hf_family import SpanTokenizer, load_model_and_processor, read_generation_defaults
 from models.loading import LoadedModel, ModelDirError, find_adapters
-from models.runtime import configure_cpu_threads
 from models.vocab import UnifiedVocab, VocabError
 
 log = logging.getLogger(__name__)
@@ -128,15 +127,9 @@ def load_chameleon(path: str | Path, *, adapters_dir: str | Path | None = None,
     from transformers import ChameleonForConditionalGeneration, ChameleonProcessor
 
     path = Path(path)
-    configure_cpu_threads(threads)
-    device, dtype = device_and_dtype(device, dtype)
-    try:
-        processor = ChameleonProcessor.from_pretrained(str(path))
-    except Exception as exc:  # transformers raises many types on damaged files (RecursionError, StrictDataclass...)
-        raise ModelDirError(f"cannot load the Chameleon processor from {path}: {exc}") from exc
-    lm = load_checked(ChameleonForConditionalGeneration, path, dtype)
-    lm = lm.to(device).eval().requires_grad_(False)
-    lm.name_or_path = getattr(lm.config, "molora_base_model", None) or lm.name_or_path
+    processor, lm, device = load_model_and_processor(
+        ChameleonForConditionalGeneration, ChameleonProcessor, path, what="Chameleon processor", device=device,
+        dtype=dtype, threads=threads)
     side = math.isqrt(int(processor.image_seq_length))
     if side * side != int(processor.image_seq_length):
         raise ModelDirError(f"{path}: image_seq_length {processor.image_seq_length} is not a square grid")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from models.hf_family import tiny_byte_bpe
+
 TEXTS = ["a red circle in the top left", "two blue squares on a green field", "draw a picture of a cat",
          "describe this picture"]
 DIGITS = {str(i): chr(ord("A") + i) for i in range(10)}
@@ -22,7 +24,6 @@ def image_token_name(code: int) -> str:
 def build_tiny_chameleon(path: str | Path, *, codebook: int = 16, side: int = 4, hidden_size: int = 32,
                          num_layers: int = 2, seed: int = 0) -> Path:
     """Save a tiny random ChameleonForConditionalGeneration and its ChameleonProcessor into `path`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         ChameleonConfig,
         ChameleonForConditionalGeneration,
@@ -32,13 +33,8 @@ def build_tiny_chameleon(path: str | Path, *, codebook: int = 16, side: int = 4,
     )
 
     path = Path(path)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, show_progress=False,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.add_special_tokens(["<s>", "<pad>", "</s>", "<image>", "<racm3:break>", "<eoss>"]
-                           + [image_token_name(c) for c in range(codebook)])
+    tok = tiny_byte_bpe(TEXTS, ["<s>", "<pad>", "</s>", "<image>", "<racm3:break>", "<eoss>"]
+                        + [image_token_name(c) for c in range(codebook)])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
         extra_special_tokens={"image_token": "<image>", "boi_token": "<racm3:break>", "eoi_token": "<eoss>"})

@@ -35,9 +35,8 @@ import torch
 from PIL import Image
 
 from models.family import ModelFamily, config_model_type, register_family
-from models.hf_family import SpanTokenizer, device_and_dtype, load_checked, read_generation_defaults
+from models.hf_family import SpanTokenizer, load_model_and_processor, read_generation_defaults
 from models.loading import LoadedModel, ModelDirError, find_adapters
-from models.runtime import configure_cpu_threads
 from models.vocab import UnifiedVocab, VocabError
 
 log = logging.getLogger(__name__)
@@ -139,15 +138,9 @@ def load_emu3(path: str | Path, *, adapters_dir: str | Path | None = None, devic
     from transformers import Emu3ForConditionalGeneration, Emu3Processor
 
     path = Path(path)
-    configure_cpu_threads(threads)
-    device, dtype = device_and_dtype(device, dtype)
-    try:
-        processor = Emu3Processor.from_pretrained(str(path))
-    except Exception as exc:  # transformers raises many types on damaged files (RecursionError, StrictDataclass...)
-        raise ModelDirError(f"cannot load the Emu3 processor (tokenizer + image processor) from {path}: {exc}") from exc
-    lm = load_checked(Emu3ForConditionalGeneration, path, dtype)
-    lm = lm.to(device).eval().requires_grad_(False)
-    lm.name_or_path = getattr(lm.config, "molora_base_model", None) or lm.name_or_path
+    processor, lm, device = load_model_and_processor(
+        Emu3ForConditionalGeneration, Emu3Processor, path, what="Emu3 processor (tokenizer + image processor)",
+        device=device, dtype=dtype, threads=threads)
     mapping = lm.model.vocabulary_mapping
     grid = tuple(int(g) for g in (grid or default_grid(processor, image_area, ratio)))
     if len(grid) != 2 or min(grid) < 1:

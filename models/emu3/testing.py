@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from models.hf_family import tiny_byte_bpe
+
 TEXTS = ["a red circle in the top left", "two blue squares on a green field", "draw a picture of a cat",
          "describe this picture", "hello world 0 1 2 3 4 5 6 7 8 9 * ."]
 SPECIALS = ["<|endoftext|>", "<|extra_203|>", "<|extra_204|>", "<|image start|>", "<|image end|>",
@@ -18,15 +20,9 @@ SPECIALS = ["<|endoftext|>", "<|extra_203|>", "<|extra_204|>", "<|image start|>"
 
 def tiny_emu3_tokenizer(codebook: int = 16, text_vocab: int = 300):
     """A byte-level BPE over a few sentences + Emu3's specials + `codebook` visual tokens (contiguous ids)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=text_vocab, show_progress=False,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.add_special_tokens(SPECIALS + [f"<|visual token {i:06d}|>" for i in range(codebook)])
+    tok = tiny_byte_bpe(TEXTS, SPECIALS + [f"<|visual token {i:06d}|>" for i in range(codebook)], text_vocab)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|extra_203|>", eos_token="<|extra_204|>", pad_token="<|endoftext|>",
         extra_special_tokens={"image_token": "<image>", "boi_token": "<|image start|>", "eoi_token": "<|image end|>",

@@ -38,9 +38,8 @@ from PIL import Image
 from torch import nn
 
 from models.family import ModelFamily, config_model_type, register_family
-from models.hf_family import SpanTokenizer, device_and_dtype, load_checked, read_generation_defaults
+from models.hf_family import SpanTokenizer, load_model_and_processor, read_generation_defaults
 from models.loading import LoadedModel, ModelDirError, find_adapters
-from models.runtime import configure_cpu_threads
 from models.vocab import UnifiedVocab, VocabError
 
 log = logging.getLogger(__name__)
@@ -135,15 +134,9 @@ def load_janus(path: str | Path, *, adapters_dir: str | Path | None = None, devi
     from transformers import JanusForConditionalGeneration, JanusProcessor
 
     path = Path(path)
-    configure_cpu_threads(threads)
-    device, dtype = device_and_dtype(device, dtype)
-    try:
-        processor = JanusProcessor.from_pretrained(str(path))
-    except Exception as exc:  # transformers raises many types on damaged files (RecursionError, StrictDataclass...)
-        raise ModelDirError(f"cannot load the Janus processor from {path}: {exc}") from exc
-    janus = load_checked(JanusForConditionalGeneration, path, dtype)
-    janus = janus.to(device).eval().requires_grad_(False)
-    janus.name_or_path = getattr(janus.config, "molora_base_model", None) or janus.name_or_path
+    processor, janus, device = load_model_and_processor(
+        JanusForConditionalGeneration, JanusProcessor, path, what="Janus processor", device=device, dtype=dtype,
+        threads=threads)
     lm = JanusUnifiedLM(janus)
     side = math.isqrt(int(processor.num_image_tokens))
     patches = int(janus.config.vq_config.num_patches)

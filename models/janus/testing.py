@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from models.hf_family import tiny_byte_bpe
+
 TEXTS = ["a red circle in the top left", "two blue squares on a green field", "draw a picture of a cat"]
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<image_placeholder>",
             "<begin_of_image>", "<end_of_image>"]
@@ -17,7 +19,6 @@ SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<�
 def build_tiny_janus(path: str | Path, *, codebook: int = 16, side: int = 4, hidden_size: int = 32,
                      num_layers: int = 2, seed: int = 0) -> Path:
     """Save a tiny random JanusForConditionalGeneration and its JanusProcessor into `path`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         JanusConfig,
         JanusForConditionalGeneration,
@@ -27,12 +28,7 @@ def build_tiny_janus(path: str | Path, *, codebook: int = 16, side: int = 4, hid
     )
 
     path = Path(path)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, show_progress=False,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.add_special_tokens(SPECIALS)
+    tok = tiny_byte_bpe(TEXTS, SPECIALS)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=SPECIALS[0], eos_token=SPECIALS[1], pad_token=SPECIALS[2],
         extra_special_tokens={"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>",
