@@ -678,8 +678,8 @@ class Engine:
             last = group.gated[:, -1]
             rows = cache_rows[local][last]
             slots, weights = self._picture_tables(group.top_k)
+            at_last = (local * plan.length + plan.length - 1)[last]
             for block, (block_slots, block_weights) in plan.block_slots.items():
-                at_last = (local * plan.length + plan.length - 1)[last]
                 slots[rows, block] = block_slots[at_last, :group.top_k]
                 weights[rows, block] = block_weights[at_last, :group.top_k].float()
 

@@ -37,6 +37,7 @@ from models.data import Schedule  # noqa: E402
 from models.loading import adapter_weights_hash  # noqa: E402
 from models.pipeline import InterleavedPipeline  # noqa: E402
 from models.runtime import device_name  # noqa: E402
+from models.shapes import world  # noqa: E402
 from models.shapes.styles import STYLE_ADAPTERS, StyleItem, style_items  # noqa: E402
 from routing import LearnedGates, LearnedRouter  # noqa: E402
 
@@ -73,7 +74,6 @@ def encode(pipe: InterleavedPipeline, items: list[StyleItem], experts: list[str 
     """(ids, index of the scored picture's <boi>, the requested style's expert index) of each item: <bos> +
     sentence + picture; a `second` share of them first hold another request's sentence and picture in the other
     style (context, not scored), so the gates learn to follow the words, not the document's last picture."""
-    from models.shapes import world
     firsts = style_items(len(items) + 1, seed=f"first:{seed}", split=split)[1:]  # firsts[i]: the other style
     rng = random.Random(f"second:{seed}")
     lead = [rng.random() < second for _ in items]
