@@ -7,7 +7,7 @@
 This is also the Hugging Face Space's app_file. The code lives in app/ (app/server.py: loading and launching).
 """
 
-from app.server import main
+from molora.app.server import main
 
 if __name__ == "__main__":
     main()

@@ -14,16 +14,15 @@ import time
 
 import gradio as gr
 import torch
-
-from app.ui import DEFAULT_CONCURRENCY, build_demo, default_adapter, launch_kwargs
-from models import InterleavedPipeline
-from models.runtime import configure_cpu_threads
+from molora.app.ui import DEFAULT_CONCURRENCY, build_demo, default_adapter, launch_kwargs
+from molora.models import InterleavedPipeline
+from molora.models.runtime import configure_cpu_threads
 
 log = logging.getLogger("molora.app")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="MoLoRA Gradio demo")
+    parser = argparse.ArgumentParser(prog="molora serve", description="MoLoRA Gradio demo")
     parser.add_argument("--model", default=os.environ.get("MOLORA_MODEL") or None,
                         help="model directory (default: $MOLORA_MODEL, else the embedded assets/model)")
     parser.add_argument("--device", default=os.environ.get("MOLORA_DEVICE") or None,

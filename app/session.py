@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.uploads import UploadError
-from routing.errors import AdapterError, UnknownAdapterError
+from molora.app.uploads import UploadError
+from molora.routing.errors import AdapterError, UnknownAdapterError
 
 log = logging.getLogger(__name__)
 

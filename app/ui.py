@@ -26,11 +26,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import gradio as gr
-
-from app.render import BASE_LABEL, RunView, color_map
-from app.session import NONE_CHOICE, SessionRegistry, SessionState
-from app.streaming import in_background
-from app.uploads import (
+from molora.app.render import BASE_LABEL, RunView, color_map
+from molora.app.session import NONE_CHOICE, SessionRegistry, SessionState
+from molora.app.streaming import in_background
+from molora.app.uploads import (
     CONFIG_NAME,
     MAX_ZIP_BYTES,
     WEIGHTS_NAME,
@@ -39,10 +38,10 @@ from app.uploads import (
     remove_folder,
     validate_upload,
 )
-from models import GenerationConfig, SamplingConfig
-from models.events import Event
-from models.sampling import MAX_SEED, check_seed
-from routing.errors import MoLoRAError
+from molora.models import GenerationConfig, SamplingConfig
+from molora.models.events import Event
+from molora.models.sampling import MAX_SEED, check_seed
+from molora.routing.errors import MoLoRAError
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from routing.adapters import parse_adapter_config
-from routing.errors import AdapterError, MoLoRAError
+from molora.routing.adapters import parse_adapter_config
+from molora.routing.errors import AdapterError, MoLoRAError
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"

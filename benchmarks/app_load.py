@@ -25,9 +25,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from gradio_client import Client
-
-from app.server import load_pipeline, serve, warm_up
-from models.runtime import configure_cpu_threads
+from molora.app.server import load_pipeline, serve, warm_up
+from molora.models.runtime import configure_cpu_threads
 
 PROMPTS = ["Draw a red circle at the top left.", "Show me two blue squares.", "A green triangle in the center:",
            "Tell me about a yellow star.", "Arr, a purple diamond:", "Three pink circles on the right."]

@@ -15,9 +15,8 @@ import statistics
 import time
 
 import torch
-
-from models import InterleavedPipeline
-from models.runtime import configure_cpu_threads
+from molora.models import InterleavedPipeline
+from molora.models.runtime import configure_cpu_threads
 
 TEXT_TOKENS = 83  # ~64 words at this tokenizer's 1.15 ids per word (+ <eos>)
 

@@ -61,17 +61,16 @@ if ARGS.dry_run:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernels imports it)
 sys.path.insert(0, str(ROOT))
 
+import molora.kernels.dispatch as dispatch  # noqa: E402
+import molora.kernels.triton_gather as gather_mod  # noqa: E402
+import molora.kernels.triton_grouped as grouped_mod  # noqa: E402
+import molora.kernels.triton_stacked as stacked_mod  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
-
-import kernels.dispatch as dispatch  # noqa: E402
-import kernels.triton_gather as gather_mod  # noqa: E402
-import kernels.triton_grouped as grouped_mod  # noqa: E402
-import kernels.triton_stacked as stacked_mod  # noqa: E402
-from kernels import build_routing_meta, routed_lora, routed_lora_group, routed_lora_topk  # noqa: E402
-from kernels.checks import check_inputs  # noqa: E402
-from kernels.graphs import capture_graph  # noqa: E402
-from kernels.reference import routed_lora_group_reference, routed_lora_topk_reference  # noqa: E402
+from molora.kernels import build_routing_meta, routed_lora, routed_lora_group, routed_lora_topk  # noqa: E402
+from molora.kernels.checks import check_inputs  # noqa: E402
+from molora.kernels.graphs import capture_graph  # noqa: E402
+from molora.kernels.reference import routed_lora_group_reference, routed_lora_topk_reference  # noqa: E402
 
 DEV = "cpu" if ARGS.dry_run else "cuda"
 D = 64 if ARGS.dry_run else 4096          # hidden size in and out
@@ -404,8 +403,8 @@ def run_eager() -> None:
     except Exception as exc:  # noqa: BLE001  (a probe of Triton internals: report, go on)
         print(f"  raw launch probe failed: {type(exc).__name__}: {str(exc)[:200]}")
     # the routed layers as a model runs them (RoutedLoRALinear under one CallRouting), vs the plain linears
-    from routing.context import CallRouting, reset_routing, set_routing
-    from routing.lora import RoutedLoRALinear, group_projections
+    from molora.routing.context import CallRouting, reset_routing, set_routing
+    from molora.routing.lora import RoutedLoRALinear, group_projections
 
     def make_layers(names, grouped=True):
         layers = [RoutedLoRALinear(torch.nn.Linear(D, D, bias=False, device=DEV, dtype=torch.bfloat16), S, R,

@@ -1,10 +1,14 @@
 """Routed LoRA kernels: per-token adapter selection in one pass (PyTorch reference, torch CPU path, Triton GPU)."""
 
-from kernels.dispatch import reads_meta
-from kernels.errors import KernelInputError
-from kernels.metadata import RoutingMeta, build_routing_meta
-from kernels.ops import routed_lora, routed_lora_group, routed_lora_topk
-from kernels.reference import routed_lora_group_reference, routed_lora_reference, routed_lora_topk_reference
+from molora.kernels.dispatch import reads_meta
+from molora.kernels.errors import KernelInputError
+from molora.kernels.metadata import RoutingMeta, build_routing_meta
+from molora.kernels.ops import routed_lora, routed_lora_group, routed_lora_topk
+from molora.kernels.reference import (
+           routed_lora_group_reference,
+           routed_lora_reference,
+           routed_lora_topk_reference,
+)
 
 __all__ = ["routed_lora", "routed_lora_topk", "routed_lora_group", "routed_lora_reference",
            "routed_lora_topk_reference", "routed_lora_group_reference",

@@ -8,10 +8,9 @@ for training and never happens on an inference step (no tensor requires grad the
 from __future__ import annotations
 
 import torch
-
-from kernels.dispatch import routed_lora_forward
-from kernels.metadata import RoutingMeta
-from kernels.torch_ops import routed_lora_torch_backward
+from molora.kernels.dispatch import routed_lora_forward
+from molora.kernels.metadata import RoutingMeta
+from molora.kernels.torch_ops import routed_lora_torch_backward
 
 
 class RoutedLoRAFunction(torch.autograd.Function):

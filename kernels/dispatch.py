@@ -15,15 +15,14 @@ from __future__ import annotations
 import logging
 
 import torch
-
-from kernels.metadata import RoutingMeta
-from kernels.torch_ops import routed_lora_torch, routed_lora_torch_dense, routed_lora_torch_group_dense
-from kernels.triton_common import HAS_TRITON, interpreting
+from molora.kernels.metadata import RoutingMeta
+from molora.kernels.torch_ops import routed_lora_torch, routed_lora_torch_dense, routed_lora_torch_group_dense
+from molora.kernels.triton_common import HAS_TRITON, interpreting
 
 if HAS_TRITON:
-    from kernels.triton_gather import gather_lora, gather_lora_group
-    from kernels.triton_grouped import grouped_lora, grouped_lora_group
-    from kernels.triton_stacked import MAX_WIDTH, stacked_lora, stacked_lora_group
+    from molora.kernels.triton_gather import gather_lora, gather_lora_group
+    from molora.kernels.triton_grouped import grouped_lora, grouped_lora_group
+    from molora.kernels.triton_stacked import MAX_WIDTH, stacked_lora, stacked_lora_group
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kernels.triton_common import HAS_TRITON, interpreting, next_pow2, tl, triton
+from molora.kernels.triton_common import HAS_TRITON, interpreting, next_pow2, tl, triton
 
 
 @dataclass(frozen=True)

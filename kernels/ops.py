@@ -14,12 +14,11 @@ so the delta costs no extra pass over the output.
 from __future__ import annotations
 
 import torch
-
-from kernels.autograd import RoutedLoRAFunction, needs_autograd
-from kernels.checks import check_inputs
-from kernels.dispatch import routed_lora_forward, routed_lora_group_forward
-from kernels.errors import KernelInputError
-from kernels.metadata import RoutingMeta
+from molora.kernels.autograd import RoutedLoRAFunction, needs_autograd
+from molora.kernels.checks import check_inputs
+from molora.kernels.dispatch import routed_lora_forward, routed_lora_group_forward
+from molora.kernels.errors import KernelInputError
+from molora.kernels.metadata import RoutingMeta
 
 # The expand kernels read a group's column boundaries as three scalars (kernels/triton_gather.py)
 MAX_PROJECTIONS = 4

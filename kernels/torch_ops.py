@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kernels.metadata import RoutingMeta, build_routing_meta_torch, selection_matrix
+from molora.kernels.metadata import RoutingMeta, build_routing_meta_torch, selection_matrix
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -22,9 +22,8 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from kernels.metadata import RoutingMeta, build_routing_meta
-from kernels.triton_common import HAS_TRITON, cdiv, dot_config, interpreting, next_pow2, tl, triton
+from molora.kernels.metadata import RoutingMeta, build_routing_meta
+from molora.kernels.triton_common import HAS_TRITON, cdiv, dot_config, interpreting, next_pow2, tl, triton
 
 MODE_STORE, MODE_ADD, MODE_ATOMIC = 0, 1, 2
 

@@ -26,9 +26,8 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from kernels.errors import KernelInputError
-from kernels.triton_common import (
+from molora.kernels.errors import KernelInputError
+from molora.kernels.triton_common import (
     HAS_TRITON,
     cdiv,
     delta_target,

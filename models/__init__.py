@@ -1,6 +1,6 @@
 """Embedded default model: shapes world, tokenizers, the interleaved generation engine and the Python API.
 
-    from models import InterleavedPipeline, Document, GenerationConfig, SamplingConfig
+    from molora.models import InterleavedPipeline, Document, GenerationConfig, SamplingConfig
 
 The names are imported lazily (PEP 562), so `import models.vocab` (or a model family) does not load the pipeline,
 the engine and transformers. Model families: models/family.py.
@@ -12,14 +12,14 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "InterleavedPipeline": "models.pipeline",
-    "Document": "models.document",
-    "TokenRecord": "models.document",
-    "GenerationConfig": "models.generation",
-    "SamplingConfig": "models.sampling",
-    "GenerationError": "models.sampling",
-    "ModelDirError": "models.loading",
-    "DocumentError": "models.document",
+    "InterleavedPipeline": "molora.models.pipeline",
+    "Document": "molora.models.document",
+    "TokenRecord": "molora.models.document",
+    "GenerationConfig": "molora.models.generation",
+    "SamplingConfig": "molora.models.sampling",
+    "GenerationError": "molora.models.sampling",
+    "ModelDirError": "molora.models.loading",
+    "DocumentError": "molora.models.document",
 }
 
 __all__ = list(_EXPORTS)

@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from models.document import Document
-from models.events import Event, Finished, Redraw
-from models.generation import GenerationConfig
-from models.sampling import MAX_SEED, GenerationError
+from molora.models.document import Document
+from molora.models.events import Event, Finished, Redraw
+from molora.models.generation import GenerationConfig
+from molora.models.sampling import MAX_SEED, GenerationError
 
 RESAMPLE_TEMPERATURE = 0.7  # image temperature of candidates 1.. when the config's is greedy (as in RESULTS.md's runs)
 
@@ -53,7 +53,7 @@ def register_check(name: str, factory: Callable[[Any], Check]) -> None:
 
 def make_check(name: str, pipe: Any) -> Check:
     if name not in CHECKS:
-        from models.family import load_builtin_families  # the built-in families register their checks
+        from molora.models.family import load_builtin_families  # the built-in families register their checks
 
         load_builtin_families()
     if name not in CHECKS:

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from molora.models.shapes import world
 from safetensors.torch import load_file, save_file
-
-from models.shapes import world
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +150,7 @@ class Example:
 
 def make_example(rng: random.Random, kind: str, *, split: str = "train", register: str = "plain",
                  style: str = "filled") -> Example:
-    from models.shapes import text
+    from molora.models.shapes import text
 
     if kind == "doc":
         return Example(kind, tuple(text.document(rng, split, register=register, style=style)), register, style)

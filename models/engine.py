@@ -37,17 +37,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from kernels.graphs import capture_graph
-from models.generation import GenerationConfig, Request, open_image_span
-from models.kv_cache import RowKVCache
-from models.row_states import RowStates
-from models.runtime import available_memory
-from models.sampling import MAX_SEED, GenerationError
-from models.vocab import IMAGE, TEXT, UnifiedVocab
-from routing import CacheFullError, LearnedRouter, MoLoRAError, SequenceRouter, VocabRangeRouter
-from routing.context import CallRouting
-from routing.routers import LearnedGroup, Router
+from molora.kernels.graphs import capture_graph
+from molora.models.generation import GenerationConfig, Request, open_image_span
+from molora.models.kv_cache import RowKVCache
+from molora.models.row_states import RowStates
+from molora.models.runtime import available_memory
+from molora.models.sampling import MAX_SEED, GenerationError
+from molora.models.vocab import IMAGE, TEXT, UnifiedVocab
+from molora.routing import CacheFullError, LearnedRouter, MoLoRAError, SequenceRouter, VocabRangeRouter
+from molora.routing.context import CallRouting
+from molora.routing.routers import LearnedGroup, Router
 
 log = logging.getLogger(__name__)
 

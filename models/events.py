@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from molora.models.document import Document
 from PIL import Image
-
-from models.document import Document
 
 
 @dataclass

@@ -33,16 +33,15 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from molora.models.best_of import Check, register_check
+from molora.models.loading import DEFAULT_MODEL_DIR, LoadedModel, ModelDirError
+from molora.models.vocab import UnifiedVocab
 from PIL import Image
-
-from models.best_of import Check, register_check
-from models.loading import DEFAULT_MODEL_DIR, LoadedModel, ModelDirError
-from models.vocab import UnifiedVocab
 
 log = logging.getLogger(__name__)
 
-BUILTIN_FAMILIES = ("models.shapes.family", "models.emu3.family", "models.chameleon.family",
-                    "models.janus.family")
+BUILTIN_FAMILIES = ("molora.models.shapes.family", "molora.models.emu3.family", "molora.models.chameleon.family",
+                    "molora.models.janus.family")
 DEFAULT_FAMILY = "shapes"
 
 

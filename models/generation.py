@@ -16,10 +16,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
-
-from models.sampling import GenerationError, SamplingConfig, check_seed
-from models.vocab import UnifiedVocab
-from routing.routers import Router
+from molora.models.sampling import GenerationError, SamplingConfig, check_seed
+from molora.models.vocab import UnifiedVocab
+from molora.routing.routers import Router
 
 # phases: what the NEXT token of a row may be
 TEXT_PHASE, CODE_PHASE, ROW_END_PHASE, EOI_PHASE, DONE_PHASE = range(5)

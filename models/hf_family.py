@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from models.checkpoint import check_declared_counts, check_finite, read_config
-from models.loading import ModelDirError
-from models.runtime import configure_cpu_threads
-from models.vocab import UnifiedVocab, VocabError
+from molora.models.checkpoint import check_declared_counts, check_finite, read_config
+from molora.models.loading import ModelDirError
+from molora.models.runtime import configure_cpu_threads
+from molora.models.vocab import UnifiedVocab, VocabError
 
 
 class SpanTokenizer:

@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from diffusers import VQModel
+from molora.models.checkpoint import check_checkpoint, check_finite, read_config
+from molora.routing.errors import MoLoRAError
 from PIL import Image
-
-from models.checkpoint import check_checkpoint, check_finite, read_config
-from routing.errors import MoLoRAError
 
 log = logging.getLogger(__name__)
 

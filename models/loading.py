@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from models.checkpoint import check_checkpoint, check_finite, read_config
-from models.runtime import configure_cpu_threads
-from routing.cache import AdapterInfo  # the adapter registry's metadata (name, path, modality, description)
-from routing.errors import MoLoRAError
+from molora.models.checkpoint import check_checkpoint, check_finite, read_config
+from molora.models.runtime import configure_cpu_threads
+from molora.routing.cache import (
+    AdapterInfo,  # the adapter registry's metadata (name, path, modality, description)
+)
+from molora.routing.errors import MoLoRAError
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +158,9 @@ def load_model_dir(path: str | Path | None = None, *, adapters_dir: str | Path |
     configs describe (models/checkpoint.py: names, dtypes, shapes from the safetensors headers); after: no NaN/Inf
     weight, the LM's vocabulary covers the unified vocabulary and the VQ's grid and codebook match it.
     """
+    from molora.models.image_tokenizer import ImageTokenizer
+    from molora.models.tokenizer import UnifiedTokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from models.image_tokenizer import ImageTokenizer
-    from models.tokenizer import UnifiedTokenizer
 
     model_dir, adapters_dir = resolve_dirs(path, adapters_dir)
     if not model_dir.is_dir():

@@ -1,6 +1,6 @@
 """InterleavedPipeline: the Python API that writes documents of text and images with routed LoRA adapters.
 
-    >>> from models import InterleavedPipeline
+    >>> from molora.models import InterleavedPipeline
     >>> pipe = InterleavedPipeline.from_pretrained()             # assets/model + every adapter in assets/adapters
     >>> doc = pipe.generate("a red circle in the top left", seed=0, start_image=True,
     ...                     text_adapter="pirate", image_adapter="outline", routing="vocab")
@@ -35,16 +35,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
-
-from models.best_of import candidate_config, make_check, stream_best_of
-from models.builder import DocumentBuilder
-from models.document import Document
-from models.engine import Done, Engine, EngineConfig, Token
-from models.events import Event, Finished, StepTiming
-from models.family import load_family_model
-from models.generation import GenerationConfig, Request, open_image_span
-from models.loading import (
+from molora.models.best_of import candidate_config, make_check, stream_best_of
+from molora.models.builder import DocumentBuilder
+from molora.models.document import Document
+from molora.models.engine import Done, Engine, EngineConfig, Token
+from molora.models.events import Event, Finished, StepTiming
+from molora.models.family import load_family_model
+from molora.models.generation import GenerationConfig, Request, open_image_span
+from molora.models.loading import (
     AdapterInfo,
     LoadedModel,
     ModelDirError,
@@ -52,8 +50,8 @@ from models.loading import (
     adapter_weights_hash,
     read_adapter_info,
 )
-from models.sampling import GenerationError
-from routing import (
+from molora.models.sampling import GenerationError
+from molora.routing import (
     AdapterError,
     LearnedGates,
     LearnedRouter,
@@ -64,6 +62,7 @@ from routing import (
     attach_routed_lora,
     merge_adapters,
 )
+from PIL import Image
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,7 @@ hold, so a row decodes exactly as it would alone.
 from __future__ import annotations
 
 import torch
-
-from models.generation import (
+from molora.models.generation import (
     CODE_PHASE,
     ROW_END_PHASE,
     TEXT_PHASE,
@@ -23,8 +22,8 @@ from models.generation import (
     build_phase_masks,
     span_tables,
 )
-from models.sampling import guide, sample
-from models.vocab import IMAGE, UnifiedVocab
+from molora.models.sampling import guide, sample
+from molora.models.vocab import IMAGE, UnifiedVocab
 
 NO_LIMIT = 2 ** 62  # max_images of a request that sets none
 

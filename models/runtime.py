@@ -13,8 +13,7 @@ import logging
 import os
 
 import torch
-
-from routing.errors import MoLoRAError
+from molora.routing.errors import MoLoRAError
 
 log = logging.getLogger(__name__)
 

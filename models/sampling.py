@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from routing.errors import MoLoRAError
+from molora.routing.errors import MoLoRAError
 
 
 class GenerationError(MoLoRAError):

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-from models.vocab import UnifiedVocab
-from routing import LoraAdapter, RoutedModel, attach_routed_lora
+from molora.models.vocab import UnifiedVocab
+from molora.routing import LoraAdapter, RoutedModel, attach_routed_lora
 
 # Qwen3-1.7B's published shape (config.json of Qwen/Qwen3-1.7B), and a tiny one of the same family for tests.
 SHAPES: dict[str, dict[str, Any]] = {

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 from diffusers import VQModel
+from molora.models.image_tokenizer import vq_config
+from molora.models.tokenizer import UnifiedTokenizer, build_tiny_tokenizer
+from molora.models.vocab import UnifiedVocab
 from transformers import LlamaConfig, LlamaForCausalLM
-
-from models.image_tokenizer import vq_config
-from models.tokenizer import UnifiedTokenizer, build_tiny_tokenizer
-from models.vocab import UnifiedVocab
 
 BASE_MODEL_NAME = "molora/shapes-lm"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

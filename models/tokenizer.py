@@ -21,10 +21,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
+from molora.models.vocab import UnifiedVocab, VocabError
+from molora.routing.errors import MoLoRAError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-from models.vocab import UnifiedVocab, VocabError
-from routing.errors import MoLoRAError
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
-
-from kernels.errors import MoLoRAError  # the bottom layer: routing/ imports this module (no cycle)
-from routing.modality import IMAGE, MODALITY_NAMES, TEXT  # noqa: F401  (routers read the table built here)
+from molora.kernels.errors import MoLoRAError  # the bottom layer: routing/ imports this module (no cycle)
+from molora.routing.modality import IMAGE, MODALITY_NAMES, TEXT  # noqa: F401  (routers read the table built here)
 
 
 class VocabError(MoLoRAError, ValueError):

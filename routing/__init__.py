@@ -5,13 +5,13 @@
     out = routed(input_ids, routers=VocabRangeRouter(vocab, text_adapter="formal", image_adapter="outline"))
 """
 
-from routing.adapters import LoraAdapter, load_peft_adapter, merge_adapters, save_peft_adapter
-from routing.cache import AdapterInfo, HotSetCache
-from routing.errors import AdapterError, CacheFullError, MoLoRAError, RoutingError, UnknownAdapterError
-from routing.lora import RoutedLoRALinear
-from routing.modality import ModalityMap, ModalityTable
-from routing.model import RoutedModel, RoutedOutput, TokenRouting, attach_routed_lora
-from routing.routers import (
+from molora.routing.adapters import LoraAdapter, load_peft_adapter, merge_adapters, save_peft_adapter
+from molora.routing.cache import AdapterInfo, HotSetCache
+from molora.routing.errors import AdapterError, CacheFullError, MoLoRAError, RoutingError, UnknownAdapterError
+from molora.routing.lora import RoutedLoRALinear
+from molora.routing.modality import ModalityMap, ModalityTable
+from molora.routing.model import RoutedModel, RoutedOutput, TokenRouting, attach_routed_lora
+from molora.routing.routers import (
     LabelRouter,
     LearnedGates,
     LearnedRouter,

@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from routing.adapters import LoraAdapter
-from routing.errors import AdapterError, CacheFullError, UnknownAdapterError
-from routing.lora import RoutedLoRALinear
+from molora.routing.adapters import LoraAdapter
+from molora.routing.errors import AdapterError, CacheFullError, UnknownAdapterError
+from molora.routing.lora import RoutedLoRALinear
 
 log = logging.getLogger(__name__)
 

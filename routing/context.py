@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from kernels import build_routing_meta
-from routing.errors import RoutingError
+from molora.kernels import build_routing_meta
+from molora.routing.errors import RoutingError
 
 
 @dataclass

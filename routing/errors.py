@@ -8,7 +8,7 @@ defined at the bottom layer (kernels/errors.py) so kernels/ can derive from it t
 
 from __future__ import annotations
 
-from kernels.errors import MoLoRAError
+from molora.kernels.errors import MoLoRAError
 
 __all__ = ["MoLoRAError", "AdapterError", "UnknownAdapterError", "CacheFullError", "RoutingError"]
 

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
-
-from routing.errors import RoutingError
+from molora.routing.errors import RoutingError
 
 TEXT = 0
 IMAGE = 1

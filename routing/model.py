@@ -23,14 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from molora.routing.adapters import LoraAdapter, check_base_model, load_peft_adapter, save_peft_adapter
+from molora.routing.cache import AdapterInfo, HotSetCache
+from molora.routing.context import BlockDecision, CallRouting, current_routing, reset_routing, set_routing
+from molora.routing.errors import AdapterError, RoutingError
+from molora.routing.lora import RoutedLoRALinear, group_projections
+from molora.routing.routers import LearnedGroup, LearnedRouter, Router, load_balance_loss, router_z_loss
 from torch import nn
-
-from routing.adapters import LoraAdapter, check_base_model, load_peft_adapter, save_peft_adapter
-from routing.cache import AdapterInfo, HotSetCache
-from routing.context import BlockDecision, CallRouting, current_routing, reset_routing, set_routing
-from routing.errors import AdapterError, RoutingError
-from routing.lora import RoutedLoRALinear, group_projections
-from routing.routers import LearnedGroup, LearnedRouter, Router, load_balance_loss, router_z_loss
 
 log = logging.getLogger(__name__)
 

@@ -24,13 +24,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+from molora.routing.context import BlockDecision
+from molora.routing.errors import RoutingError
+from molora.routing.modality import IMAGE, ModalityTable
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-
-from routing.context import BlockDecision
-from routing.errors import RoutingError
-from routing.modality import IMAGE, ModalityTable
 
 
 @runtime_checkable

@@ -28,12 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.pipeline import InterleavedPipeline  # noqa: E402
-from models.runtime import device_name  # noqa: E402
-from models.shapes import world  # noqa: E402
-from models.shapes.eval import is_outline, score_text_to_image  # noqa: E402
-from models.shapes.prompts import EvalPrompt  # noqa: E402
-from models.shapes.styles import StyleItem, style_items  # noqa: E402
+from molora.models.pipeline import InterleavedPipeline  # noqa: E402
+from molora.models.runtime import device_name  # noqa: E402
+from molora.models.shapes import world  # noqa: E402
+from molora.models.shapes.eval import is_outline, score_text_to_image  # noqa: E402
+from molora.models.shapes.prompts import EvalPrompt  # noqa: E402
+from molora.models.shapes.styles import StyleItem, style_items  # noqa: E402
 
 log = logging.getLogger("eval_image_styles")
 

@@ -40,7 +40,7 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.data import (  # noqa: E402
+from molora.models.data import (  # noqa: E402
     ADAPTER_MIX,
     Example,
     ExampleSpec,
@@ -52,11 +52,11 @@ from models.data import (  # noqa: E402
     prompt_length,
     sample_examples,
 )
-from models.image_tokenizer import ImageTokenizer  # noqa: E402
-from models.shapes.world import STYLES  # noqa: E402
-from models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
-from models.tokenizer import UnifiedTokenizer  # noqa: E402
-from models.vocab import IMAGE, TEXT, UnifiedVocab  # noqa: E402
+from molora.models.image_tokenizer import ImageTokenizer  # noqa: E402
+from molora.models.shapes.world import STYLES  # noqa: E402
+from molora.models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
+from molora.models.tokenizer import UnifiedTokenizer  # noqa: E402
+from molora.models.vocab import IMAGE, TEXT, UnifiedVocab  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_lm import encode_scenes  # noqa: E402

@@ -34,16 +34,16 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.data import Schedule  # noqa: E402
-from models.runtime import device_name  # noqa: E402
-from models.shapes.domain_batches import answer_loss, encode_item, exact_matches, make_batch  # noqa: E402
-from models.shapes.domains import ALL_DOMAINS, DESCRIPTIONS, domain_items  # noqa: E402
-from models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
-from models.tokenizer import UnifiedTokenizer  # noqa: E402
-from routing import LabelRouter  # noqa: E402
-from routing.adapters import LoraAdapter, save_peft_adapter  # noqa: E402
-from routing.lora import RoutedLoRALinear  # noqa: E402
-from routing.model import RoutedModel, attach_routed_lora  # noqa: E402
+from molora.models.data import Schedule  # noqa: E402
+from molora.models.runtime import device_name  # noqa: E402
+from molora.models.shapes.domain_batches import answer_loss, encode_item, exact_matches, make_batch  # noqa: E402
+from molora.models.shapes.domains import ALL_DOMAINS, DESCRIPTIONS, domain_items  # noqa: E402
+from molora.models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
+from molora.models.tokenizer import UnifiedTokenizer  # noqa: E402
+from molora.routing import LabelRouter  # noqa: E402
+from molora.routing.adapters import LoraAdapter, save_peft_adapter  # noqa: E402
+from molora.routing.lora import RoutedLoRALinear  # noqa: E402
+from molora.routing.model import RoutedModel, attach_routed_lora  # noqa: E402
 
 log = logging.getLogger("train_domain_adapters")
 REPO = Path(__file__).resolve().parents[1]

@@ -33,13 +33,13 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.data import Schedule  # noqa: E402
-from models.loading import adapter_weights_hash  # noqa: E402
-from models.pipeline import InterleavedPipeline  # noqa: E402
-from models.runtime import device_name  # noqa: E402
-from models.shapes import world  # noqa: E402
-from models.shapes.styles import STYLE_ADAPTERS, StyleItem, style_items  # noqa: E402
-from routing import LearnedGates, LearnedRouter  # noqa: E402
+from molora.models.data import Schedule  # noqa: E402
+from molora.models.loading import adapter_weights_hash  # noqa: E402
+from molora.models.pipeline import InterleavedPipeline  # noqa: E402
+from molora.models.runtime import device_name  # noqa: E402
+from molora.models.shapes import world  # noqa: E402
+from molora.models.shapes.styles import STYLE_ADAPTERS, StyleItem, style_items  # noqa: E402
+from molora.routing import LearnedGates, LearnedRouter  # noqa: E402
 
 log = logging.getLogger("train_image_router")
 REPO = Path(__file__).resolve().parents[1]

@@ -45,7 +45,7 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.data import (  # noqa: E402
+from molora.models.data import (  # noqa: E402
     ExampleSpec,
     Schedule,
     collate,
@@ -59,10 +59,10 @@ from models.data import (  # noqa: E402
     sample_examples,
     save_checkpoint,
 )
-from models.image_tokenizer import ImageTokenizer  # noqa: E402
-from models.testing import llama_config  # noqa: E402
-from models.tokenizer import UnifiedTokenizer  # noqa: E402
-from models.vocab import IMAGE  # noqa: E402
+from molora.models.image_tokenizer import ImageTokenizer  # noqa: E402
+from molora.models.testing import llama_config  # noqa: E402
+from molora.models.tokenizer import UnifiedTokenizer  # noqa: E402
+from molora.models.vocab import IMAGE  # noqa: E402
 
 log = logging.getLogger("train_lm")
 VAL_SEED = "lm-val0"  # the same held-out sequences whatever --seed is, so stages and runs compare

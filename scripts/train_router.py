@@ -43,10 +43,10 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.data import Schedule  # noqa: E402
-from models.loading import ModelDirError, adapter_rank, adapter_weights_hash  # noqa: E402
-from models.runtime import device_name  # noqa: E402
-from models.shapes.domain_batches import (  # noqa: E402
+from molora.models.data import Schedule  # noqa: E402
+from molora.models.loading import ModelDirError, adapter_rank, adapter_weights_hash  # noqa: E402
+from molora.models.runtime import device_name  # noqa: E402
+from molora.models.shapes.domain_batches import (  # noqa: E402
     EncodedItem,
     answer_loss,
     encode_item,
@@ -54,10 +54,10 @@ from models.shapes.domain_batches import (  # noqa: E402
     exact_matches,
     make_batch,
 )
-from models.shapes.domains import DOMAINS, domain_items, mixed_items  # noqa: E402
-from models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
-from models.tokenizer import UnifiedTokenizer  # noqa: E402
-from routing import LearnedGates, LearnedRouter, MoLoRAError, RoutedModel, attach_routed_lora  # noqa: E402
+from molora.models.shapes.domains import DOMAINS, domain_items, mixed_items  # noqa: E402
+from molora.models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
+from molora.models.tokenizer import UnifiedTokenizer  # noqa: E402
+from molora.routing import LearnedGates, LearnedRouter, MoLoRAError, RoutedModel, attach_routed_lora  # noqa: E402
 
 log = logging.getLogger("train_router")
 REPO = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import torch
 
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.testing import write_tiny_adapter, write_tiny_model_dir
+    from molora.models.testing import write_tiny_adapter, write_tiny_model_dir
 
     root = tmp_path_factory.mktemp("tiny_assets")
     write_tiny_model_dir(root / "model", seed=0)
@@ -34,7 +34,7 @@ def tiny_model_dir(tiny_assets: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_pipeline(tiny_assets: Path):
-    from models import InterleavedPipeline
+    from molora.models import InterleavedPipeline
 
     return InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")
 

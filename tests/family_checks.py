@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from routing.modality import IMAGE
+from molora.routing.modality import IMAGE
 
 
 def make_peft_adapter(model_cls, model_dir: Path, out: Path, targets: str, seed: int) -> None:

@@ -9,11 +9,7 @@ import shutil
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from routing import (
+from molora.routing import (
     AdapterError,
     MoLoRAError,
     SequenceRouter,
@@ -21,6 +17,9 @@ from routing import (
     attach_routed_lora,
     load_peft_adapter,
 )
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 IDS = torch.tensor([[1, 7, 9, 3, 33, 40, 4, 8]])
 WEIGHTS = "adapter_model.safetensors"
@@ -243,7 +242,7 @@ def test_load_names_default_to_the_folder_and_remove_restores_the_base(routed, g
 
 
 def test_base_model_names_match_only_when_the_same_model():
-    from routing.adapters import same_base_model
+    from molora.routing.adapters import same_base_model
 
     assert same_base_model("org/Model-1B", "org/Model-1B")
     assert same_base_model(None, "org/Model-1B") and same_base_model("org/Model-1B", "")

@@ -24,16 +24,15 @@ import numpy as np
 import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
+from molora.app.render import BASE_LABEL
+from molora.app.server import serve, warm_up
+from molora.app.session import SessionState
+from molora.app.ui import MoLoRAApp
+from molora.models import InterleavedPipeline
+from molora.models.best_of import CHECKS
+from molora.models.testing import write_tiny_adapter
+from molora.routing import LearnedGates
 from PIL import Image
-
-from app.render import BASE_LABEL
-from app.server import serve, warm_up
-from app.session import SessionState
-from app.ui import MoLoRAApp
-from models import InterleavedPipeline
-from models.best_of import CHECKS
-from models.testing import write_tiny_adapter
-from routing import LearnedGates
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE_TOKENS = 274  # 16 rows of 16 codes and a row marker + <eoi> + one more step for <eos> or text
@@ -394,7 +393,7 @@ def test_concurrent_visitors_share_forward_passes_and_stop_cancels_the_request(p
 
 
 def test_a_refusal_is_logged_as_one_line_without_a_traceback(url, capfd, caplog):
-    caplog.set_level(logging.INFO, logger="app.ui")
+    caplog.set_level(logging.INFO, logger="molora.app.ui")
     with pytest.raises(AppError, match="seed must be"):
         generate(client(url), seed=-1)
     printed = capfd.readouterr()

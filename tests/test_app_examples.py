@@ -12,11 +12,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
-from app.ui import EXAMPLES, LEARNED_EXAMPLES, MoLoRAApp
-from models import InterleavedPipeline
-from models.document import Document
-from models.shapes.eval import document_consistency, is_outline, is_pirate
+from molora.app.ui import EXAMPLES, LEARNED_EXAMPLES, MoLoRAApp
+from molora.models import InterleavedPipeline
+from molora.models.document import Document
+from molora.models.shapes.eval import document_consistency, is_outline, is_pirate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -58,7 +57,7 @@ def test_each_example_shows_both_adapters_in_one_document_with_correct_content(a
 
 @pytest.mark.parametrize("prompt, seed", LEARNED_EXAMPLES)
 def test_each_learned_example_answers_both_questions_with_two_domain_adapters(app, prompt, seed):
-    from models.shapes.domains import DOMAINS, mixed_items
+    from molora.models.shapes.domains import DOMAINS, mixed_items
     item = next((it for it in mixed_items(40, seed="app", split="heldout") if it.prompt == prompt), None)
     assert item is not None, "the example is a held-out mixed request (its true answer is known)"
     d = app.defaults

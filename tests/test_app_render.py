@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from PIL import Image
-
-from app.render import BASE_COLOR, BASE_LABEL, IMAGE_TOKEN_GLYPH, RunView, color_map, sparkline
-from app.ui import best_of_status
-from models.document import Document, TokenRecord
-from models.events import (
+from molora.app.render import BASE_COLOR, BASE_LABEL, IMAGE_TOKEN_GLYPH, RunView, color_map, sparkline
+from molora.app.ui import best_of_status
+from molora.models.document import Document, TokenRecord
+from molora.models.events import (
     Finished,
     ImageDone,
     ImageProgress,
@@ -17,6 +15,7 @@ from models.events import (
     StepTiming,
     TextDelta,
 )
+from PIL import Image
 
 
 def label_of(name: str | None) -> str:

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from molora.app import uploads
+from molora.app.session import SessionState
+from molora.app.uploads import CONFIG_NAME, WEIGHTS_NAME, UploadError, check_adapter_name, validate_upload
+from molora.routing.errors import MoLoRAError, UnknownAdapterError
 from safetensors.torch import save_file
-
-from app import uploads
-from app.session import SessionState
-from app.uploads import CONFIG_NAME, WEIGHTS_NAME, UploadError, check_adapter_name, validate_upload
-from routing.errors import MoLoRAError, UnknownAdapterError
 
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
 

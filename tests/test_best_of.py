@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import pytest
-
-from models import Document, GenerationConfig, GenerationError, InterleavedPipeline
-from models.best_of import CHECKS, RESAMPLE_TEMPERATURE, candidate_config, register_check, stream_best_of
-from models.events import Finished, ImageDone, Notice, Redraw
-from models.shapes.self_check import CaptionCheck
-from models.shapes.world import Obj, Scene, render
-from routing import UnknownAdapterError
+from molora.models import Document, GenerationConfig, GenerationError, InterleavedPipeline
+from molora.models.best_of import (
+    CHECKS,
+    RESAMPLE_TEMPERATURE,
+    candidate_config,
+    register_check,
+    stream_best_of,
+)
+from molora.models.events import Finished, ImageDone, Notice, Redraw
+from molora.models.shapes.self_check import CaptionCheck
+from molora.models.shapes.world import Obj, Scene, render
+from molora.routing import UnknownAdapterError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

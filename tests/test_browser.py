@@ -15,10 +15,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-from app.server import serve
-from models import InterleavedPipeline
-from models.testing import write_tiny_adapter
+from molora.app.server import serve
+from molora.models import InterleavedPipeline
+from molora.models.testing import write_tiny_adapter
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from family_checks import check_picture_grammar, check_routing_rule, make_peft_adapter
+from molora.models import InterleavedPipeline
+from molora.models.chameleon.family import CODE_PIXELS, LORA_TARGETS
+from molora.models.chameleon.testing import build_tiny_chameleon, image_token_name
+from molora.routing import SequenceRouter
 from PIL import Image
-
-from models import InterleavedPipeline
-from models.chameleon.family import CODE_PIXELS, LORA_TARGETS
-from models.chameleon.testing import build_tiny_chameleon, image_token_name
-from routing import SequenceRouter
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,8 @@ import random
 import re
 
 import pytest
-
-from models.shapes import world
-from models.shapes.domains import (
+from molora.models.shapes import world
+from molora.models.shapes.domains import (
     ALL_DOMAINS,
     DOMAINS,
     MIXES,
@@ -160,8 +159,8 @@ def test_bad_requests_are_clear_errors():
 
 
 def test_foreign_items_ask_one_question_of_another_domain_and_train_only_the_own_span():
-    from models.shapes.domain_batches import encode_item, make_batch
-    from models.tokenizer import build_tiny_tokenizer
+    from molora.models.shapes.domain_batches import encode_item, make_batch
+    from molora.models.tokenizer import build_tiny_tokenizer
     items = domain_items("count", 300, seed=0, foreign=0.4)
     foreign = [i for i in items if len(set(i.domains)) == 2]
     assert 0.3 < len(foreign) / len(items) < 0.5
@@ -179,9 +178,9 @@ def test_foreign_items_ask_one_question_of_another_domain_and_train_only_the_own
 
 
 def test_style_requests_alternate_name_their_style_and_render_in_it():
-    from models.shapes.eval import is_outline
-    from models.shapes.styles import STYLE_WORDS, style_items
-    from models.shapes.world import render
+    from molora.models.shapes.eval import is_outline
+    from molora.models.shapes.styles import STYLE_WORDS, style_items
+    from molora.models.shapes.world import render
     items = style_items(8, seed=0, split="heldout")
     assert [it.style for it in items] == ["outline", "filled"] * 4
     assert items == style_items(8, seed=0, split="heldout")  # seeded

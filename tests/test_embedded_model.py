@@ -6,9 +6,8 @@ import re
 from pathlib import Path
 
 import pytest
-
-from models import InterleavedPipeline
-from models.shapes.eval import analyse_image
+from molora.models import InterleavedPipeline
+from molora.models.shapes.eval import analyse_image
 
 ROOT = Path(__file__).resolve().parents[1]
 

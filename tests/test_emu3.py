@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from family_checks import check_picture_grammar, check_routing_rule, make_peft_adapter
+from molora.models import InterleavedPipeline
+from molora.models.emu3.family import LORA_TARGETS
+from molora.models.emu3.testing import build_tiny_emu3
+from molora.models.loading import ModelDirError
+from molora.routing import SequenceRouter, VocabRangeRouter
 from PIL import Image
-
-from models import InterleavedPipeline
-from models.emu3.family import LORA_TARGETS
-from models.emu3.testing import build_tiny_emu3
-from models.loading import ModelDirError
-from routing import SequenceRouter, VocabRangeRouter
 
 GRID = (4, 4)
 
@@ -141,7 +140,7 @@ def test_guidance_with_emu3s_negative_prompt_keeps_the_grammar(emu3):
 
 
 def test_the_command_line_loads_emu3_with_a_grid_and_a_negative_prompt(emu3_dir, tmp_path):
-    from models.__main__ import main
+    from molora.models.cli import main
 
     out = tmp_path / "doc.html"
     assert main(["draw a cat", "--model", str(emu3_dir), "--grid", "2x2", "--start-image", "--max-new-tokens", "20",
@@ -151,7 +150,7 @@ def test_the_command_line_loads_emu3_with_a_grid_and_a_negative_prompt(emu3_dir,
 
 
 def test_learned_gates_route_emu3_text_positions(emu3_dir, tmp_path):
-    from routing import LearnedGates
+    from molora.routing import LearnedGates
 
     pipe = InterleavedPipeline.from_pretrained(emu3_dir, device="cpu", grid=(2, 2))
     torch.manual_seed(0)
@@ -171,7 +170,7 @@ def test_learned_gates_route_emu3_text_positions(emu3_dir, tmp_path):
 
 
 def test_the_app_serves_an_emu3_directory(emu3_dir):
-    from app.server import create_demo, load_pipeline, warm_up
+    from molora.app.server import create_demo, load_pipeline, warm_up
 
     pipe = load_pipeline(str(emu3_dir), "cpu", "2x2")
     assert pipe.family == "emu3" and pipe.vocab.image_grid == (2, 2)
@@ -181,7 +180,7 @@ def test_the_app_serves_an_emu3_directory(emu3_dir):
 
 
 def test_picture_progress_comes_once_per_row_after_the_header(emu3):
-    from models.events import ImageProgress
+    from molora.models.events import ImageProgress
 
     v = emu3.vocab
     events = list(emu3.stream("draw a cat", seed=0, start_image=True, max_new_tokens=v.tokens_per_image + 1,

@@ -9,12 +9,11 @@ import time
 
 import pytest
 import torch
-
-from models.engine import Done, Engine, EngineConfig, Token
-from models.generation import GenerationConfig, Request
-from models.sampling import GenerationError, SamplingConfig
-from models.synthetic import random_adapters, random_routed_model
-from routing import (
+from molora.models.engine import Done, Engine, EngineConfig, Token
+from molora.models.generation import GenerationConfig, Request
+from molora.models.sampling import GenerationError, SamplingConfig
+from molora.models.synthetic import random_adapters, random_routed_model
+from molora.routing import (
     CacheFullError,
     LearnedGates,
     LearnedRouter,

@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from kernels.errors import KernelInputError, MoLoRAError
+from molora.kernels.errors import KernelInputError, MoLoRAError
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "routing", "models", "app")
+PACKAGES = ("kernels", "routing", "models", "app", "molora")
 BUILTIN_EXCEPTIONS = {name for name, obj in vars(builtins).items()
                       if isinstance(obj, type) and issubclass(obj, BaseException)}
 EXCEPTION_SUFFIXES = ("Error", "Exception", "Warning", "Exit", "Interrupt")
@@ -51,7 +50,9 @@ def _project_files() -> list[Path]:
 def _import(path: Path):
     rel = path.relative_to(REPO)
     if rel.parts[0] in PACKAGES:
-        return importlib.import_module(".".join(rel.with_suffix("").parts).removesuffix(".__init__"))
+        parts = rel.with_suffix("").parts  # kernels/errors.py is molora.kernels.errors; molora/cli.py is molora.cli
+        return importlib.import_module(".".join(parts if parts[0] == "molora" else ("molora", *parts))
+                                       .removesuffix(".__init__"))
     # scripts/*.py and app.py are not packages: import them by path (their own sys.path setup runs, main does not)
     name = f"_errors_scan_{rel.with_suffix('').as_posix().replace('/', '_')}"
     if name in sys.modules:
@@ -93,17 +94,16 @@ def test_every_project_error_derives_from_molora_error(path: Path, name: str):
 
 
 def test_the_base_class_is_defined_once_at_the_bottom_and_reexported():
-    import routing
-    import routing.errors
+    import molora.routing as routing
 
-    assert MoLoRAError.__module__ == "kernels.errors"
+    assert MoLoRAError.__module__ == "molora.kernels.errors"
     assert routing.errors.MoLoRAError is MoLoRAError
     assert routing.MoLoRAError is MoLoRAError
 
 
 def test_value_error_mixins_stay_for_callers_that_catch_value_error():
-    from models.vocab import VocabError
-    from routing.errors import UnknownAdapterError
+    from molora.models.vocab import VocabError
+    from molora.routing.errors import UnknownAdapterError
 
     for cls in (KernelInputError, VocabError):
         assert issubclass(cls, ValueError) and issubclass(cls, MoLoRAError)
@@ -114,8 +114,7 @@ def test_value_error_mixins_stay_for_callers_that_catch_value_error():
 
 def test_bad_kernel_input_is_caught_as_the_project_error():
     import torch
-
-    from kernels import routed_lora
+    from molora.kernels import routed_lora
 
     x = torch.zeros(3, 8)
     with pytest.raises(MoLoRAError):

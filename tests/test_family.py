@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from models.best_of import CHECKS
-from models.family import ModelFamily, detect_family, families, get_family, register_family
-from models.loading import ModelDirError
+from molora.models.best_of import CHECKS
+from molora.models.family import ModelFamily, detect_family, families, get_family, register_family
+from molora.models.loading import ModelDirError
 
 
 def test_the_embedded_model_is_the_shapes_family_and_registers_its_check(tiny_model_dir):
@@ -29,7 +28,7 @@ def test_a_transformers_config_of_an_unsupported_type_is_refused_by_name(tmp_pat
 
 
 def test_a_folder_no_family_claims_falls_to_the_embedded_loader_which_names_missing_files(tmp_path):
-    from models import InterleavedPipeline
+    from molora.models import InterleavedPipeline
 
     with pytest.raises(ModelDirError, match="missing: .*vocab.json"):
         InterleavedPipeline.from_pretrained(tmp_path, device="cpu")
@@ -44,7 +43,7 @@ def test_a_registered_family_is_detected_and_its_checks_are_registered(tmp_path)
         assert detect_family(tmp_path) is family
         assert CHECKS["mine_check"](None)([1, 2]) == [True, True]
     finally:
-        from models import family as module
+        from molora.models import family as module
 
         module._FAMILIES.pop("mine")
         CHECKS.pop("mine_check")
@@ -55,7 +54,7 @@ def test_the_pipeline_records_its_family(tiny_pipeline):
 
 
 def test_an_option_the_family_does_not_take_is_refused_by_name(tiny_model_dir):
-    from models import InterleavedPipeline
+    from molora.models import InterleavedPipeline
 
     with pytest.raises(ModelDirError, match="shapes family takes no option grid"):
         InterleavedPipeline.from_pretrained(tiny_model_dir, device="cpu", grid=(4, 4))

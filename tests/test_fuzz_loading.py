@@ -31,12 +31,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from molora.kernels.errors import MoLoRAError
+from molora.routing.adapters import CONFIG_NAME, WEIGHTS_NAME, load_peft_adapter
+from molora.routing.errors import AdapterError, RoutingError
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-from kernels.errors import MoLoRAError
-from routing.adapters import CONFIG_NAME, WEIGHTS_NAME, load_peft_adapter
-from routing.errors import AdapterError, RoutingError
 
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
@@ -133,10 +132,9 @@ class _Quiet(tuple):
 @pytest.fixture(scope="module")
 def routed(tiny_assets: Path):
     """The tiny LM with routed layers and one adapter loaded (and in a slot), shared by the adapter tests."""
+    from molora.models.testing import set_base_model_name
+    from molora.routing import attach_routed_lora
     from transformers import LlamaForCausalLM
-
-    from models.testing import set_base_model_name
-    from routing import attach_routed_lora
 
     lm = set_base_model_name(LlamaForCausalLM.from_pretrained(tiny_assets / "model" / "lm"))
     model = attach_routed_lora(lm, num_slots=2, r_max=8)
@@ -329,7 +327,7 @@ def test_an_adapter_that_does_not_fit_is_refused_from_its_header_before_any_tens
     cfg = {**json.loads(config), "r": shapes[0][0], "rank_pattern": {}}
     counting = _CountingOpen()
     with scratch() as root, pytest.MonkeyPatch.context() as patch:
-        patch.setattr("routing.adapters.safe_open", counting)
+        patch.setattr("molora.routing.adapters.safe_open", counting)
         save_file(changed, str(root / "w.safetensors"))
         folder = adapter_folder(root, json.dumps(cfg).encode(), (root / "w.safetensors").read_bytes())
         before = model_state(routed)
@@ -416,7 +414,7 @@ def test_an_adapter_for_another_model_size_or_above_r_max_is_refused(good_adapte
                              lambda d: json.dumps(d).encode()))
 def test_a_fuzzed_molora_json_is_refused_or_loads_leaving_the_pipeline_untouched(pipe, good_adapter, meta):
     """The modality file beside an adapter (pipeline.load_adapter) and inside an uploaded zip (app/uploads.py)."""
-    from app.uploads import validate_upload
+    from molora.app.uploads import validate_upload
 
     before = (dict(pipe.adapters), pipe.routed.cache.stats())
     with scratch() as root:
@@ -436,7 +434,7 @@ def test_a_fuzzed_molora_json_is_refused_or_loads_leaving_the_pipeline_untouched
 
 def gate_bytes(adapters: list[str], d_model: int, num_blocks: int, *, base_expert: bool = False,
                values: torch.Tensor | None = None) -> bytes:
-    from routing import LearnedGates
+    from molora.routing import LearnedGates
 
     gates = LearnedGates(d_model, adapters, num_blocks, base_expert=base_expert)
     if values is not None:
@@ -448,7 +446,7 @@ def gate_bytes(adapters: list[str], d_model: int, num_blocks: int, *, base_exper
 
 
 def load_gates(data: bytes):
-    from routing import LearnedGates
+    from molora.routing import LearnedGates
 
     with scratch() as root:
         (root / "gates.safetensors").write_bytes(data)
@@ -500,7 +498,7 @@ def test_non_finite_gate_weights_are_refused(position, value):
 @pytest.fixture(scope="module")
 def pipe(tiny_assets: Path):
     """An own pipeline (the shared tiny_pipeline is read-only), with the text_style and image_style adapters."""
-    from models import InterleavedPipeline
+    from molora.models import InterleavedPipeline
 
     pipeline = InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")
     yield pipeline
@@ -559,7 +557,7 @@ def model_copy(model_dir: Path) -> Iterator[Path]:
 
 
 def load_dir(path: Path):
-    from models.loading import load_model_dir
+    from molora.models.loading import load_model_dir
 
     return refused_or_loaded(lambda: load_model_dir(path, device="cpu", threads=0))
 
@@ -587,7 +585,7 @@ def test_a_damaged_model_directory_file_is_refused_or_loads(tiny_model_dir, name
 def test_fuzzed_generation_defaults_are_refused_when_the_pipeline_is_built(tiny_assets, defaults):
     """generation.json is read by the loader and turned into a GenerationConfig by the pipeline: a project error
     at load time, never a later failure in generate."""
-    from models import InterleavedPipeline
+    from molora.models import InterleavedPipeline
 
     with model_copy(tiny_assets / "model") as model:
         (model / "generation.json").write_text(json.dumps(defaults))
@@ -610,7 +608,7 @@ def test_a_bad_adapter_beside_the_model_is_refused_before_the_hot_set_is_sized(t
                                                                                empty_rank):
     """The pipeline sizes its slots (r_max) from the adapters it finds: from their weights' headers, never from a
     config's r / rank_pattern (2**28 allocated 128 GB), nor from an empty A of a huge declared rank."""
-    from models import InterleavedPipeline
+    from molora.models import InterleavedPipeline
 
     config, _, tensors = good_adapter
     weights = dict(tensors)
@@ -639,8 +637,8 @@ vocab_fields = st.sampled_from(["vocab_size", "text_start", "text_size", "image_
                                min_size=1, max_size=3),
        drop=st.sets(vocab_fields, max_size=2))
 def test_a_fuzzed_vocab_json_is_refused_or_loads(tiny_model_dir, changes, drop):
-    from models.tokenizer import UnifiedTokenizer
-    from models.vocab import UnifiedVocab
+    from molora.models.tokenizer import UnifiedTokenizer
+    from molora.models.vocab import UnifiedVocab
 
     with model_copy(tiny_model_dir) as model:
         vocab = {k: v for k, v in {**json.loads((model / "vocab.json").read_text()), **changes}.items() if k not in drop}
@@ -677,7 +675,7 @@ def _tokenizer_edit(how: str, value: int) -> Callable[[dict], None]:
        value=st.sampled_from([0, 1, 3, 7, 2 ** 20, 2 ** 33, 2 ** 40, -1]))
 def test_a_fuzzed_tokenizer_json_is_refused_or_encodes_exactly(tiny_model_dir, how, value):
     """Settings inside tokenizer.json never change the ids: padding to 2**33 aborted the process on encode."""
-    from models.tokenizer import UnifiedTokenizer
+    from molora.models.tokenizer import UnifiedTokenizer
 
     good = UnifiedTokenizer.load(tiny_model_dir)
     with model_copy(tiny_model_dir) as model:
@@ -721,7 +719,7 @@ vq_fields = st.sampled_from(["block_out_channels", "down_block_types", "up_block
                                                            "UNet2DModel", "spatial", "gelu"]),
                                min_size=1, max_size=3))
 def test_a_fuzzed_vq_config_is_refused_without_allocating_its_declared_size(tiny_model_dir, changes):
-    from models.image_tokenizer import ImageTokenizer
+    from molora.models.image_tokenizer import ImageTokenizer
 
     with model_copy(tiny_model_dir) as model:
         config = {**json.loads((model / "vq" / "config.json").read_text()), **changes}
@@ -734,7 +732,7 @@ def test_a_fuzzed_vq_config_is_refused_without_allocating_its_declared_size(tiny
 def test_a_declared_context_too_long_for_memory_is_refused_when_the_pipeline_is_built(tiny_model_dir, positions):
     """max_position_embeddings sizes the engine's KV cache and no weight bounds it (rotary positions): a length
     whose cache cannot fit is a project error at load, not an allocation failure at the first generate."""
-    from models import InterleavedPipeline
+    from molora.models import InterleavedPipeline
 
     with model_copy(tiny_model_dir) as model:
         config = {**json.loads((model / "lm" / "config.json").read_text()), "max_position_embeddings": positions}
@@ -752,7 +750,7 @@ def _family_configs() -> list[dict]:
 @pytest.mark.parametrize("index", range(6))
 def test_an_lm_config_of_another_family_is_refused(tiny_model_dir, index):
     """The embedded model's lm/ with another family's config.json: weights do not fit, an error names them."""
-    from models.loading import ModelDirError, load_model_dir
+    from molora.models.loading import ModelDirError, load_model_dir
 
     with model_copy(tiny_model_dir) as model:
         (model / "lm" / "config.json").write_text(json.dumps(_family_configs()[index], default=str))
@@ -803,9 +801,9 @@ def test_renamed_retyped_or_non_finite_checkpoint_tensors_are_refused(tiny_model
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from models.chameleon.testing import build_tiny_chameleon
-    from models.emu3.testing import build_tiny_emu3
-    from models.janus.testing import build_tiny_janus
+    from molora.models.chameleon.testing import build_tiny_chameleon
+    from molora.models.emu3.testing import build_tiny_emu3
+    from molora.models.janus.testing import build_tiny_janus
 
     root = tmp_path_factory.mktemp("hf_models")
     return {"emu3": build_tiny_emu3(root / "emu3"), "chameleon": build_tiny_chameleon(root / "chameleon"),
@@ -837,7 +835,7 @@ hf_config_changes = st.dictionaries(
 def test_a_damaged_transformers_family_folder_is_refused_or_loads(hf_models, family, name, how, data, cut, changes,
                                                                    nasty, config, nested, edit, index):
     """Another family's config, huge or broken sizes, damaged weights and tokenizer files: a project error."""
-    from models.family import load_family_model
+    from molora.models.family import load_family_model
 
     with scratch() as root:
         model = shutil.copytree(hf_models[family], root / family)
@@ -883,7 +881,7 @@ upload_names = st.sampled_from([CONFIG_NAME, WEIGHTS_NAME, "a/" + CONFIG_NAME, "
        nasty=st.sampled_from(NASTY_JSON))
 def test_an_upload_is_refused_or_loads_leaving_the_pipeline_untouched(pipe, good_adapter, entries, random, cut,
                                                                       changes, as_zip, nasty):
-    from app.uploads import remove_folder, validate_upload
+    from molora.app.uploads import remove_folder, validate_upload
 
     config, weights, _ = good_adapter
     contents = {"config": config, "weights": weights, "random": random, "truncated": weights[:int(cut * len(weights))],

@@ -11,11 +11,10 @@ import dataclasses
 
 import pytest
 import torch
-
-from models.engine import Done, Engine
-from models.generation import GenerationConfig, Request, build_phase_masks
-from models.sampling import GenerationError, SamplingConfig, filter_logits, guide, sample
-from routing import SequenceRouter, VocabRangeRouter
+from molora.models.engine import Done, Engine
+from molora.models.generation import GenerationConfig, Request, build_phase_masks
+from molora.models.sampling import GenerationError, SamplingConfig, filter_logits, guide, sample
+from molora.routing import SequenceRouter, VocabRangeRouter
 
 
 class Biased:

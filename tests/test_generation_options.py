@@ -1,9 +1,8 @@
 """Generation options added for fixed-length workloads (the CPU speed benchmark uses min_new_tokens)."""
 
 import pytest
-
-from models import GenerationConfig
-from models.sampling import GenerationError
+from molora.models import GenerationConfig
+from molora.models.sampling import GenerationError
 
 
 def test_min_new_tokens_masks_eos_until_reached(tiny_pipeline):

@@ -6,11 +6,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import molora.kernels.dispatch as dispatch
 import pytest
 import torch
-
-import kernels.dispatch as dispatch
-from kernels import (
+from molora.kernels import (
     KernelInputError,
     build_routing_meta,
     routed_lora,
@@ -18,7 +17,7 @@ from kernels import (
     routed_lora_topk,
     routed_lora_topk_reference,
 )
-from kernels.metadata import build_routing_meta_torch
+from molora.kernels.metadata import build_routing_meta_torch
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-6}  # the reference itself accumulates fp64 in fp32
 
@@ -227,7 +226,7 @@ def test_kernels_package_never_imports_models_or_routing():
 
 
 def test_stacked_kernel_refuses_stacks_wider_than_its_tiles():
-    from kernels.triton_stacked import MAX_WIDTH, stacked_lora
+    from molora.kernels.triton_stacked import MAX_WIDTH, stacked_lora
     x, A, B, scale, _ = make(2, 8, 8, 4, MAX_WIDTH // 4 + 1)
     with pytest.raises(KernelInputError, match="S\\*r <="):
         stacked_lora(x, A, B, torch.zeros(2, 1, dtype=torch.int32), None, scale)
@@ -238,7 +237,7 @@ def test_stacked_kernel_refuses_stacks_wider_than_its_tiles():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(3, 1), (5, 3), (40, 1), (33, 2)])  # the dense form (few rows) and the loop
 def test_group_cpu_matches_each_projection_reference(dtype, n, k):
-    from kernels import routed_lora_group, routed_lora_group_reference
+    from molora.kernels import routed_lora_group, routed_lora_group_reference
 
     g = torch.Generator().manual_seed(n * 10 + k)
     outs = (20, 8, 8)
@@ -257,7 +256,7 @@ def test_group_cpu_matches_each_projection_reference(dtype, n, k):
 
 
 def test_group_rejects_bad_bounds_and_scale():
-    from kernels import routed_lora_group
+    from molora.kernels import routed_lora_group
 
     x, A, B, scale, _ = make(4, 16, 12, 3, 4)
     A2, B2, slots = torch.stack([A, A]), torch.cat([B, B], 1), torch.zeros(4, dtype=torch.long)

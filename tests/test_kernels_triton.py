@@ -103,12 +103,11 @@ def _slots(torch, pattern: str, n: int, s: int, k: int, gen):
 
 
 def _run_case(name: str, path: str, seed: int) -> dict:
+    import molora.kernels.triton_gather as gather_mod
+    import molora.kernels.triton_grouped as grouped_mod
     import torch
-
-    import kernels.triton_gather as gather_mod
-    import kernels.triton_grouped as grouped_mod
-    from kernels.dispatch import routed_lora_forward
-    from kernels.reference import routed_lora_topk_reference
+    from molora.kernels.dispatch import routed_lora_forward
+    from molora.kernels.reference import routed_lora_topk_reference
 
     n, d_in, d_out, s, r, k, pattern, dtype_name = CASES[name]
     dtype = getattr(torch, dtype_name)
@@ -164,12 +163,11 @@ def _run_case(name: str, path: str, seed: int) -> dict:
 
 
 def _run_group_case(name: str, path: str, seed: int) -> dict:
+    import molora.kernels.triton_gather as gather_mod
+    import molora.kernels.triton_stacked as stacked_mod
     import torch
-
-    import kernels.triton_gather as gather_mod
-    import kernels.triton_stacked as stacked_mod
-    from kernels import routed_lora_group
-    from kernels.reference import routed_lora_group_reference
+    from molora.kernels import routed_lora_group
+    from molora.kernels.reference import routed_lora_group_reference
 
     n, d_in, outs, s, r, k, pattern, dtype_name = GROUP_CASES[name]
     dtype = getattr(torch, dtype_name)
@@ -209,7 +207,7 @@ def _rel_err(got, want) -> float:
 
 def _spy_paths():
     """Record which Triton launcher the dispatcher really calls (kernels/dispatch.py's module-level names)."""
-    import kernels.dispatch as dispatch
+    import molora.kernels.dispatch as dispatch
     calls: list[str] = []
     real = {name: getattr(dispatch, f"{name}_lora") for name in ("gather", "stacked", "grouped")}
 
@@ -231,9 +229,8 @@ def _spy_paths():
 def _run_grad_case(name: str, path: str, seed: int) -> dict:
     """Forward and gradients of x, A, B (and the top-k weights) through the public ops vs reference autograd."""
     import torch
-
-    from kernels import routed_lora, routed_lora_topk
-    from kernels.reference import routed_lora_reference, routed_lora_topk_reference
+    from molora.kernels import routed_lora, routed_lora_topk
+    from molora.kernels.reference import routed_lora_reference, routed_lora_topk_reference
 
     n, d_in, d_out, s, r, k = GRAD_CASES[name]
     gen = torch.Generator().manual_seed(seed)
@@ -280,10 +277,9 @@ def _run_grad_case(name: str, path: str, seed: int) -> dict:
 def _run_auto_case(name: str, seed: int) -> dict:
     """path="auto" with the interpreter on: which launcher the dispatcher picks by rows, and the result."""
     import torch
-
-    from kernels import build_routing_meta, routed_lora, routed_lora_topk
-    from kernels.dispatch import choose_path
-    from kernels.reference import routed_lora_topk_reference
+    from molora.kernels import build_routing_meta, routed_lora, routed_lora_topk
+    from molora.kernels.dispatch import choose_path
+    from molora.kernels.reference import routed_lora_topk_reference
 
     n, k, with_meta, s, r, _ = AUTO_CASES[name]
     d_in, d_out = 12, 10
@@ -310,8 +306,7 @@ def _run_auto_case(name: str, seed: int) -> dict:
 
 def _run_meta_checks() -> dict:
     import torch
-
-    from kernels.metadata import build_routing_meta, build_routing_meta_torch
+    from molora.kernels.metadata import build_routing_meta, build_routing_meta_torch
     gen = torch.Generator().manual_seed(7)
     results = {}
     for n, k, s in ((1, 1, 4), (37, 1, 4), (300, 3, 5), (1500, 1, 3), (64, 2, 1)):
@@ -415,9 +410,8 @@ def test_auto_path_under_interpreter(interp_results: dict, case: str) -> None:
 
 def test_auto_cases_straddle_the_dispatcher_thresholds(monkeypatch) -> None:
     """Keeps AUTO_CASES meaningful if the thresholds in kernels/dispatch.py move."""
+    import molora.kernels.dispatch as dispatch
     import torch
-
-    import kernels.dispatch as dispatch
     monkeypatch.setattr(dispatch, "triton_usable", lambda _x: True)
     for n, k, with_meta, s, r, want in AUTO_CASES.values():
         assert dispatch.choose_path(torch.zeros(n, 1), k, with_meta, s, r) == want, (n, k, with_meta, s, r, want)

@@ -7,12 +7,11 @@ import ast
 from pathlib import Path
 
 import torch
-
-from routing import ModalityMap, SequenceRouter, VocabRangeRouter
-from routing.modality import IMAGE, TEXT
+from molora.routing import ModalityMap, SequenceRouter, VocabRangeRouter
+from molora.routing.modality import IMAGE, TEXT
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILY_PACKAGES = ("models.shapes", "models.emu3", "models.chameleon", "models.janus")
+FAMILY_PACKAGES = ("molora.models.shapes", "molora.models.emu3", "molora.models.chameleon", "molora.models.janus")
 
 
 def _imports(path: Path) -> set[str]:
@@ -55,15 +54,24 @@ def _import_graph() -> dict[str, set[str]]:
     for package in ("kernels", "routing", "models", "app"):
         for path in _files(package):
             parts = path.relative_to(ROOT).with_suffix("").parts
-            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+            paths[".".join(("molora", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
     return {name: _module_level_imports(path, set(paths)) - {name} for name, path in paths.items()}
 
 
 def test_routing_and_kernels_import_nothing_from_models_or_app():
     for package, forbidden in (("routing", ("models", "app")), ("kernels", ("models", "app", "routing"))):
         for path in _files(package):
-            bad = [m for m in _imports(path) if m.split(".")[0] in forbidden]
+            bad = [m for m in _imports(path) if m.startswith("molora.") and m.split(".")[1] in forbidden]
             assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_every_project_import_goes_through_the_molora_namespace():
+    """`import kernels` would find Hugging Face's `kernels` distribution in an installed copy (and load our packages
+    twice in a checkout), so the project's own modules are always imported as `molora.<package>`."""
+    files = [p for p in ROOT.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
+    for path in files:
+        bare = [m for m in _imports(path) if m.split(".")[0] in ("kernels", "routing", "models", "app")]
+        assert not bare, f"{path.relative_to(ROOT)} imports {bare} outside the molora namespace"
 
 
 def test_engine_pipeline_and_app_import_no_family():
@@ -76,7 +84,7 @@ def test_engine_pipeline_and_app_import_no_family():
 
 def test_no_import_cycles_at_module_level():
     graph = _import_graph()
-    assert "models.events" not in graph["models.document"]  # a document records parts; events carry documents
+    assert "molora.models.events" not in graph["molora.models.document"]  # a document records parts; events do
     done: set[str] = set()
 
     def visit(module: str, path: list[str]) -> None:
@@ -95,12 +103,12 @@ def test_the_seams_between_layers_are_typed():
     from collections.abc import Iterator
     from typing import get_type_hints
 
-    from app.render import RunView
-    from models.best_of import stream_best_of
-    from models.events import Event
-    from models.generation import Request
-    from models.pipeline import InterleavedPipeline
-    from routing import Router
+    from molora.app.render import RunView
+    from molora.models.best_of import stream_best_of
+    from molora.models.events import Event
+    from molora.models.generation import Request
+    from molora.models.pipeline import InterleavedPipeline
+    from molora.routing import Router
 
     assert get_type_hints(Request)["router"] == Router | None
     assert get_type_hints(InterleavedPipeline.make_router)["return"] == Router | None
@@ -120,8 +128,7 @@ def test_vocab_router_reads_any_modality_table():
 
 def test_modality_map_refuses_other_values():
     import pytest
-
-    from routing.errors import RoutingError
+    from molora.routing.errors import RoutingError
 
     with pytest.raises(RoutingError):
         ModalityMap(torch.tensor([0, 2]))

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from routing import AdapterError, SequenceRouter, UnknownAdapterError, merge_adapters
+from molora.routing import AdapterError, SequenceRouter, UnknownAdapterError, merge_adapters
 
 
 def test_merged_adapter_equals_both_adapters_applied_together(tiny_pipeline):

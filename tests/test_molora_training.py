@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from models.loading import load_model_dir
-from models.shapes.domain_batches import encode_item, exact_matches, make_batch
-from models.shapes.domains import domain_items, mixed_items
-from models.testing import write_tiny_model_dir
-from routing import LabelRouter, LearnedGates, LearnedRouter, RoutingError, SequenceRouter
-from routing.errors import AdapterError, UnknownAdapterError
+from molora.models.loading import load_model_dir
+from molora.models.shapes.domain_batches import encode_item, exact_matches, make_batch
+from molora.models.shapes.domains import domain_items, mixed_items
+from molora.models.testing import write_tiny_model_dir
+from molora.routing import LabelRouter, LearnedGates, LearnedRouter, RoutingError, SequenceRouter
+from molora.routing.errors import AdapterError, UnknownAdapterError
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -44,11 +43,10 @@ def trained(tmp_path_factory):
 
 
 def test_domain_adapters_are_peft_files_that_peft_and_the_routed_model_apply_alike(trained):
+    from molora.models.testing import set_base_model_name
+    from molora.routing import attach_routed_lora
     from peft import PeftModel
     from transformers import LlamaForCausalLM
-
-    from models.testing import set_base_model_name
-    from routing import attach_routed_lora
     root, model, adapters, metrics, _ = trained
     assert set(metrics) == {"count", "spatial"} and metrics["count"]["steps"] == 3
     assert json.loads((adapters / "domain_metrics.json").read_text())["spatial"]["val_items"] == 8
@@ -82,7 +80,7 @@ def test_router_trains_only_the_gates_and_writes_gates_and_config(trained):
 
 
 def test_from_pretrained_loads_the_router_beside_the_adapters_and_generates_with_it(trained):
-    from models.pipeline import InterleavedPipeline
+    from molora.models.pipeline import InterleavedPipeline
     root, model, _, _, _ = trained
     pipe = InterleavedPipeline.from_pretrained(root)
     assert pipe.gates is not None and pipe.gates.adapters == ["count", "spatial"]
@@ -92,7 +90,7 @@ def test_from_pretrained_loads_the_router_beside_the_adapters_and_generates_with
 
 
 def test_gates_over_adapters_that_are_not_loaded_are_refused_and_nothing_changes(trained, tmp_path):
-    from models.pipeline import InterleavedPipeline
+    from molora.models.pipeline import InterleavedPipeline
     root, model, adapters, _, _ = trained
     pipe = InterleavedPipeline.from_pretrained(model, adapters_dir=adapters)
     before = pipe.gates
@@ -220,8 +218,8 @@ def test_base_expert_routes_to_no_adapter_and_survives_save_and_load(trained, tm
 
 
 def test_load_balance_leaves_the_base_expert_out():
-    from routing.context import BlockDecision
-    from routing.routers import load_balance_loss
+    from molora.routing.context import BlockDecision
+    from molora.routing.routers import load_balance_loss
     logits = torch.tensor([[0.0, 0.0, 5.0], [0.0, 0.0, 5.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
     topk = logits.topk(1, dim=-1).indices
     mask = torch.ones(4, dtype=torch.bool)
@@ -231,7 +229,7 @@ def test_load_balance_leaves_the_base_expert_out():
 
 
 def test_learned_generation_reports_each_tokens_top_two_adapters_and_weights(trained):
-    from models.pipeline import InterleavedPipeline
+    from molora.models.pipeline import InterleavedPipeline
     root, _, _, _, _ = trained
     pipe = InterleavedPipeline.from_pretrained(root)
     doc = pipe.generate("A red circle on the left. How many circles are there? A:", routing="learned",
@@ -275,7 +273,7 @@ def test_image_gates_route_each_picture_in_one_pass_text_gates_the_rest(trained)
 def test_image_gates_load_beside_the_text_gates_and_bad_ones_change_nothing(trained, tmp_path):
     import shutil
 
-    from models.pipeline import InterleavedPipeline
+    from molora.models.pipeline import InterleavedPipeline
     root, model, adapters, _, _ = trained
     pipe = InterleavedPipeline.from_pretrained(model, adapters_dir=adapters)
     text_gates = LearnedGates(pipe.routed.hidden_size, ["count", "spatial"], pipe.routed.num_blocks)
@@ -301,8 +299,8 @@ def test_image_gates_load_beside_the_text_gates_and_bad_ones_change_nothing(trai
 def test_image_gates_decide_once_per_picture_in_the_engine_and_in_one_pass(trained):
     """A picture's positions all take the decision made at its first position: in one pass (anchored) and
     token by token through the engine (kept per row across decode steps)."""
-    from models.pipeline import InterleavedPipeline
-    from routing.routers import picture_anchor
+    from molora.models.pipeline import InterleavedPipeline
+    from molora.routing.routers import picture_anchor
     image = torch.tensor([[False, True, True, False, True, True, True]])
     assert picture_anchor(image).tolist() == [0, 1, 1, 3, 4, 4, 4]
     root, model, adapters, _, _ = trained

@@ -10,13 +10,20 @@ import time
 
 import numpy as np
 import pytest
+from molora.models import Document, GenerationConfig, GenerationError, InterleavedPipeline, ModelDirError
+from molora.models.document import DocumentError
+from molora.models.events import (
+    Finished,
+    ImageDone,
+    ImageProgress,
+    ImageStarted,
+    Notice,
+    StepTiming,
+    TextDelta,
+)
+from molora.models.pipeline import split_prompts, truncate_prompt
+from molora.routing import AdapterError, MoLoRAError, UnknownAdapterError
 from PIL import Image
-
-from models import Document, GenerationConfig, GenerationError, InterleavedPipeline, ModelDirError
-from models.document import DocumentError
-from models.events import Finished, ImageDone, ImageProgress, ImageStarted, Notice, StepTiming, TextDelta
-from models.pipeline import split_prompts, truncate_prompt
-from routing import AdapterError, MoLoRAError, UnknownAdapterError
 
 FAST = dict(max_new_tokens=280, seed=0)
 
@@ -313,7 +320,7 @@ def test_split_prompts_rules(image_doc):
 
 
 def test_cli_writes_html_and_markdown(tiny_assets, tmp_path, image_doc):
-    from models.__main__ import main
+    from molora.models.cli import main
 
     image_path = tmp_path / "in.png"
     image_doc.images[0].save(image_path)
@@ -327,7 +334,7 @@ def test_cli_writes_html_and_markdown(tiny_assets, tmp_path, image_doc):
 
 
 def test_learned_routing_uses_the_gates_for_text_and_the_image_adapter_for_images(tiny_assets, tmp_path):
-    from routing import LearnedGates
+    from molora.routing import LearnedGates
 
     pipe = InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")
     with pytest.raises(UnknownAdapterError, match="not loaded"):
@@ -370,8 +377,8 @@ def test_model_dir_generation_json_sets_the_defaults(tiny_assets, tmp_path):
 
 
 def test_router_config_sets_top_k_and_refuses_gates_trained_on_other_adapter_weights(tiny_assets, tmp_path):
-    from models.loading import adapter_weights_hash
-    from routing import LearnedGates
+    from molora.models.loading import adapter_weights_hash
+    from molora.routing import LearnedGates
 
     pipe = InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")
     folder = tmp_path / "router"
@@ -389,7 +396,7 @@ def test_router_config_sets_top_k_and_refuses_gates_trained_on_other_adapter_wei
 
 
 def test_cli_names_a_router_file_and_refuses_a_missing_one(tiny_assets, tmp_path, capsys):
-    from models.__main__ import main as cli_main
+    from molora.models.cli import main as cli_main
 
     code = cli_main(["x", "--model", str(tiny_assets / "model"), "--routing", "learned", "--router",
                      str(tmp_path / "nope.safetensors"), "--out", str(tmp_path / "doc.html"), "--device", "cpu"])

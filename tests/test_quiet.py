@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import sys
-from models import InterleavedPipeline
+from molora.models import InterleavedPipeline
 pipe = InterleavedPipeline.from_pretrained(sys.argv[1], device="cpu")
 doc = pipe.generate("Draw a red circle.", image_adapter="image_style", routing="vocab", seed=0,
                     start_image=True, max_new_tokens=pipe.vocab.tokens_per_image + 4)
@@ -28,7 +28,7 @@ def test_loading_and_generating_print_nothing(tiny_model_dir, tmp_path):
 
 
 def test_what_the_readme_and_the_cli_write_by_default_is_git_ignored():
-    """The README's example writes out/circle.html and out/circle/; `python -m models` writes document.html."""
+    """The README's example writes out/circle.html and out/circle/; `molora generate` writes document.html."""
     paths = ["out/circle.html", "out/circle/document.md", "document.html"]
     ignored = subprocess.run(["git", "check-ignore", *paths], cwd=REPO, capture_output=True, text=True)
     assert sorted(ignored.stdout.split()) == sorted(paths)

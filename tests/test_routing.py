@@ -10,10 +10,8 @@ import warnings
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
-
-from models.vocab import IMAGE, UnifiedVocab
-from routing import (
+from molora.models.vocab import IMAGE, UnifiedVocab
+from molora.routing import (
     LearnedGates,
     LearnedRouter,
     LoraAdapter,
@@ -24,6 +22,7 @@ from routing import (
     VocabRangeRouter,
     attach_routed_lora,
 )
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 VOCAB = UnifiedVocab(vocab_size=64, text_start=5, text_size=27, image_start=32, image_size=32, pad_id=0, bos_id=1,
                      eos_id=2, boi_id=3, eoi_id=4, image_grid=(2, 2))
@@ -409,7 +408,7 @@ def test_kv_cache_argument_follows_the_installed_transformers(setup):
 
 
 def test_routing_metadata_is_built_once_per_forward_and_only_for_paths_that_read_it(setup, monkeypatch):
-    import routing.context as context
+    import molora.routing.context as context
 
     routed, _ = setup
     calls = []

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from models import runtime
-from models.loading import load_model_dir
-from models.runtime import DEFAULT_CPU_THREADS, THREADS_ENV, configure_cpu_threads, cpu_threads
-from routing.errors import MoLoRAError
+from molora.models import runtime
+from molora.models.loading import load_model_dir
+from molora.models.runtime import DEFAULT_CPU_THREADS, THREADS_ENV, configure_cpu_threads, cpu_threads
+from molora.routing.errors import MoLoRAError
 
 
 @pytest.fixture(autouse=True)
@@ -59,14 +58,14 @@ def test_a_choice_made_with_torch_or_omp_is_left_alone(tiny_model_dir, monkeypat
 
 
 def test_an_explicit_choice_survives_loading_a_model(tiny_model_dir):
-    configure_cpu_threads(2)  # what `python -m models --threads 2` and `python app.py --threads 2` do first
+    configure_cpu_threads(2)  # what `molora generate --threads 2` and `python app.py --threads 2` do first
     load_model_dir(tiny_model_dir, device="cpu")
     assert torch.get_num_threads() == 2
 
 
 def test_the_app_and_the_cli_take_a_threads_flag():
-    from app.server import parse_args as app_args
-    from models.__main__ import parse_args as cli_args
+    from molora.app.server import parse_args as app_args
+    from molora.models.cli import parse_args as cli_args
 
     assert app_args(["--threads", "2"]).threads == 2 and app_args([]).threads is None
     assert cli_args(["x", "--threads", "2"]).threads == 2 and cli_args(["x"]).threads is None

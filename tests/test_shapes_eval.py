@@ -10,11 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from PIL import Image, ImageFilter
-
-from models.sampling import GenerationError
-from models.shapes import ShapesError
-from models.shapes.eval import (
+from molora.models.sampling import GenerationError
+from molora.models.shapes import ShapesError
+from molora.models.shapes.eval import (
     CATEGORIES,
     analyse_image,
     build_prompts,
@@ -27,9 +25,9 @@ from models.shapes.eval import (
     score_interleaved,
     score_text_to_image,
 )
-from models.shapes.parse import ParsedObj
-from models.shapes.text import caption, describe_objects, document, instruction
-from models.shapes.world import (
+from molora.models.shapes.parse import ParsedObj
+from molora.models.shapes.text import caption, describe_objects, document, instruction
+from molora.models.shapes.world import (
     CELLS,
     COLOURS,
     STYLES,
@@ -40,6 +38,7 @@ from models.shapes.world import (
     sample_object,
     sample_scene,
 )
+from PIL import Image, ImageFilter
 
 
 def _key(o):
@@ -297,7 +296,7 @@ def test_runner_rejects_bad_arguments():
 
 
 def test_cli_passes_generation_settings_and_rejects_malformed_ones(tiny_assets, tmp_path, capsys):
-    from models.shapes.eval import main
+    from molora.models.shapes.eval import main
 
     out = tmp_path / "r.json"
     assert main(["--model", str(tiny_assets / "model"), "--n", "1", "--conditions", "base", "--categories",
@@ -314,7 +313,7 @@ def test_cli_passes_generation_settings_and_rejects_malformed_ones(tiny_assets, 
 
 
 def test_merge_joins_runs_split_by_condition_and_refuses_mismatches(tmp_path, capsys):
-    from models.shapes.eval import main, merge_results
+    from molora.models.shapes.eval import main, merge_results
 
     def run(conditions, **kw):
         return run_shapes_eval(FakePipeline(), n_per_category=4, progress=False, conditions=conditions,

@@ -7,10 +7,9 @@ import random
 
 import numpy as np
 import pytest
-
-from models.shapes import ShapesError
-from models.shapes.text import PIRATE_MARKERS, caption, document, instruction
-from models.shapes.world import (
+from molora.models.shapes import ShapesError
+from molora.models.shapes.text import PIRATE_MARKERS, caption, document, instruction
+from molora.models.shapes.world import (
     BACKGROUND_RGB,
     CELLS,
     COLOURS,

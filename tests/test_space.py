@@ -37,9 +37,9 @@ def test_requirements_name_what_the_app_imports():
 
 
 def test_spaces_gpu_wraps_the_generation_function_only_when_spaces_is_installed(monkeypatch):
-    import app.ui
+    import molora.app.ui as ui
 
-    plain = app.ui.stream_events
+    plain = ui.stream_events
     assert not getattr(plain, "on_gpu", False)
 
     fake = types.ModuleType("spaces")
@@ -51,9 +51,9 @@ def test_spaces_gpu_wraps_the_generation_function_only_when_spaces_is_installed(
     fake.GPU = GPU
     monkeypatch.setitem(sys.modules, "spaces", fake)
     try:
-        reloaded = importlib.reload(app.ui)
+        reloaded = importlib.reload(ui)
         assert reloaded.stream_events.on_gpu is True
     finally:
         monkeypatch.delitem(sys.modules, "spaces")
-        importlib.reload(app.ui)
-    assert not getattr(app.ui.stream_events, "on_gpu", False)
+        importlib.reload(ui)
+    assert not getattr(ui.stream_events, "on_gpu", False)

@@ -9,13 +9,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from molora.models.image_tokenizer import ImageTokenizer, ImageTokenizerError
+from molora.models.testing import BASE_MODEL_NAME, write_tiny_adapter, write_tiny_model_dir
+from molora.models.tokenizer import SPECIAL_TOKENS, TokenizerError, UnifiedTokenizer, build_tiny_tokenizer
+from molora.models.vocab import VocabError
+from molora.routing.errors import MoLoRAError
 from PIL import Image
-
-from models.image_tokenizer import ImageTokenizer, ImageTokenizerError
-from models.testing import BASE_MODEL_NAME, write_tiny_adapter, write_tiny_model_dir
-from models.tokenizer import SPECIAL_TOKENS, TokenizerError, UnifiedTokenizer, build_tiny_tokenizer
-from models.vocab import VocabError
-from routing.errors import MoLoRAError
 
 TOK = build_tiny_tokenizer()
 

@@ -13,10 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaForCausalLM
-
-from models.data import (
+from molora.models.data import (
     ExampleSpec,
     Schedule,
     collate,
@@ -28,10 +25,12 @@ from models.data import (
     sample_examples,
     sample_scenes,
 )
-from models.image_tokenizer import ImageTokenizer
-from models.testing import BASE_MODEL_NAME, LORA_TARGETS, llama_config, write_tiny_model_dir
-from models.tokenizer import UnifiedTokenizer, build_tiny_tokenizer
-from models.vocab import IMAGE, TEXT
+from molora.models.image_tokenizer import ImageTokenizer
+from molora.models.testing import BASE_MODEL_NAME, LORA_TARGETS, llama_config, write_tiny_model_dir
+from molora.models.tokenizer import UnifiedTokenizer, build_tiny_tokenizer
+from molora.models.vocab import IMAGE, TEXT
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 

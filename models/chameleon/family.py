@@ -35,12 +35,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from molora.models.family import ModelFamily, config_model_type, register_family
+from molora.models.hf_family import SpanTokenizer, load_model_and_processor, read_generation_defaults
+from molora.models.loading import LoadedModel, ModelDirError, find_adapters
+from molora.models.vocab import UnifiedVocab, VocabError
 from PIL import Image
-
-from models.family import ModelFamily, config_model_type, register_family
-from models.hf_family import SpanTokenizer, load_model_and_processor, read_generation_defaults
-from models.loading import LoadedModel, ModelDirError, find_adapters
-from models.vocab import UnifiedVocab, VocabError
 
 log = logging.getLogger(__name__)
 

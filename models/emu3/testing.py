@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from models.hf_family import tiny_byte_bpe
+from molora.models.hf_family import tiny_byte_bpe
 
 TEXTS = ["a red circle in the top left", "two blue squares on a green field", "draw a picture of a cat",
          "describe this picture", "hello world 0 1 2 3 4 5 6 7 8 9 * ."]

@@ -34,13 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from molora.models.family import ModelFamily, config_model_type, register_family
+from molora.models.hf_family import SpanTokenizer, load_model_and_processor, read_generation_defaults
+from molora.models.loading import LoadedModel, ModelDirError, find_adapters
+from molora.models.vocab import UnifiedVocab, VocabError
 from PIL import Image
 from torch import nn
-
-from models.family import ModelFamily, config_model_type, register_family
-from models.hf_family import SpanTokenizer, load_model_and_processor, read_generation_defaults
-from models.loading import LoadedModel, ModelDirError, find_adapters
-from models.vocab import UnifiedVocab, VocabError
 
 log = logging.getLogger(__name__)
 

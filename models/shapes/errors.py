@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from routing.errors import MoLoRAError
+from molora.routing.errors import MoLoRAError
 
 
 class ShapesError(MoLoRAError, ValueError):

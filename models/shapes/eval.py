@@ -24,8 +24,8 @@ baseline: one adapter for every token); merged (one adapter holding both, per-se
 has one: an adapter whose modality is "merged" in pipe.adapters, or pipe.merge_adapters([text, image]) ->
 name. Adapters are found in pipe.adapters (name -> modality "text" / "image"), or named by the caller.
 
-CLI: python -m models.shapes.eval --model assets/model --n 200 --out results.md [--json results.json]
-     python -m models.shapes.eval --merge gpu0.json gpu1.json --out results.md   (runs split by --conditions)
+CLI: molora evaluate --model assets/model --n 200 --out results.md [--json results.json]
+     molora evaluate --merge gpu0.json gpu1.json --out results.md   (runs split by --conditions)
 """
 
 from __future__ import annotations
@@ -459,7 +459,7 @@ def results_markdown(results: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="ShapesEval: score the embedded model on held-out shape scenes.")
+    ap = argparse.ArgumentParser(prog="molora evaluate", description="ShapesEval: score the embedded model on held-out shape scenes.")
     ap.add_argument("--model", default=None, help="model directory (default: the embedded assets/model)")
     ap.add_argument("--n", type=int, default=200, help="prompts per category")
     ap.add_argument("--conditions", nargs="*", default=None, choices=CONDITIONS)
@@ -514,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from models import InterleavedPipeline  # the generation API (helper G); imported only to run
+    from molora.models import InterleavedPipeline  # the generation API (helper G); imported only to run
 
     pipe = InterleavedPipeline.from_pretrained(args.model, r_max=args.r_max, device=args.device)
     results, table = run_shapes_eval(pipe, n_per_category=args.n, conditions=args.conditions,

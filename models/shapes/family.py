@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from models.family import ModelFamily, register_family
-from models.loading import load_model_dir
+from molora.models.family import ModelFamily, register_family
+from molora.models.loading import load_model_dir
 
 
 def _detect(path: Path) -> bool:
@@ -23,7 +23,7 @@ _load = load_model_dir
 
 
 def _caption_check(pipe: Any) -> Any:
-    from models.shapes.self_check import CaptionCheck  # the caption parser, loaded only when asked for
+    from molora.models.shapes.self_check import CaptionCheck  # the caption parser, loaded only when asked for
 
     return CaptionCheck(pipe)
 

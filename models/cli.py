@@ -1,9 +1,9 @@
 """Command line: write a generated document of text and images.
 
-    python -m models "a red circle in the top left" --out out/doc.html --start-image --seed 0
-    python -m models "describe:" --image photo.png --out out/caption.html --markdown out/caption
-    python -m models "two stars" --image-adapter outline --routing vocab --cfg-scale 3 --out out/stars.html
-    python -m models "Draw a blue diamond at the bottom." --best-of 4 --max-images 1 --out out/diamond.html
+    molora generate "a red circle in the top left" --out out/doc.html --start-image --seed 0
+    molora generate "describe:" --image photo.png --out out/caption.html --markdown out/caption
+    molora generate "two stars" --image-adapter outline --routing vocab --cfg-scale 3 --out out/stars.html
+    molora generate "Draw a blue diamond at the bottom." --best-of 4 --max-images 1 --out out/diamond.html
 
 Prints the paths it wrote. Errors of the project (unknown adapter, missing model files, ...) exit with status 2
 and their message.
@@ -16,16 +16,15 @@ import logging
 import sys
 from pathlib import Path
 
+from molora.models.pipeline import ROUTING_MODES, InterleavedPipeline
+from molora.models.runtime import configure_cpu_threads
+from molora.models.sampling import check_seed
+from molora.routing.errors import MoLoRAError
 from PIL import Image
-
-from models.pipeline import ROUTING_MODES, InterleavedPipeline
-from models.runtime import configure_cpu_threads
-from models.sampling import check_seed
-from routing.errors import MoLoRAError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m models", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="molora generate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", help="text prompt ('' is allowed)")
     p.add_argument("--image", action="append", default=[], type=Path,
