@@ -19,6 +19,13 @@ One background thread owns the model (gpt-fast's loop, vLLM's scheduler in minia
 Routing is device tables written in place (models/row_states.py): a row's (text, image) slots and the
 vocabulary's modality table; the captured step reads them, so no slot number is baked into a graph and adapters
 may come and go between replays.  Learned (MoLoRA) rows run the same step eagerly: their gates decide per block.
+
+A model dispatched over several devices by accelerate (`from_pretrained(..., device_map=...)`): the engine's
+tables and inputs live on the first device (the input embedding's), each attention layer's KV cache on its
+block's device, the routing each layer reads is copied to its device once per forward per device
+(routing/context.py PlacedRouting), and the logits are brought back from wherever the head is.  CUDA graphs are
+captured only when the model lives on one CUDA device; a spread or offloaded model runs every step eagerly
+(the engine says so in its log).
 """
 
 from __future__ import annotations
@@ -218,16 +225,32 @@ class Engine:
         if self.max_rows < 1 or self.max_len < 2:
             raise GenerationError(f"an engine needs max_rows >= 1 and max_len >= 2, got {self.max_rows}, "
                                   f"{self.max_len}")
+        # a model dispatched over devices (accelerate's device_map): each attention layer's KV on its block's device
+        placement = getattr(routed, "placement", None)
+        num_layers = int(routed.model.config.get_text_config().num_hidden_layers)
+        self.layer_devices = None
+        if placement is not None and len(placement.block_devices) == num_layers:
+            self.layer_devices = list(placement.block_devices)
+        self._logits_elsewhere = placement is not None  # the head may sit on another device than the inputs
         # the KV space is sized from the model's config, which may declare any length: checked before allocating
         kv_bytes = RowKVCache.planned_nbytes(routed.model.config, self.max_rows + 1, self.max_len,
                                              next(routed.model.parameters()).dtype)
-        free = available_memory(self.device)
-        if free is not None and kv_bytes > free:
-            raise GenerationError(f"the KV cache of {self.max_rows} rows x {self.max_len} positions needs "
-                                  f"{kv_bytes / 2 ** 30:.1f} GiB but {free / 2 ** 30:.1f} GiB are free (the model's "
-                                  f"config allows {limit} positions); pass EngineConfig(max_len=..., max_rows=...)")
+        devices = self.layer_devices or [self.device] * num_layers
+        for kv_device in dict.fromkeys(devices):
+            share = kv_bytes * devices.count(kv_device) // max(1, num_layers)
+            free = available_memory(kv_device)
+            if free is not None and share > free:
+                raise GenerationError(f"the KV cache of {self.max_rows} rows x {self.max_len} positions needs "
+                                      f"{share / 2 ** 30:.1f} GiB on {kv_device} but {free / 2 ** 30:.1f} GiB are free "
+                                      f"(the model's config allows {limit} positions); pass "
+                                      "EngineConfig(max_len=..., max_rows=...)")
         self.logits_size = logits_size or vocab.vocab_size
-        self.use_graphs = on_cuda and self.config.cuda_graphs
+        # CUDA graphs only when the whole model lives on one CUDA device: a model spread over devices or with
+        # weights streamed in by accelerate's offload hooks runs its steps eagerly
+        self.use_graphs = on_cuda and self.config.cuda_graphs and (placement is None or placement.one_device)
+        if on_cuda and self.config.cuda_graphs and not self.use_graphs:
+            log.info("engine: the model is placed over %s%s: no CUDA-graph capture, every step runs eagerly",
+                     [str(d) for d in placement.devices], " with offloaded weights" if placement.offloaded else "")
         low = 1 if on_cuda or not self.config.exact_rows else min(CPU_MIN_WIDTH, self.max_rows)
         self.widths = sorted({min(low << i, self.max_rows) for i in range(self.max_rows.bit_length() + 1)})
         self._lock = threading.Condition()
@@ -386,7 +409,7 @@ class Engine:
         dtype = next(model.parameters()).dtype
         # one row more than the batch: the scratch row, written by the padding rows of captured prefills
         self.kv = RowKVCache.for_model(model.config, self.max_rows + 1, self.max_len, dtype=dtype,
-                                       device=self.device)
+                                       device=self.device, layer_devices=self.layer_devices)
         self.scratch_row = self.max_rows
         self.states = RowStates(self.vocab, self.max_rows, self.device, self.logits_size)
         self.columns = torch.arange(self.max_len, device=self.device)
@@ -399,6 +422,9 @@ class Engine:
         self._ready = True
         log.info("engine: %d rows x %d positions (%.1f MiB of KV cache), widths %s, CUDA graphs %s",
                  self.max_rows, self.max_len, self.kv.nbytes() / 2 ** 20, self.widths, self.use_graphs)
+        if self.layer_devices is not None:
+            log.info("engine: KV cache per device (MiB): %s",
+                     {str(d): round(n / 2 ** 20, 1) for d, n in self.kv.nbytes_by_device().items()})
 
     def _drop_cancelled(self) -> None:
         for job in [j for j in self._waiting if j.handle.cancelled]:
@@ -484,7 +510,7 @@ class Engine:
             learned += LearnedGroup.for_router(router, index, ids if index is None else ids[index], slot_of,
                                                self.device)
         k = max((g.top_k for g in learned), default=1)
-        return CallRouting(batch, length, slots, self.routed.cache.num_slots, learned=learned, k=k)
+        return self.routed.make_routing(batch, length, slots, self.routed.cache.num_slots, learned=learned, k=k)
 
     def _columns(self, needed: int | None) -> int | None:
         """KV columns an eager call reads on the CPU (None = all: on CUDA every step has the captured step's
@@ -541,7 +567,14 @@ class Engine:
         plan = self._plan(ids, slots.view(-1), members, routed)
         out = self._forward(ids, positions, rows, mask, plan, length=length)
         self._keep_pictures(plan, rows)
-        return out.logits[:, -1], _producing(out.routing, slots[:, -1])
+        return self._last_logits(out), _producing(out.routing, slots[:, -1])
+
+    def _last_logits(self, out: Any) -> torch.Tensor:
+        """The last position's logits [n, V], on the engine's device (a dispatched model's head may be elsewhere)."""
+        logits = out.logits[:, -1]
+        if self._logits_elsewhere:
+            logits = logits.to(self.device)
+        return logits
 
     def _replay_prefill(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, _Producing]:
         """Copy the host layout into the (rows, tokens) bucket's static inputs and replay its graph."""
@@ -648,7 +681,7 @@ class Engine:
         self._hold_pictures(plan)
         out = self._forward(ids, positions, self.all_rows[:width], mask, plan, leading=width, length=length)
         self._keep_pictures(plan, self.all_rows[:width])
-        return out.logits[:, -1], _producing(out.routing, slots)
+        return self._last_logits(out), _producing(out.routing, slots)
 
     def _picture_tables(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         if k not in self._pictures:

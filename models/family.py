@@ -6,7 +6,8 @@ The engine, the pipeline and the app know no family by name.  A family is a pack
     detect(path) -> bool       does this directory hold one of my models? (a transformers config.json
                                `model_type`, or the family's own files)
     load(path, ...) -> LoadedModel
-                               the LM (a transformers model), and for it:
+                               the LM (a transformers model; placed over devices when the loader takes
+                               device_map / max_memory / offload_folder, as the built-in ones do), and for it:
         tokenizer              FamilyTokenizer: the vocabulary layout (models.vocab.UnifiedVocab: text range,
                                image-code range, image start/end, row/line markers, grid, forced image header
                                and trailer) whose modality_table() the routers read, and prompt formatting
@@ -34,7 +35,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from molora.models.best_of import Check, register_check
-from molora.models.loading import DEFAULT_MODEL_DIR, LoadedModel, ModelDirError
+from molora.models.loading import (
+    DEFAULT_MODEL_DIR,
+    DeviceMap,
+    LoadedModel,
+    ModelDirError,
+    PlacementError,
+    placing,
+)
 from molora.models.vocab import UnifiedVocab
 from PIL import Image
 
@@ -154,11 +162,28 @@ def detect_family(path: str | Path | None) -> ModelFamily:
 
 def load_family_model(path: str | Path | None = None, *, family: str | None = None,
                       adapters_dir: str | Path | None = None, device: torch.device | str | None = None,
-                      dtype: torch.dtype | None = None, **options: Any) -> LoadedModel:
+                      dtype: torch.dtype | None = None, device_map: DeviceMap | None = None,
+                      max_memory: dict[Any, Any] | None = None, offload_folder: str | Path | None = None,
+                      **options: Any) -> LoadedModel:
     """Recognise the family of `path` (or take `family` by name) and load its model; `options` go to the
-    family's loader (e.g. Emu3's grid=(rows, cols) of generated pictures)."""
+    family's loader (e.g. Emu3's grid=(rows, cols) of generated pictures).
+
+    `device_map` ("auto" or {module name: device}, with `max_memory` and `offload_folder`) places a model larger
+    than one device through transformers / accelerate; with `device` as well it is a PlacementError, raised
+    before anything is read. Every built-in family takes it; a loader that does not is refused by name."""
+    placed = placing(device, device_map, max_memory, offload_folder)
     chosen = get_family(family) if family is not None else detect_family(path)
     params = inspect.signature(chosen.load).parameters
+    if placed is not None:
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        if not takes_any and "device_map" not in params:
+            raise PlacementError(f"the {chosen.name} family's loader takes no device_map; load it on one device "
+                                 "with device=")
+        options["device_map"] = device_map
+        if max_memory is not None:
+            options["max_memory"] = max_memory
+        if offload_folder is not None:
+            options["offload_folder"] = offload_folder
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         unknown = sorted(set(options) - set(params))
         if unknown:

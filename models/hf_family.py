@@ -1,7 +1,8 @@
 """Pieces shared by the model families that load a transformers checkpoint (models/emu3, models/chameleon).
 
     SpanTokenizer     text and image spans <-> ids over a transformers tokenizer (models/family.py FamilyTokenizer)
-    load_checked      from_pretrained that treats missing weights as an error (transformers only warns)
+    load_checked      from_pretrained that treats missing weights as an error (transformers only warns); with a
+                      device_map, placed over devices by transformers / accelerate
     device_and_dtype  the device (CUDA when there is one) and dtype (bf16 on CUDA, float32 on the CPU)
     read_generation_defaults   the optional generation.json beside the model
 """
@@ -14,7 +15,14 @@ from typing import Any
 
 import torch
 from molora.models.checkpoint import check_declared_counts, check_finite, read_config
-from molora.models.loading import ModelDirError
+from molora.models.loading import (
+    DeviceMap,
+    ModelDirError,
+    Placing,
+    check_finite_placed,
+    input_device,
+    placing,
+)
 from molora.models.runtime import configure_cpu_threads
 from molora.models.vocab import UnifiedVocab, VocabError
 
@@ -100,37 +108,55 @@ def device_and_dtype(device: torch.device | str | None, dtype: torch.dtype | Non
     return device, dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
-def load_checked(cls: Any, path: Path, dtype: torch.dtype) -> Any:
+def load_checked(cls: Any, path: Path, dtype: torch.dtype, placed: Placing | None = None) -> Any:
     """cls.from_pretrained(path) where any missing weight is an error (transformers leaves them random and only
     warns: e.g. AutoModelForCausalLM on an Emu3ForConditionalGeneration folder loads no weight at all).
     Before loading, a config declaring more layers than the files hold tensors is refused (nothing allocated);
-    after, NaN/Inf weights."""
+    after, NaN/Inf weights. `placed`: a device_map (+ max_memory, offload folder) for transformers / accelerate."""
     check_declared_counts(path, read_config(path / "config.json", ModelDirError), ModelDirError)
+    placement = {} if placed is None else placed.from_pretrained_kwargs()
     try:
-        model, info = cls.from_pretrained(str(path), dtype=dtype, use_safetensors=True, output_loading_info=True)
+        model, info = cls.from_pretrained(str(path), dtype=dtype, use_safetensors=True, output_loading_info=True,
+                                          **placement)
     except Exception as exc:  # transformers raises many types on a bad config (ZeroDivisionError, AttributeError, ...)
         raise ModelDirError(f"cannot load {cls.__name__} from {path} ({type(exc).__name__}: {exc})") from exc
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         raise ModelDirError(f"{path}: {len(missing)} weights of {cls.__name__} are missing from the checkpoint "
                             f"(e.g. {missing[:3]}); it was saved from another class or is incomplete")
-    check_finite(model, path, ModelDirError)
+    if placed is None:
+        check_finite(model, path, ModelDirError)
+    else:
+        check_finite_placed(model, path, ModelDirError)
     return model
 
 
 def load_model_and_processor(model_cls: Any, processor_cls: Any, path: Path, *, what: str,
-                             device: torch.device | str | None, dtype: torch.dtype | None, threads: int | None
-                             ) -> tuple[Any, Any, torch.device]:
+                             device: torch.device | str | None, dtype: torch.dtype | None, threads: int | None,
+                             device_map: DeviceMap | None = None, max_memory: dict[Any, Any] | None = None,
+                             offload_folder: str | Path | None = None) -> tuple[Any, Any, torch.device]:
     """(processor, model on `device` in eval mode, device) of a family's directory: threads set, the processor
     loaded (any failure a ModelDirError naming `what`), the model through load_checked, and its name for adapter
-    checks taken from `molora_base_model` in its config where the checkpoint records one."""
+    checks taken from `molora_base_model` in its config where the checkpoint records one.
+
+    With `device_map` (and `max_memory`, `offload_folder`) transformers and accelerate place the model over
+    devices instead (device= as well: PlacementError); the device returned is then its input embedding's."""
+    placed = placing(device, device_map, max_memory, offload_folder)
     configure_cpu_threads(threads)
-    device, dtype = device_and_dtype(device, dtype)
+    if placed is None:
+        device, dtype = device_and_dtype(device, dtype)
+    else:
+        dtype = dtype or placed.default_dtype()
     try:
         processor = processor_cls.from_pretrained(str(path))
     except Exception as exc:  # transformers raises many types on damaged files (RecursionError, StrictDataclass...)
         raise ModelDirError(f"cannot load the {what} from {path}: {exc}") from exc
-    model = load_checked(model_cls, path, dtype).to(device).eval().requires_grad_(False)
+    model = load_checked(model_cls, path, dtype, placed)
+    if placed is None:
+        model = model.to(device)
+    else:
+        device = input_device(model)
+    model = model.eval().requires_grad_(False)
     model.name_or_path = getattr(model.config, "molora_base_model", None) or model.name_or_path
     return processor, model, device
 

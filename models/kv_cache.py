@@ -9,10 +9,14 @@ Before each forward the engine says which rows the call covers and at which posi
 (`address`); attention then reads those rows' whole buffers and the engine's 4-D mask hides every column a row
 has not written (or wrote for an earlier request).  Row r's tokens are written with one `index_put_`, so the
 update is a fixed-shape device op (no host sync, CUDA-graph safe).
+
+A model spread over devices (accelerate's device_map) keeps each layer's K/V on that layer's device
+(PlacedRowKVCache, `for_model(..., layer_devices=...)`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,11 +27,13 @@ class RowKVCache(Cache):
     """Preallocated K/V for `max_rows` rows of `max_len` positions in each of `num_layers` attention layers."""
 
     def __init__(self, num_layers: int, max_rows: int, max_len: int, kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str,
+                 layer_devices: Sequence[torch.device] | None = None) -> None:
         super().__init__(layers=[])
         shape = (max_rows, kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        devices = list(layer_devices) if layer_devices is not None else [device] * num_layers
+        self.keys = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        self.values = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
         self.max_rows, self.max_len = max_rows, max_len
         self._rows: torch.Tensor | None = None  # [n] long: the cache row of each batch row
         self._positions: torch.Tensor | None = None  # [n, T] long: where each new token is written
@@ -36,13 +42,20 @@ class RowKVCache(Cache):
 
     @classmethod
     def for_model(cls, config: Any, max_rows: int, max_len: int, *, dtype: torch.dtype,
-                  device: torch.device | str) -> RowKVCache:
-        """Sized from a transformers config (its text config for multimodal models)."""
+                  device: torch.device | str, layer_devices: Sequence[torch.device] | None = None) -> RowKVCache:
+        """Sized from a transformers config (its text config for multimodal models). `layer_devices`: the device of
+        each attention layer of a model spread over devices (each layer's K/V live there): a PlacedRowKVCache."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = int(text.num_attention_heads)
         kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-        return cls(int(text.num_hidden_layers), max_rows, max_len, kv_heads, head_dim, dtype=dtype, device=device)
+        num_layers = int(text.num_hidden_layers)
+        if layer_devices is not None and {torch.device(d) for d in layer_devices} != {torch.device(device)}:
+            if len(layer_devices) != num_layers:
+                raise ValueError(f"{len(layer_devices)} layer devices for a model of {num_layers} attention layers")
+            return PlacedRowKVCache(num_layers, max_rows, max_len, kv_heads, head_dim, dtype=dtype, device=device,
+                                    layer_devices=layer_devices)
+        return cls(num_layers, max_rows, max_len, kv_heads, head_dim, dtype=dtype, device=device)
 
     @staticmethod
     def planned_nbytes(config: Any, max_rows: int, max_len: int, dtype: torch.dtype) -> int:
@@ -56,6 +69,12 @@ class RowKVCache(Cache):
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
+
+    def nbytes_by_device(self) -> dict[torch.device, int]:
+        sizes: dict[torch.device, int] = {}
+        for t in (*self.keys, *self.values):
+            sizes[t.device] = sizes.get(t.device, 0) + t.nbytes
+        return sizes
 
     def address(self, rows: torch.Tensor, positions: torch.Tensor, *, leading: int = 0,
                 length: int | None = None) -> None:
@@ -91,3 +110,31 @@ class RowKVCache(Cache):
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+class PlacedRowKVCache(RowKVCache):
+    """RowKVCache of a model spread over devices: layer i's K/V live on layer i's device, and the call's row and
+    position indices are copied to each device once per forward (in `address`), not once per layer."""
+
+    def address(self, rows: torch.Tensor, positions: torch.Tensor, *, leading: int = 0,
+                length: int | None = None) -> None:
+        super().address(rows, positions, leading=leading, length=length)
+        self._placed = {rows.device: (rows, positions)}
+        for keys in self.keys:
+            if keys.device not in self._placed:
+                quiet = keys.device.type == "cuda"
+                self._placed[keys.device] = (rows.to(keys.device, non_blocking=quiet),
+                                             positions.to(keys.device, non_blocking=quiet))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rows is None:
+            raise RuntimeError("RowKVCache.address(rows, positions) must be called before each forward")
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        rows, positions = self._placed[keys.device]
+        index = (rows[:, None], slice(None), positions)
+        keys[index] = key_states.transpose(1, 2).to(keys.device, keys.dtype)
+        values[index] = value_states.transpose(1, 2).to(values.device, values.dtype)
+        if self._leading:
+            return keys[:self._leading, :, :self._length], values[:self._leading, :, :self._length]
+        return keys[rows, :, :self._length], values[rows, :, :self._length]

@@ -40,6 +40,108 @@ class ModelDirError(MoLoRAError):
     """A model or adapter directory that is missing files or whose pieces do not fit together."""
 
 
+class PlacementError(MoLoRAError):
+    """Where to put a model was asked in ways that cannot hold together (device= with device_map=, max_memory=
+    without device_map=, a device_map for a loader that cannot take one)."""
+
+
+DeviceMap = str | dict[str, Any]
+
+
+@dataclass
+class Placing:
+    """How to place a model that does not fit one device: transformers' / accelerate's device_map ("auto",
+    "balanced", "sequential", or {module name: device}), max_memory ({device: bytes or "10GiB"}) and the folder
+    for weights a device_map sends to "disk"."""
+
+    device_map: DeviceMap
+    max_memory: dict[Any, Any] | None = None
+    offload_folder: str | Path | None = None
+
+    def from_pretrained_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"device_map": self.device_map}
+        if self.max_memory is not None:
+            kwargs["max_memory"] = self.max_memory
+        if self.offload_folder is not None:
+            kwargs["offload_folder"] = str(self.offload_folder)
+        return kwargs
+
+    def default_dtype(self) -> torch.dtype:
+        """bf16 when the map may put layers on a GPU, float32 when everything stays on the CPU (or disk)."""
+        values = list(self.device_map.values()) if isinstance(self.device_map, dict) else [self.device_map]
+        for value in values:
+            if isinstance(value, int) or (isinstance(value, torch.device) and value.type == "cuda"):
+                return torch.bfloat16
+            if isinstance(value, str) and (value.startswith("cuda") or value in ("auto", "balanced",
+                                                                                  "balanced_low_0", "sequential")):
+                if value.startswith("cuda") or torch.cuda.is_available():
+                    return torch.bfloat16
+        return torch.float32
+
+
+def placing(device: Any = None, device_map: DeviceMap | None = None, max_memory: dict[Any, Any] | None = None,
+            offload_folder: str | Path | None = None) -> Placing | None:
+    """The Placing a loader was asked for (None: one device, `device`); contradictory requests raise
+    PlacementError before anything is loaded."""
+    if device_map is None:
+        if max_memory is not None or offload_folder is not None:
+            raise PlacementError("max_memory= and offload_folder= place a model over devices and need device_map= "
+                                 "(e.g. device_map=\"auto\"); without it, pass device= alone")
+        return None
+    if device is not None:
+        raise PlacementError(f"pass device= ({device!r}) or device_map= ({device_map!r}), not both: device_map "
+                             "already says where every layer goes (device_map={\"\": \"cuda:0\"} puts all on one)")
+    if not isinstance(device_map, (str, dict)) or (isinstance(device_map, dict) and not device_map):
+        raise PlacementError(f"device_map must be \"auto\", \"balanced\", \"balanced_low_0\", \"sequential\" or a "
+                             f"non-empty {{module name: device}} dict; got {device_map!r}")
+    if max_memory is not None and not isinstance(max_memory, dict):
+        raise PlacementError(f"max_memory must be a {{device: size}} dict (e.g. {{0: \"20GiB\", \"cpu\": \"60GiB\"}}); "
+                             f"got {max_memory!r}")
+    return Placing(device_map, max_memory, offload_folder)
+
+
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where a (possibly dispatched) model takes its input ids: its input embedding's execution device."""
+    from molora.routing.model import execution_device
+
+    try:
+        embed = model.get_input_embeddings()
+        name = next((n for n, m in model.named_modules() if m is embed), "")
+    except (AttributeError, NotImplementedError):
+        name = ""
+    return execution_device(model, name, torch.device("cpu"))
+
+
+def check_finite_placed(model: torch.nn.Module, where: Path, error: type[Exception]) -> None:
+    """check_finite for a model dispatched by accelerate: weights it offloaded (on "meta" in the module) are read
+    from the offload map of the hook that streams them in."""
+    bad = []
+    for module_name, module in model.named_modules():
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, t in tensors:
+            if t.device.type == "meta":
+                t = _offloaded_tensor(module, name)
+                if t is None:
+                    continue
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad.append(f"{module_name}.{name}" if module_name else name)
+    if bad:
+        raise error(f"{where}: {len(bad)} weights hold NaN or Inf values (e.g. {bad[:3]}); the checkpoint is "
+                    "corrupt or its training diverged")
+
+
+def _offloaded_tensor(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+        weights = getattr(h, "weights_map", None)
+        if weights is not None:
+            try:
+                return weights[name]
+            except KeyError:
+                return None
+    return None
+
+
 @dataclass
 class LoadedModel:
     path: Path
@@ -149,8 +251,13 @@ def _progress_bars(show: bool) -> Iterator[None]:
 
 def load_model_dir(path: str | Path | None = None, *, adapters_dir: str | Path | None = None,
                    device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                   threads: int | None = None) -> LoadedModel:
+                   threads: int | None = None, device_map: DeviceMap | None = None,
+                   max_memory: dict[Any, Any] | None = None, offload_folder: str | Path | None = None) -> LoadedModel:
     """Load tokenizer, LM and VQ of a model directory (None = assets/model) and list its adapters.
+
+    `device_map` (with `max_memory`, `offload_folder`) places the LM over devices through transformers and
+    accelerate instead of moving it to `device` (both at once: PlacementError); the VQ then goes to the LM's
+    input device.
 
     Also sets torch's CPU thread count (models/runtime.py: `threads`, else $MOLORA_THREADS, else 1; 0 leaves it).
 
@@ -162,6 +269,7 @@ def load_model_dir(path: str | Path | None = None, *, adapters_dir: str | Path |
     from molora.models.tokenizer import UnifiedTokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    placed = placing(device, device_map, max_memory, offload_folder)
     model_dir, adapters_dir = resolve_dirs(path, adapters_dir)
     if not model_dir.is_dir():
         hint = (" (build the embedded model with scripts/build_embedded.sh and copy OUT/model and OUT/adapters "
@@ -171,8 +279,11 @@ def load_model_dir(path: str | Path | None = None, *, adapters_dir: str | Path |
     if missing:
         raise ModelDirError(f"{model_dir} is not a complete model directory; missing: {', '.join(missing)}")
     configure_cpu_threads(threads)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if placed is None:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    else:
+        dtype = dtype or placed.default_dtype()
 
     tokenizer = UnifiedTokenizer.load(model_dir)
     vocab = tokenizer.vocab
@@ -184,13 +295,20 @@ def load_model_dir(path: str | Path | None = None, *, adapters_dir: str | Path |
     # before anything is allocated: the weights fill the model the config describes (no size taken on trust)
     check_checkpoint(lm_dir, read_config(lm_dir / "config.json", ModelDirError),
                      lambda: AutoModelForCausalLM.from_config(lm_config), ModelDirError)
+    placement = {} if placed is None else placed.from_pretrained_kwargs()
     try:
         with _progress_bars(log.isEnabledFor(logging.INFO)):  # a library is quiet unless logging asks for more
-            lm = AutoModelForCausalLM.from_pretrained(str(lm_dir), use_safetensors=True, dtype=dtype)
+            lm = AutoModelForCausalLM.from_pretrained(str(lm_dir), use_safetensors=True, dtype=dtype, **placement)
     except Exception as exc:
         raise ModelDirError(f"cannot load the language model from {lm_dir} ({type(exc).__name__}: {exc})") from exc
-    check_finite(lm, lm_dir, ModelDirError)
-    lm = lm.to(device).eval().requires_grad_(False)
+    if placed is None:
+        check_finite(lm, lm_dir, ModelDirError)
+        lm = lm.to(device).eval().requires_grad_(False)
+    else:
+        check_finite_placed(lm, lm_dir, ModelDirError)
+        lm = lm.eval().requires_grad_(False)
+        device = input_device(lm)
+        log.info("language model placed by device_map: %s", getattr(lm, "hf_device_map", device_map))
     # from_pretrained replaces name_or_path by the directory; adapters name the stable base-model name
     lm.name_or_path = getattr(lm.config, "molora_base_model", None) or lm.name_or_path
     lm_vocab = int(lm.config.get_text_config().vocab_size)

@@ -108,7 +108,8 @@ class InterleavedPipeline:
                         device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                         num_slots: int | None = None, r_max: int | None = None,
                         engine: EngineConfig | None = None, family: str | None = None,
-                        **family_options: Any) -> InterleavedPipeline:
+                        device_map: str | dict[str, Any] | None = None, max_memory: dict[Any, Any] | None = None,
+                        offload_folder: str | Path | None = None, **family_options: Any) -> InterleavedPipeline:
         """Load a model directory (None = the repo's assets/model) and every adapter beside it.
 
         The model family is recognised from the directory (models/family.py: a transformers config.json's
@@ -118,8 +119,15 @@ class InterleavedPipeline:
         holding model/ and adapters/. Adapters come from `adapters_dir`, else <path>/adapters, else the sibling
         adapters/ folder. `engine` sets the serving engine's rows and positions (models/engine.py EngineConfig).
         Raises ModelDirError (a MoLoRAError) naming every missing file.
+
+        A model larger than one GPU: `device_map="auto"` (or {module name: device}), optionally `max_memory`
+        ({0: "70GiB", 1: "70GiB", "cpu": "200GiB"}) and `offload_folder` (for layers sent to "disk"), instead of
+        `device` (both: PlacementError). transformers / accelerate place the layers; each routed layer's adapter
+        slots then live on its device, the engine keeps each layer's KV cache there and runs eagerly (CUDA
+        graphs only on one device); inputs go to the first device.
         """
         loaded = load_family_model(path, family=family, adapters_dir=adapters_dir, device=device, dtype=dtype,
+                                   device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
                                    **family_options)
         return cls(loaded, num_slots=num_slots, r_max=r_max, engine=engine)
 

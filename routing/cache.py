@@ -12,7 +12,8 @@ over the least-recently-used adapter that no running request holds; `release(nam
 cannot be satisfied raises CacheFullError before touching anything.  All bookkeeping is under one lock, so the
 generation engine can serve several requests from several threads.
 
-On CUDA the pool is pinned and copies are issued non-blocking on a side stream that first waits for the
+Each layer's slots live on the device that layer computes on (a model spread over devices by accelerate has
+several); a swap-in writes every layer's copy on its own device.  On CUDA the pool is pinned and copies are issued non-blocking on a side stream that first waits for the
 compute stream (work already queued on a slot finishes before the slot is overwritten).  `acquire` then makes the
 compute stream wait for the copies (no host synchronisation); `acquire_nowait` (the serving engine) returns their
 events instead, so rows that do not need the new adapter keep decoding while it is copied.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -81,7 +83,8 @@ class HotSetCache:
         self._last_use: dict[str, int] = {}
         self._tick = 0
         self._streams: dict[torch.device, Any] = {}
-        self._in_flight: dict[str, Any] = {}  # adapter name -> CUDA event recorded after its copy into a slot
+        self._in_flight: dict[str, list[Any]] = {}  # adapter name -> CUDA events (one per device) ending its copy
+        self._event_device: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event -> its device
         self.hits = self.misses = self.evictions = self.bytes_copied = 0
 
     def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: a lock and CUDA streams cannot be copied
@@ -89,11 +92,13 @@ class HotSetCache:
         del state["_lock"]
         state["_streams"] = {}
         state["_in_flight"] = {}
+        del state["_event_device"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.RLock()
+        self._event_device = weakref.WeakKeyDictionary()
 
     # --- pool ------------------------------------------------------------------------------------------
     @property
@@ -209,10 +214,8 @@ class HotSetCache:
         """Pin `names` in the hot set and return their slots (same order).  All or nothing.  The compute stream
         waits for any copy into those slots, so the next forward on it sees the adapters."""
         slots, pending = self.acquire_nowait(names)
-        if pending:
-            compute = torch.cuda.current_stream(next(iter(self.layers.values())).lora_A.device)
-            for event in pending:
-                compute.wait_event(event)
+        for event in pending:  # each copy's event waits on its own device's compute stream
+            torch.cuda.current_stream(self._event_device[event]).wait_event(event)
         return slots
 
     def acquire_nowait(self, names: Sequence[str]) -> tuple[list[int], list[Any]]:
@@ -252,17 +255,18 @@ class HotSetCache:
                 self._pins[name] = self._pins.get(name, 0) + 1
                 self._last_use[name] = self._tick
             if to_copy:
-                event = self._copy_in(to_copy)
-                if event is not None:
+                events = self._copy_in(to_copy)
+                if events:
                     for _, entry in to_copy:
-                        self._in_flight[entry.adapter.name] = event
+                        self._in_flight[entry.adapter.name] = events
             pending = []
             for name in unique:
-                event = self._in_flight.get(name)
-                if event is not None and event.query():
-                    del self._in_flight[name]
-                elif event is not None:
-                    pending.append(event)
+                events = [e for e in self._in_flight.get(name, ()) if not e.query()]
+                if events:
+                    self._in_flight[name] = events
+                    pending += events
+                else:
+                    self._in_flight.pop(name, None)
             return [self._slot_of[n] for n in names], pending
 
     def release(self, names: Iterable[str]) -> None:
@@ -304,26 +308,39 @@ class HotSetCache:
         for stream in self._streams.values():
             stream.synchronize()
 
-    def _copy_in(self, items: list[tuple[int, _PoolEntry]]) -> Any:
-        """Copy pool entries into their slots; on CUDA on a side stream, returning the event that marks the end
-        of the copies (None on the CPU, where the copy is done when this returns)."""
-        device = next(iter(self.layers.values())).lora_A.device
-        if device.type != "cuda":
-            self._copy(items, non_blocking=False)
-            return None
-        compute = torch.cuda.current_stream(device)
-        side = self._side_stream(device)
-        side.wait_stream(compute)  # kernels already queued on these slots run before we overwrite them
-        with torch.cuda.stream(side):
-            self._copy(items, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(side)
-        return done
+    def _by_device(self) -> dict[torch.device, dict[str, RoutedLoRALinear]]:
+        """The routed layers grouped by the device of their slots (one group unless the model is spread over
+        devices: then each layer's slots live on that layer's device)."""
+        groups: dict[torch.device, dict[str, RoutedLoRALinear]] = {}
+        for name, layer in self.layers.items():
+            groups.setdefault(layer.lora_A.device, {})[name] = layer
+        return groups
+
+    def _copy_in(self, items: list[tuple[int, _PoolEntry]]) -> list[Any]:
+        """Copy pool entries into their slots on every layer's own device; on CUDA on a side stream per device,
+        returning the events that mark the end of the copies (none on the CPU, where the copy is done when this
+        returns)."""
+        events = []
+        for device, layers in self._by_device().items():
+            if device.type != "cuda":
+                self._copy(items, layers, non_blocking=False)
+                continue
+            compute = torch.cuda.current_stream(device)
+            side = self._side_stream(device)
+            side.wait_stream(compute)  # kernels already queued on these slots run before we overwrite them
+            with torch.cuda.stream(side):
+                self._copy(items, layers, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            self._event_device[done] = device
+            events.append(done)
+        return events
 
     @torch.no_grad()
-    def _copy(self, items: list[tuple[int, _PoolEntry]], non_blocking: bool) -> None:
+    def _copy(self, items: list[tuple[int, _PoolEntry]], layers: Mapping[str, RoutedLoRALinear],
+              non_blocking: bool) -> None:
         for slot, entry in items:
-            for name, layer in self.layers.items():
+            for name, layer in layers.items():
                 a = entry.A.get(name)
                 if a is None:
                     layer.clear_slot(slot)

@@ -1,6 +1,6 @@
 """The per-call routing state, visible to every routed layer of one forward pass.
 
-RoutedModel.forward builds a `CallRouting` once, sets it in a ContextVar for the duration of the HF model's
+RoutedModel.forward builds a `CallRouting` once (a `PlacedRouting` for a model spread over devices), sets it in a ContextVar for the duration of the HF model's
 forward, and resets it afterwards.  Layers read it with `current_routing()`.  A ContextVar is per thread (and per
 asyncio task), so two requests running at once never see each other's routing and there is no global state.
 """
@@ -104,6 +104,68 @@ class CallRouting:
             decisions.append((group, decision))
         self.block_slots[block] = (slots.view(-1, self.k), weights.view(-1, self.k))
         self.decisions[block] = decisions
+
+
+@dataclass
+class PlacedRouting(CallRouting):
+    """CallRouting of a model spread over devices (accelerate's device_map): built on the input's device as ever,
+    and read by each routed layer on the device it computes on.
+
+    Layers pass `route_key` = (block, device) (routing/lora.py).  Slots and weights (static, or a learned block's
+    decision) and the kernels' slot-sorted metadata are copied to a device the first time a layer there asks, and
+    kept for the rest of the forward: one copy per forward per device (learned routing: per block and device, as its
+    decision is per block).  Learned gates run on the routing's device: the block input is brought to it.
+    """
+
+    _placed: dict[tuple[Any, torch.device], tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    _placed_meta: dict[tuple[Any, torch.device], Any] = field(default_factory=dict)
+    _placed_2d: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    def _key(self, block: int | None) -> int | None:
+        return block if self.learned and block in self.block_slots else None
+
+    def _on(self, block: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """for_block(block) on `device`, copied once per forward."""
+        key = (self._key(block), device)
+        got = self._placed.get(key)
+        if got is None:
+            slots, weights = CallRouting.for_block(self, block)
+            if slots.device != device:  # to a GPU: no host sync, the copy is queued like the kernels
+                quiet = device.type == "cuda"  # (to the host it must block: the CPU reads it right away)
+                slots = slots.to(device, non_blocking=quiet)
+                weights = None if weights is None else weights.to(device, non_blocking=quiet)
+            got = self._placed[key] = (slots, weights)
+        return got
+
+    def for_block(self, key: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not isinstance(key, tuple):
+            return CallRouting.for_block(self, key)
+        return self._on(*key)
+
+    def kernel_slots(self, key: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not isinstance(key, tuple):
+            return CallRouting.kernel_slots(self, key)
+        slots, weights = self._on(*key)
+        if slots.dim() == 2:
+            return slots, weights
+        device = key[1]
+        if device not in self._placed_2d:
+            self._placed_2d[device] = slots[:, None]
+        return self._placed_2d[device], None
+
+    def meta(self, key: Any) -> Any:
+        if not isinstance(key, tuple):
+            return CallRouting.meta(self, key)
+        block, device = key
+        mkey = (self._key(block), device)
+        if mkey not in self._placed_meta:
+            slots, weights = self._on(block, device)
+            self._placed_meta[mkey] = build_routing_meta(slots, self.num_slots, weights)
+        return self._placed_meta[mkey]
+
+    def route_block(self, block: int, hidden: torch.Tensor) -> None:
+        device = self.slots.device
+        super().route_block(block, hidden if hidden.device == device else hidden.to(device))
 
 
 @dataclass

@@ -14,12 +14,18 @@ read and write of the output, which an add after the GEMM would.
 
 The layer builds no routing metadata: it reads the per-call `CallRouting` (routing/context.py) that
 RoutedModel.forward set up once for the whole pass.  No routing active -> exactly the base linear.
+
+A model spread over devices (accelerate's device_map): the slots live on the device the layer computes on
+(`device=`), and the layer asks the routing for its metadata by `route_key` = (block, device), so it reads copies
+on its own device (PlacedRouting, made once per forward per device).  On one device `route_key` is the block
+number, the same key as ever: the single-device path does no extra work.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -95,9 +101,10 @@ class ProjectionGroup:
                 break
         return self.A, self.B, self.scale
 
-    def deltas(self, routing: CallRouting, block: int | None, x2: torch.Tensor, slots: torch.Tensor,
+    def deltas(self, routing: CallRouting, block: Any, x2: torch.Tensor, slots: torch.Tensor,
                weights: torch.Tensor | None, only: int | None = None) -> list[torch.Tensor]:
-        """Fresh deltas [N, out_p] of every member (or of member `only`), in x's dtype; slots [N, k]."""
+        """Fresh deltas [N, out_p] of every member (or of member `only`), in x's dtype; slots [N, k]; `block`: the
+        members' route_key."""
         A, B, scale = self.stacked()
         bounds = self.bounds
         if only is not None and self.size > 1:
@@ -133,15 +140,18 @@ def group_projections(layers: Iterable[RoutedLoRALinear]) -> list[ProjectionGrou
 
 class RoutedLoRALinear(nn.Linear):
     def __init__(self, base: nn.Linear, num_slots: int, r_max: int, *, name: str = "",
-                 block: int | None = None) -> None:
+                 block: int | None = None, device: torch.device | None = None) -> None:
+        """`device`: where the slots live (default: the base weight's device; a layer that accelerate offloads has
+        its weight on "meta" between calls and computes on its hook's execution device: pass that)."""
         nn.Module.__init__(self)  # skip nn.Linear.__init__: reuse the base Parameters, allocate nothing new
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
         self.bias = base.bias
         self.num_slots, self.r_max = num_slots, r_max
         self.name, self.block = name, block
+        self.route_key: Any = block  # (block, device) once attach_routed_lora finds the model spread over devices
         w = base.weight
-        kw = {"dtype": w.dtype, "device": w.device}
+        kw = {"dtype": w.dtype, "device": w.device if device is None else device}
         self.register_buffer("lora_A", torch.zeros(num_slots, r_max, self.in_features, **kw), persistent=False)
         self.register_buffer("lora_B", torch.zeros(num_slots, self.out_features, r_max, **kw), persistent=False)
         self.register_buffer("lora_scale", torch.zeros(num_slots, **kw), persistent=False)
@@ -162,7 +172,7 @@ class RoutedLoRALinear(nn.Linear):
         weight = self.weight
         if routing is None:
             return F.linear(x, weight, self.bias)
-        slots, weights = routing.kernel_slots(self.block)
+        slots, weights = routing.kernel_slots(self.route_key)
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] != slots.shape[0]:
             raise RoutingError(f"routed layer '{self.name}' got {x2.shape[0]} tokens but the routing covers "
@@ -184,7 +194,7 @@ class RoutedLoRALinear(nn.Linear):
         """This layer's delta: computed with its group's in one call, or taken from that call's results."""
         group, index = self.group, self.group_index
         if group.size == 1:
-            return group.deltas(routing, self.block, x2, slots, weights)[0]
+            return group.deltas(routing, self.route_key, x2, slots, weights)[0]
         shared = routing.shared.get(group)
         if shared is not None and shared.x is x and shared.deltas[index] is not None:
             return shared.take(index, routing, group)
@@ -194,8 +204,8 @@ class RoutedLoRALinear(nn.Linear):
             log.info("routed layers %s are called on different inputs; computing their deltas separately",
                      [m.name for m in group.members])
         if not group.shares_input:
-            return group.deltas(routing, self.block, x2, slots, weights, only=index)[0]
-        deltas = group.deltas(routing, self.block, x2, slots, weights)
+            return group.deltas(routing, self.route_key, x2, slots, weights, only=index)[0]
+        deltas = group.deltas(routing, self.route_key, x2, slots, weights)
         routing.shared[group] = SharedDeltas(x, list(deltas), len(deltas))
         return routing.shared[group].take(index, routing, group)
 
@@ -203,7 +213,7 @@ class RoutedLoRALinear(nn.Linear):
                      weights: torch.Tensor | None) -> torch.Tensor:
         """Base linear, then the delta added into it (autograd, autocast): the ops' checks and backward."""
         y = F.linear(x, self.weight, self.bias)
-        meta = routing.meta(self.block) if reads_meta(x2, slots.shape[1], self.lora_A) else None
+        meta = routing.meta(self.route_key) if reads_meta(x2, slots.shape[1], self.lora_A) else None
         out = y.view(-1, self.out_features)  # the kernels add the delta into the base output in place
         if weights is None:
             routed_lora(x2, self.lora_A, self.lora_B, slots[:, 0], self.lora_scale, out=out, meta=meta)

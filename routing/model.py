@@ -8,12 +8,19 @@ the block input.  RoutedModel.forward then, per call:
     2. builds the routing of every token ONCE (CallRouting: slots [N], or per-block top-k for learned rows),
     3. runs ONE forward of the HF model with that routing set in a ContextVar (per thread / task),
     4. resets the context and unpins (release), even when the forward raises.
+
+Models spread over devices (accelerate's device_map, dispatched BEFORE attaching): each wrapped layer's slots are
+allocated on the device that layer computes on (its accelerate hook's execution device, else its weight's
+device), the layer keeps its accelerate hook, and every forward's routing is a PlacedRouting, which copies what
+the layers read to their devices once per forward per device.  Found once, at attach time (`RoutedModel.placement`);
+a model on one device keeps the plain path.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import logging
 import re
 from collections.abc import Iterator, Sequence
@@ -25,7 +32,14 @@ from typing import Any
 import torch
 from molora.routing.adapters import LoraAdapter, check_base_model, load_peft_adapter, save_peft_adapter
 from molora.routing.cache import AdapterInfo, HotSetCache
-from molora.routing.context import BlockDecision, CallRouting, current_routing, reset_routing, set_routing
+from molora.routing.context import (
+    BlockDecision,
+    CallRouting,
+    PlacedRouting,
+    current_routing,
+    reset_routing,
+    set_routing,
+)
 from molora.routing.errors import AdapterError, RoutingError
 from molora.routing.lora import RoutedLoRALinear, group_projections
 from molora.routing.routers import LearnedGroup, LearnedRouter, Router, load_balance_loss, router_z_loss
@@ -74,6 +88,110 @@ def _past_key_values(out: Any) -> Any:
 
 # --- attaching ---------------------------------------------------------------------------------------------
 
+@dataclass
+class Placement:
+    """Where a routed model computes, found once when attaching.
+
+    input_device   where input ids go and routing is built (the input embedding's execution device)
+    block_devices  the execution device of each transformer block (its KV cache belongs there)
+    spread         the routed layers compute on more than one device, or on another than the input's: layers read
+                   routing copied to their device (PlacedRouting)
+    offloaded      accelerate streams some weights in from the CPU or disk at each forward (weights on "meta"
+                   between calls)
+    hooked         accelerate hooks are attached (a dispatched model: do not move it with .to())
+    """
+
+    input_device: torch.device
+    block_devices: list[torch.device]
+    spread: bool
+    offloaded: bool
+    hooked: bool
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Every device the model computes on, the input's first."""
+        return list(dict.fromkeys([self.input_device, *self.block_devices]))
+
+    @property
+    def one_device(self) -> bool:
+        """The whole model lives and computes on one device (nothing offloaded): what CUDA-graph capture needs."""
+        return not self.spread and not self.offloaded and len(self.devices) == 1
+
+
+def _normal(device: Any) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _hook_device(module: nn.Module) -> torch.device | None:
+    """The execution device of an accelerate hook on `module` (a SequentialHook's first that has one), or None."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
+    for h in hooks:
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return _normal(device)
+    return None
+
+
+def execution_device(model: nn.Module, name: str, default: torch.device | None = None) -> torch.device:
+    """Where submodule `name` of `model` computes: the execution device of the nearest accelerate hook on it or an
+    ancestor (accelerate keeps offloaded weights on "meta" and brings them to that device per call), else the
+    device of its first parameter or buffer that is not on "meta", else `default` (else "meta")."""
+    parts = name.split(".") if name else []
+    for i in range(len(parts), -1, -1):
+        device = _hook_device(model.get_submodule(".".join(parts[:i])) if i else model)
+        if device is not None:
+            return device
+    module = model.get_submodule(name) if name else model
+    tensors = itertools.chain(module.parameters(), module.buffers())
+    first = next(tensors, None)
+    real = first if first is None or first.device.type != "meta" else next(
+        (t for t in tensors if t.device.type != "meta"), None)
+    if real is not None:
+        return _normal(real.device)
+    return default if default is not None or first is None else torch.device("meta")
+
+
+def _input_name(model: nn.Module) -> str | None:
+    try:
+        embed = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    return next((n for n, m in model.named_modules() if m is embed), None)
+
+
+def find_placement(model: nn.Module, layer_names: Sequence[str], block_path: str | None, num_blocks: int
+                   ) -> Placement:
+    """The Placement of `model` (layer_names: the linears to route; block_path: the blocks' ModuleList)."""
+    layer_devices = {execution_device(model, n) for n in layer_names}
+    first = next(iter(layer_devices))
+    embed = _input_name(model)
+    if embed is not None:
+        input_device = execution_device(model, embed, first)
+    else:
+        input_device = execution_device(model, "", first)
+    prefix = f"{block_path}." if block_path else ""
+    blocks = [execution_device(model, f"{prefix}{i}", input_device) for i in range(num_blocks)] \
+        if block_path is not None else []
+    hooked = any(hasattr(m, "_hf_hook") for m in model.modules())
+    offloaded = any(p.device.type == "meta" for p in model.parameters()) and hooked
+    spread = layer_devices != {input_device}
+    return Placement(input_device, blocks, spread, offloaded, hooked)
+
+
+def _keep_hook(base: nn.Module, layer: nn.Module) -> None:
+    """Give the routed layer the accelerate hook of the linear it replaces (it moves inputs to the execution
+    device and, when offloaded, brings the weight in for the call and drops it after)."""
+    hook = getattr(base, "_hf_hook", None)
+    if hook is not None:
+        from accelerate.hooks import add_hook_to_module
+
+        add_hook_to_module(layer, hook)
+
+
 def _is_target(name: str, targets: str | Sequence[str]) -> bool:
     """PEFT's convention: a string is a regex over the full module name, a list matches name suffixes."""
     if isinstance(targets, str):
@@ -108,7 +226,10 @@ def _block_pre_hook(index: int):
 
 def attach_routed_lora(model: nn.Module, target_modules: str | Sequence[str] = DEFAULT_TARGETS,
                        num_slots: int = 4, r_max: int = 16) -> RoutedModel:
-    """Wrap the target nn.Linear modules of a transformers causal LM (in place) and return a RoutedModel."""
+    """Wrap the target nn.Linear modules of a transformers causal LM (in place) and return a RoutedModel.
+
+    A model dispatched over devices by accelerate (`from_pretrained(..., device_map=...)`) is attached after the
+    dispatch: each layer's slots go to the device it computes on (see the module docstring)."""
     if not isinstance(num_slots, int) or num_slots < 1 or not isinstance(r_max, int) or r_max < 1:
         raise RoutingError(f"num_slots and r_max must be positive ints, got {num_slots!r}, {r_max!r}")
     if any(isinstance(m, RoutedLoRALinear) for m in model.modules()):
@@ -124,6 +245,7 @@ def attach_routed_lora(model: nn.Module, target_modules: str | Sequence[str] = D
     if found is not None:
         block_path, module_list = found
         blocks = list(module_list)
+    placement = find_placement(model, names, block_path, len(blocks))
     layers: dict[str, RoutedLoRALinear] = {}
     for name in names:
         parent_name, _, child = name.rpartition(".")
@@ -133,7 +255,12 @@ def attach_routed_lora(model: nn.Module, target_modules: str | Sequence[str] = D
             prefix = f"{block_path}." if block_path else ""
             if name.startswith(prefix):
                 block = int(name[len(prefix):].split(".", 1)[0])
-        layer = RoutedLoRALinear(getattr(parent, child), num_slots, r_max, name=name, block=block)
+        base = getattr(parent, child)
+        device = execution_device(model, name) if placement.hooked or placement.spread else None
+        layer = RoutedLoRALinear(base, num_slots, r_max, name=name, block=block, device=device)
+        if placement.spread:
+            layer.route_key = (block, layer.lora_A.device)
+        _keep_hook(base, layer)
         setattr(parent, child, layer)
         layers[name] = layer
     group_projections(layers.values())  # q/k/v and gate/up share one routed-LoRA call (routing/lora.py)
@@ -141,7 +268,11 @@ def attach_routed_lora(model: nn.Module, target_modules: str | Sequence[str] = D
         block_module.register_forward_pre_hook(_block_pre_hook(index), with_kwargs=True)
     log.info("routed LoRA on %d linear layers in %d blocks: %d slots, r_max %d", len(layers), len(blocks),
              num_slots, r_max)
-    return RoutedModel(model, HotSetCache(layers, num_slots, r_max), num_blocks=len(blocks))
+    if placement.hooked or placement.spread:
+        log.info("routed model placed over %s (input on %s%s)", [str(d) for d in placement.devices],
+                 placement.input_device, ", weights offloaded" if placement.offloaded else "")
+    return RoutedModel(model, HotSetCache(layers, num_slots, r_max), num_blocks=len(blocks),
+                       placement=placement if placement.hooked or placement.spread else None)
 
 
 # --- the routed model ----------------------------------------------------------------------------------------
@@ -149,11 +280,15 @@ def attach_routed_lora(model: nn.Module, target_modules: str | Sequence[str] = D
 class RoutedModel(nn.Module):
     """A transformers causal LM with routed LoRA layers, a hot-set cache and per-call routers."""
 
-    def __init__(self, model: nn.Module, cache: HotSetCache, num_blocks: int) -> None:
+    def __init__(self, model: nn.Module, cache: HotSetCache, num_blocks: int,
+                 placement: Placement | None = None) -> None:
         super().__init__()
         self.model = model
         self.cache = cache
         self.num_blocks = num_blocks
+        # None: one device, wherever the model is moved; else a dispatched model's devices (fixed)
+        self.placement = placement
+        self._routing_cls = PlacedRouting if placement is not None and placement.spread else CallRouting
         # transformers >= 5.2x names the KV-cache argument `cache` (`past_key_values` is deprecated, to be removed
         # in 5.40); callers pass past_key_values=, which forward renames where the model wants `cache`
         self._takes_cache = "cache" in inspect.signature(model.forward).parameters
@@ -161,7 +296,15 @@ class RoutedModel(nn.Module):
     # --- facts about the model -----------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
+        """Where input ids go: the model's device (a dispatched model: its input embedding's execution device)."""
+        if self.placement is not None:
+            return self.placement.input_device
         return next(self.model.parameters()).device
+
+    def make_routing(self, *args: Any, **kwargs: Any) -> CallRouting:
+        """CallRouting(*args, **kwargs), or a PlacedRouting when the model is spread over devices (what every plan
+        for this model must be: its layers ask for their routing on their own device)."""
+        return self._routing_cls(*args, **kwargs)
 
     @property
     def hidden_size(self) -> int:
@@ -258,8 +401,8 @@ class RoutedModel(nn.Module):
                 if isinstance(router, LearnedRouter):
                     groups += LearnedGroup.for_router(router, index, ids, slot_of, device)
         k = max((g.top_k for g in groups), default=1)
-        return CallRouting(batch, length, slots.reshape(-1), self.cache.num_slots, slot_of=dict(slot_of),
-                           learned=groups, k=k)
+        return self.make_routing(batch, length, slots.reshape(-1), self.cache.num_slots, slot_of=dict(slot_of),
+                                 learned=groups, k=k)
 
     @contextmanager
     def routing_scope(self, input_ids: torch.Tensor, routers: Any = None) -> Iterator[CallRouting | None]:
@@ -304,6 +447,9 @@ class RoutedModel(nn.Module):
         engine pins adapters per request, not per forward, and writes its routing tables in place)."""
         if self._takes_cache and "past_key_values" in hf_kwargs:
             hf_kwargs["cache"] = hf_kwargs.pop("past_key_values")
+        if plan is not None and self._routing_cls is PlacedRouting and not isinstance(plan, PlacedRouting):
+            raise RoutingError("this model is spread over devices: build its routing with RoutedModel.make_routing "
+                               "(a PlacedRouting), so each layer reads it on its own device")
         token = set_routing(plan)
         try:
             out = self.model(input_ids=input_ids, **hf_kwargs)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from molora.models.family import ModelFamily, config_model_type, register_family
 from molora.models.hf_family import SpanTokenizer, load_model_and_processor, read_generation_defaults
-from molora.models.loading import LoadedModel, ModelDirError, find_adapters
+from molora.models.loading import DeviceMap, LoadedModel, ModelDirError, find_adapters
 from molora.models.vocab import UnifiedVocab, VocabError
 from PIL import Image
 
@@ -121,14 +121,17 @@ def chameleon_vocab(hf_tokenizer: Any, img2bpe: dict[int, int], grid: tuple[int,
 
 def load_chameleon(path: str | Path, *, adapters_dir: str | Path | None = None,
                    device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                   threads: int | None = None) -> LoadedModel:
+                   threads: int | None = None,
+                   device_map: DeviceMap | None = None, max_memory: dict[Any, Any] | None = None,
+                   offload_folder: str | Path | None = None) -> LoadedModel:
     """Load a Chameleon / Anole directory (model + processor) and the adapters beside it."""
     from transformers import ChameleonForConditionalGeneration, ChameleonProcessor
 
     path = Path(path)
     processor, lm, device = load_model_and_processor(
         ChameleonForConditionalGeneration, ChameleonProcessor, path, what="Chameleon processor", device=device,
-        dtype=dtype, threads=threads)
+        dtype=dtype, threads=threads, device_map=device_map, max_memory=max_memory,
+        offload_folder=offload_folder)
     side = math.isqrt(int(processor.image_seq_length))
     if side * side != int(processor.image_seq_length):
         raise ModelDirError(f"{path}: image_seq_length {processor.image_seq_length} is not a square grid")

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from molora.models.family import ModelFamily, config_model_type, register_family
 from molora.models.hf_family import SpanTokenizer, load_model_and_processor, read_generation_defaults
-from molora.models.loading import LoadedModel, ModelDirError, find_adapters
+from molora.models.loading import DeviceMap, LoadedModel, ModelDirError, find_adapters
 from molora.models.vocab import UnifiedVocab, VocabError
 from PIL import Image
 
@@ -130,7 +130,9 @@ def default_grid(processor: Any, image_area: int | None = None, ratio: str = "1:
 
 def load_emu3(path: str | Path, *, adapters_dir: str | Path | None = None, device: torch.device | str | None = None,
               dtype: torch.dtype | None = None, grid: tuple[int, int] | None = None, image_area: int | None = None,
-              ratio: str = "1:1", threads: int | None = None) -> LoadedModel:
+              ratio: str = "1:1", threads: int | None = None,
+              device_map: DeviceMap | None = None, max_memory: dict[Any, Any] | None = None,
+              offload_folder: str | Path | None = None) -> LoadedModel:
     """Load an Emu3 directory (model + processor) and the adapters beside it; missing LM weights are an error.
     The pictures it writes are `grid` (rows, cols) codes, else sized from `image_area` pixels (default: the
     processor's) at `ratio` width:height, as Emu3Processor does."""
@@ -139,7 +141,8 @@ def load_emu3(path: str | Path, *, adapters_dir: str | Path | None = None, devic
     path = Path(path)
     processor, lm, device = load_model_and_processor(
         Emu3ForConditionalGeneration, Emu3Processor, path, what="Emu3 processor (tokenizer + image processor)",
-        device=device, dtype=dtype, threads=threads)
+        device=device, dtype=dtype, threads=threads, device_map=device_map, max_memory=max_memory,
+        offload_folder=offload_folder)
     mapping = lm.model.vocabulary_mapping
     grid = tuple(int(g) for g in (grid or default_grid(processor, image_area, ratio)))
     if len(grid) != 2 or min(grid) < 1:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from molora.models.family import ModelFamily, config_model_type, register_family
 from molora.models.hf_family import SpanTokenizer, load_model_and_processor, read_generation_defaults
-from molora.models.loading import LoadedModel, ModelDirError, find_adapters
+from molora.models.loading import DeviceMap, LoadedModel, ModelDirError, find_adapters
 from molora.models.vocab import UnifiedVocab, VocabError
 from PIL import Image
 from torch import nn
@@ -70,7 +70,12 @@ class JanusUnifiedLM(nn.Module):
         text = self.model.language_model.get_input_embeddings()(input_ids.clamp(max=self.text_vocab - 1))
         codes = (input_ids - self.text_vocab).clamp(0, self.num_codes - 1)
         image = self.model.generation_aligner(self.model.generation_embeddings(codes))
-        return torch.where(is_code, image.to(text.dtype), text)
+        # (.to: under a device_map the generation modules may sit on another device than the text embedding)
+        return torch.where(is_code, image.to(text.device, text.dtype), text)
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The text embedding: where input ids go (a device_map's first device)."""
+        return self.model.language_model.get_input_embeddings()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool | None = None,
@@ -82,7 +87,8 @@ class JanusUnifiedLM(nn.Module):
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        logits = torch.cat([self.lm_head(hidden), self.model.generation_head(hidden)], dim=-1)
+        text_logits = self.lm_head(hidden)
+        logits = torch.cat([text_logits, self.model.generation_head(hidden).to(text_logits.device)], dim=-1)
         return CausalLMOutputWithPast(logits=logits, cache=out.cache)
 
 
@@ -128,14 +134,17 @@ def janus_vocab(hf_tokenizer: Any, text_vocab: int, num_codes: int, grid: tuple[
 
 
 def load_janus(path: str | Path, *, adapters_dir: str | Path | None = None, device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None, threads: int | None = None) -> LoadedModel:
+               dtype: torch.dtype | None = None, threads: int | None = None,
+               device_map: DeviceMap | None = None, max_memory: dict[Any, Any] | None = None,
+               offload_folder: str | Path | None = None) -> LoadedModel:
     """Load a Janus directory (model + processor) and the adapters beside it."""
     from transformers import JanusForConditionalGeneration, JanusProcessor
 
     path = Path(path)
     processor, janus, device = load_model_and_processor(
         JanusForConditionalGeneration, JanusProcessor, path, what="Janus processor", device=device, dtype=dtype,
-        threads=threads)
+        threads=threads, device_map=device_map, max_memory=max_memory,
+        offload_folder=offload_folder)
     lm = JanusUnifiedLM(janus)
     side = math.isqrt(int(processor.num_image_tokens))
     patches = int(janus.config.vq_config.num_patches)
