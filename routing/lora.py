@@ -220,3 +220,13 @@ class RoutedLoRALinear(nn.Linear):
         else:
             routed_lora_topk(x2, self.lora_A, self.lora_B, slots, weights, self.lora_scale, out=out, meta=meta)
         return y
+
+
+class PlacedRoutedLoRALinear(RoutedLoRALinear):
+    """A routed layer on a CUDA device of a model spread over several: it runs with its own device current, since
+    Triton launches its kernels on the current device, not on its arguments' (attach_routed_lora makes these only
+    for spread models: a one-device model pays for no device switch)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.cuda.device(self._buffers["lora_A"].device):
+            return super().forward(x)

@@ -41,7 +41,7 @@ from molora.routing.context import (
     set_routing,
 )
 from molora.routing.errors import AdapterError, RoutingError
-from molora.routing.lora import RoutedLoRALinear, group_projections
+from molora.routing.lora import PlacedRoutedLoRALinear, RoutedLoRALinear, group_projections
 from molora.routing.routers import LearnedGroup, LearnedRouter, Router, load_balance_loss, router_z_loss
 from torch import nn
 
@@ -139,7 +139,8 @@ def _hook_device(module: nn.Module) -> torch.device | None:
 def execution_device(model: nn.Module, name: str, default: torch.device | None = None) -> torch.device:
     """Where submodule `name` of `model` computes: the execution device of the nearest accelerate hook on it or an
     ancestor (accelerate keeps offloaded weights on "meta" and brings them to that device per call), else the
-    device of its first parameter or buffer that is not on "meta", else `default` (else "meta")."""
+    device of its first parameter or buffer that is not on "meta", else "meta" when it has tensors (all there), else
+    `default` (a module without tensors)."""
     parts = name.split(".") if name else []
     for i in range(len(parts), -1, -1):
         device = _hook_device(model.get_submodule(".".join(parts[:i])) if i else model)
@@ -152,7 +153,9 @@ def execution_device(model: nn.Module, name: str, default: torch.device | None =
         (t for t in tensors if t.device.type != "meta"), None)
     if real is not None:
         return _normal(real.device)
-    return default if default is not None or first is None else torch.device("meta")
+    if first is not None or default is None:
+        return torch.device("meta")  # every weight on "meta" and no hook that brings them in
+    return default
 
 
 def _input_name(model: nn.Module) -> str | None:
@@ -257,7 +260,9 @@ def attach_routed_lora(model: nn.Module, target_modules: str | Sequence[str] = D
                 block = int(name[len(prefix):].split(".", 1)[0])
         base = getattr(parent, child)
         device = execution_device(model, name) if placement.hooked or placement.spread else None
-        layer = RoutedLoRALinear(base, num_slots, r_max, name=name, block=block, device=device)
+        cls = PlacedRoutedLoRALinear if placement.spread and device is not None and device.type == "cuda" \
+            else RoutedLoRALinear
+        layer = cls(base, num_slots, r_max, name=name, block=block, device=device)
         if placement.spread:
             layer.route_key = (block, layer.lora_A.device)
         _keep_hook(base, layer)
