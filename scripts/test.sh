@@ -9,6 +9,8 @@ python3 -m venv .venv
 python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0
 python -m pip install -q -r requirements-dev.txt
+# Hugging Face's `kernels` wheel, downloaded only: tests/test_install.py installs the project beside it elsewhere
+python -m pip download -q --no-deps -d .venv/wheels kernels
 
 if [ ! -x /usr/bin/chromium ]; then
     echo "installing Debian's chromium for the browser test"
