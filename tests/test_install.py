@@ -80,3 +80,16 @@ def test_the_installed_command_writes_a_document_on_the_embedded_model(installed
     assert usage.returncode == 0 and all(c in usage.stdout for c in ("generate", "evaluate", "serve"))
     unknown = _run(installed, [str(installed / "bin" / "molora"), "train"], tmp_path)
     assert unknown.returncode == 2 and "unknown command 'train'" in unknown.stderr
+
+
+def test_it_installs_from_a_git_url(tmp_path: Path):
+    """`pip install git+<url>` builds from a clone of the committed tree: the tracked files alone make the package."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                    str(site), f"git+file://{REPO}"], check=True, capture_output=True, timeout=300)
+    assert (site / "molora" / "models" / "pipeline.py").is_file() and (site / "bin" / "molora").is_file()
+    assert (site / "molora" / "assets" / "router" / "gates.safetensors").is_file()
+    result = _run(site, [sys.executable, "-c", "from molora.models import InterleavedPipeline"], tmp_path)
+    assert result.returncode == 0, result.stderr
