@@ -1,7 +1,9 @@
 """Train MoLoRA learned gates over frozen adapters: base and adapters frozen, only the gates train.
 
 Per transformer block a gate Linear(d_model, E) on the block input picks the top-k of E adapters per token
-(routing/routers.py LearnedGates / LearnedRouter, hierarchical: image positions never reach the gate). The loss
+(routing/routers.py LearnedGates / LearnedRouter, hierarchical: image positions never reach the gate); by default
+(--context-decays 0.5 0.8 0.97) every gate also reads the routing state, causal moving averages of the token
+embeddings, so block 0 sees which question is being answered (benchmarks/RESULTS.md, issue 12). The loss
 is the next-token loss on the answer ids (the whole text when a record has no prompt) + lb * Switch load-balance
 loss + z * router z-loss (both from RoutedModel.forward, averaged over blocks; computed in training only), and,
 when records carry domain labels and --label-coef > 0, a cross-entropy of every block's gate logits against the
@@ -58,6 +60,7 @@ from molora.models.shapes.domains import DOMAINS, domain_items, mixed_items  # n
 from molora.models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
 from molora.models.tokenizer import UnifiedTokenizer  # noqa: E402
 from molora.routing import LearnedGates, LearnedRouter, MoLoRAError, RoutedModel, attach_routed_lora  # noqa: E402
+from molora.routing.routers import GATES_FORMAT_VERSION  # noqa: E402
 
 log = logging.getLogger("train_router")
 REPO = Path(__file__).resolve().parents[1]
@@ -89,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--base-expert", action=argparse.BooleanOptionalAction, default=True,
                    help="one more gate output meaning 'no adapter' (context positions go there)")
+    p.add_argument("--context-decays", type=float, nargs="*", default=[0.5, 0.8, 0.97],
+                   help="gates also read causal moving averages of the token embeddings with these decays "
+                        "(none: the block input only, as format-1 gates)")
     p.add_argument("--max-minutes", type=float, default=0.0)
     p.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: at the end only)")
     p.add_argument("--init-from", type=Path, default=None,
@@ -228,7 +234,7 @@ def label_loss(decisions: dict, batch, base_expert: int | None) -> torch.Tensor:
 def train_gates(routed: RoutedModel, tok: UnifiedTokenizer, adapters: list[str], train: list[EncodedItem],
                 val: list[EncodedItem], args: argparse.Namespace) -> tuple[LearnedGates, dict]:
     torch.manual_seed(args.seed)
-    gates = LearnedGates.for_model(routed, adapters, base_expert=args.base_expert)
+    gates = LearnedGates.for_model(routed, adapters, base_expert=args.base_expert, context_decays=args.context_decays)
     if args.init_from is not None:
         old = LearnedGates.load(args.init_from, device=routed.device)
         gates = old.with_adapters(adapters)
@@ -302,7 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
     gates, result = train_gates(routed, tok, adapters, train, val, args)
     args.out.mkdir(parents=True, exist_ok=True)
     gates.save(args.out / "gates.safetensors")
-    config = {"format": "molora-router", "adapters": adapters, "base_expert": gates.base_expert,
+    config = {"format": "molora-router", "version": GATES_FORMAT_VERSION, "adapters": adapters,
+              "base_expert": gates.base_expert, "context_decays": list(gates.context_decays),
               "top_k": args.top_k, "d_model": gates.d_model,
               "num_blocks": gates.num_blocks, "hierarchical": "text positions gated; image positions by vocabulary",
               "loss": {"next_token": 1.0, "load_balance": args.lb_coef, "z": args.z_coef, "label": args.label_coef},
