@@ -380,13 +380,17 @@ class LearnedGroup:
         """Gate this group's rows of `hidden` [B, T, d]; write top-k slots/weights into `slots`/`weights` [B, T, K]."""
         h = hidden if self.rows is None else hidden[self.rows]
         b, t = h.shape[0], h.shape[1]
-        if self.gates.context_decays and (block == 0 or self.state is None):
-            if block != 0:
-                raise RoutingError("gates with context decays compute their routing state from block 0's input; "
-                                   f"block {block} was routed first")
-            states = routing_state(h, self.updates, self.gates.context_decays, self.state_in)  # [b, T, S, d]
-            self.state, self.state_out = states.reshape(b * t, *states.shape[2:]), states[:, -1]
-        logits = self.gates.logits(block, h.reshape(b * t, -1), self.state)
+        if self.gates.context_decays:
+            if block == 0 or self.state is None:
+                if block != 0:
+                    raise RoutingError("gates with context decays compute their routing state from block 0's input; "
+                                       f"block {block} was routed first")
+                updates = self.gated if self.updates is None else self.updates
+                states = routing_state(h, updates, self.gates.context_decays, self.state_in)  # [b, T, S, d]
+                self.state, self.state_out = states.reshape(b * t, *states.shape[2:]), states[:, -1]
+            logits = self.gates.logits(block, h.reshape(b * t, -1), self.state)
+        else:
+            logits = self.gates.logits(block, h.reshape(b * t, -1))
         k = self.top_k
         top_val, top_idx = logits.topk(k, dim=-1)
         w = torch.softmax(top_val, dim=-1)

@@ -1,8 +1,8 @@
 """Train MoLoRA learned gates over frozen adapters: base and adapters frozen, only the gates train.
 
 Per transformer block a gate Linear(d_model, E) on the block input picks the top-k of E adapters per token
-(routing/routers.py LearnedGates / LearnedRouter, hierarchical: image positions never reach the gate); by default
-(--context-decays 0.5 0.8 0.97) every gate also reads the routing state, causal moving averages of the token
+(routing/routers.py LearnedGates / LearnedRouter, hierarchical: image positions never reach the gate); with
+--context-decays 0.5 0.8 0.97 every gate also reads the routing state, causal moving averages of the token
 embeddings, so block 0 sees which question is being answered (benchmarks/RESULTS.md, issue 12). The loss
 is the next-token loss on the answer ids (the whole text when a record has no prompt) + lb * Switch load-balance
 loss + z * router z-loss (both from RoutedModel.forward, averaged over blocks; computed in training only), and,
@@ -92,9 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--base-expert", action=argparse.BooleanOptionalAction, default=True,
                    help="one more gate output meaning 'no adapter' (context positions go there)")
-    p.add_argument("--context-decays", type=float, nargs="*", default=[0.5, 0.8, 0.97],
-                   help="gates also read causal moving averages of the token embeddings with these decays "
-                        "(none: the block input only, as format-1 gates)")
+    p.add_argument("--context-decays", type=float, nargs="*", default=[],
+                   help="gates also read causal moving averages of the token embeddings with these decays, e.g. "
+                        "0.5 0.8 0.97 (default none: the block input only; a decode loop must carry the state)")
     p.add_argument("--max-minutes", type=float, default=0.0)
     p.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: at the end only)")
     p.add_argument("--init-from", type=Path, default=None,

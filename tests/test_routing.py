@@ -420,3 +420,88 @@ def test_routing_metadata_is_built_once_per_forward_and_only_for_paths_that_read
         long_ids = torch.randint(0, 64, (2, 20))
         routed(long_ids, routers=VocabRangeRouter(VOCAB, "T", "I"))  # 40 rows: the grouped loop, every layer
     assert calls == [1, 1]
+
+
+# --- learned gates with a routing state (context decays) ---------------------------------------------------
+
+def _context_gates(routed, seed: int = 0) -> LearnedGates:
+    gates = LearnedGates.for_model(routed, ["T", "I", "D"], base_expert=True, context_decays=(0.5, 0.9))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for gate in gates.gates:
+            gate.weight.copy_(torch.randn(gate.weight.shape, generator=gen) * 3.0)
+    return gates
+
+
+def test_routing_state_is_the_masked_moving_average_in_one_pass_and_step_by_step():
+    from molora.routing.routers import STATE_CHUNK, routing_state
+    gen = torch.Generator().manual_seed(0)
+    t = STATE_CHUNK + 37  # crosses a chunk boundary
+    e = torch.randn(2, t, 5, generator=gen)
+    updates = torch.rand(2, t, generator=gen) > 0.3
+    full = routing_state(e, updates, (0.5, 0.9))
+    ref, expected = torch.zeros(2, 2, 5), []
+    for i in range(t):
+        for j, lam in enumerate((0.5, 0.9)):
+            ref[:, j] = torch.where(updates[:, i, None], lam * ref[:, j] + (1 - lam) * e[:, i], ref[:, j])
+        expected.append(ref.clone())
+    assert torch.allclose(full, torch.stack(expected, dim=1), atol=1e-5)
+    state, steps = None, []
+    for i in range(t):
+        step = routing_state(e[:, i:i + 1], updates[:, i:i + 1], (0.5, 0.9), state)
+        state = step[:, -1]
+        steps.append(step)
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
+
+
+def test_context_gates_prefill_equals_decode_when_the_state_is_carried(setup):
+    routed, _ = setup
+    router = LearnedRouter(_context_gates(routed), top_k=2, vocab=VOCAB)
+    ids = IDS[2:3]  # text only
+    with torch.no_grad():
+        prefill = routed(ids, routers=router)
+        cache, state, carried, fresh = DynamicCache(), None, [], []
+        for t in range(ids.shape[1]):
+            with routed.routing_scope(ids[:, t:t + 1], router) as plan:
+                plan.learned[0].state_in = state  # what a serving engine keeps per row between steps
+                out = routed.run(ids[:, t:t + 1], plan, past_key_values=cache, use_cache=True)
+                state = plan.learned[0].state_out
+            cache = out.past_key_values
+            carried.append(out.logits[:, -1])
+            fresh.append(routed(ids[:, :t + 1], routers=router).logits[:, -1])
+    assert rel_err(torch.stack(carried, dim=1), prefill.logits) <= 1e-5
+    assert rel_err(torch.stack(fresh, dim=1), prefill.logits) <= 1e-5
+    # the state matters: decoding the last token without it routes differently
+    with torch.no_grad():
+        alone = routed(ids[:, -1:], routers=router)
+    assert not torch.equal(alone.decisions[0][0].topk, prefill.decisions[0][0].topk[-1:])
+
+
+def test_context_gates_save_load_and_format_versions(setup, tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+    routed, _ = setup
+    gates = _context_gates(routed)
+    assert gates.gates[0].weight.shape == (4, 32 * 3)
+    gates.save(tmp_path / "g.safetensors")
+    loaded = LearnedGates.load(tmp_path / "g.safetensors")
+    assert loaded.context_decays == (0.5, 0.9) and loaded.base_expert
+    assert all(torch.equal(a.weight, b.weight) for a, b in zip(gates.gates, loaded.gates))
+    assert loaded.with_adapters(["T", "I", "D", "new"]).context_decays == (0.5, 0.9)
+    with torch.no_grad():
+        x = routed(IDS, routers=LearnedRouter(gates, vocab=VOCAB)).logits
+        y = routed(IDS, routers=LearnedRouter(loaded, vocab=VOCAB)).logits
+    assert torch.equal(x, y)
+    meta = {"adapters": json.dumps(["T", "D"]), "d_model": "32", "num_blocks": "2", "format": "molora-gates"}
+    tensors = {f"gates.{i}.weight": torch.zeros(2, 32) for i in range(2)}
+    save_file(tensors, str(tmp_path / "v1.safetensors"), metadata=meta)  # written before format versions
+    assert LearnedGates.load(tmp_path / "v1.safetensors").context_decays == ()
+    save_file(tensors, str(tmp_path / "v9.safetensors"), metadata={**meta, "version": "9"})
+    with pytest.raises(RoutingError, match="version 9"):
+        LearnedGates.load(tmp_path / "v9.safetensors")
+    save_file(tensors, str(tmp_path / "short.safetensors"), metadata={**meta, "context_decays": "[0.5]"})
+    with pytest.raises(RoutingError, match="expected a float tensor"):
+        LearnedGates.load(tmp_path / "short.safetensors")
+    with pytest.raises(RoutingError, match="context_decays"):
+        LearnedGates(32, ["T"], 2, context_decays=(1.0,))
