@@ -9,7 +9,8 @@ graph capture with slot values changed after capture); group (routed_lora_group 
 projection's reference); copy bandwidth; ranks (every path across N and r = 8..128, with and without prebuilt
 metadata, GB/s, the memory floor, and vLLM's numbers beside ours); topk; sweep (gather and grouped tiles per
 rank); tune (stacked tiles); k1 (K1/K2); k3 (base linear + delta: per layer, and q/k/v sharing one group call,
-by path, and with the delta on a side stream); eager (host cost per op call and per routed layer).
+by path, and with the delta on a side stream); dense (GPU time of the dense torch form vs the Triton paths at
+decode sizes); eager (host cost per op call, per routed layer, and per decode step of 1.7B-shaped blocks).
 
 Every timed function is captured in a CUDA graph and its replays are timed with triton.testing.do_bench
 (median; do_bench clears the L2 before each replay, so inputs come from HBM). Correctness against
@@ -52,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-tune", action="store_true", help="skip the stacked tile-size sweeps")
     p.add_argument("--quick-correct", action="store_true", help="correctness on a few cases only")
     p.add_argument("--only", default="", help="comma-separated sections to run (default: all): correct, group, "
-                   "topk, ranks, k3, k1, eager, tune, sweep")
+                   "topk, ranks, k3, k1, dense, eager, tune, sweep")
     return p.parse_args()
 
 
@@ -184,6 +185,8 @@ def check_correctness() -> bool:
             # every path, and the stacked kernel in both schedules (one launch / two phases)
             narrow = s * r <= stacked_mod.MAX_WIDTH
             variants = [(p, None) for p in ("gather", "stacked", "grouped", "auto") if narrow or p != "stacked"]
+            if n <= dispatch.DENSE_MAX_TOKENS:  # the eager decode path (auto takes it too outside graph mode)
+                variants.append(("torch", None))
             if narrow:
                 variants.append(("stacked", {**stacked_cfg, "FUSED": not stacked_cfg["FUSED"]}))
             for path, cfg in variants:
@@ -359,107 +362,228 @@ def run_tuning() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- eager host cost
+def host_us(fn, calls: int = 300) -> float:
+    """Microseconds per call of fn, called eagerly `calls` times then one sync (host-bound calls: host time)."""
+    with torch.no_grad():  # as inference runs (the layers' weights require grad)
+        fn()
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def step_us(fn, steps: int = 30) -> tuple[float, float]:
+    """(host, wall) median microseconds of one step: host = until fn returns (the queue starts empty: a sync
+    before each step), wall = until the GPU is done too."""
+    hosts, walls = [], []
+    with torch.no_grad():
+        for i in range(steps + 5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            if i >= 5:
+                hosts.append(t1 - t0)
+                walls.append(time.perf_counter() - t0)
+    return statistics.median(hosts) * 1e6, statistics.median(walls) * 1e6
+
+
+def make_layers(names_outs, d_in, grouped=True, r=R):
+    """RoutedLoRALinear layers (random adapters in every slot), grouped as a model groups them."""
+    from molora.routing.lora import RoutedLoRALinear, group_projections
+    layers = [RoutedLoRALinear(torch.nn.Linear(d_in, o, bias=False, device=DEV, dtype=torch.bfloat16), S, r,
+                               name=f"blk.{nm}") for nm, o in names_outs]
+    if grouped:
+        group_projections(layers)
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.normal_(0, d_in ** -0.5)
+            layer.lora_A.normal_(0, d_in ** -0.5)
+            layer.lora_B.normal_(0, 1.0)
+            layer.lora_scale.fill_(0.5)
+    return layers
+
+
 def run_eager() -> None:
     """Host time per call when called eagerly (no graph), at decode size: what each routed layer adds to an eager
-    decode step. Loops of many calls with one sync at the end; the GPU work per call (~10 us) is far below."""
+    decode step. Per op and per layer: loops of 300 calls with one sync (host-bound). Per block of a Qwen3-1.7B-
+    shaped model: a step of 8 blocks' 56 routed linears under one CallRouting, host time of the step measured with
+    the queue empty at its start. `graph paths` = the same call inside kernels.graphs.graph_paths(), i.e. the
+    Triton kernels a captured step runs (the eager path before this pass)."""
     if DEV == "cpu":
         return
+    from molora.kernels.graphs import graph_paths
+    from molora.routing.context import CallRouting, reset_routing, set_routing
+
+    def in_graph_paths(fn):
+        def call():
+            with graph_paths():
+                return fn()
+        return call
     print("\n== eager host cost per call (N=1, d=4096, r=16, bf16; us per call, 300 calls, one sync) ==")
     x, A, B, slots, w, scale = make_inputs(1, 2, seed=9)
     slot = slots[:, 0].contiguous()
-    s1 = slot[:, None]
     out = torch.zeros(1, D, device=DEV, dtype=torch.bfloat16)
     W = torch.randn(D, D, device=DEV, dtype=torch.bfloat16)
     A0, B0 = A[0].contiguous(), B[0].contiguous()
     sc0 = float(scale[0])
-    cfg_fused = stacked_mod.stacked_config(1, D, D, S * R)
-    cfg_two = stacked_mod.stacked_config(stacked_mod.FUSED_MAX_TOKENS + 1, D, D, S * R)
+    meta1 = build_routing_meta(slot, S)
+    A_flat = A.reshape(-1, D)
 
     def peft_like():  # PEFT's unmerged LoRA forward: result + lora_B(lora_A(dropout(x))) * scaling
         out.add_(torch.nn.functional.linear(torch.nn.functional.linear(x, A0), B0) * sc0)
 
     cases = {
         "base F.linear (context)": lambda: torch.nn.functional.linear(x, W),
+        "one small torch.mm (x @ A_cat^T)": lambda: torch.mm(x, A_flat.t()),
         "PEFT-like LoRA delta (4 torch ops)": peft_like,
-        "routed_lora(out=) auto": lambda: routed_lora(x, A, B, slot, scale, out=out),
-        "routed_lora_topk(out=) k=2 auto": lambda: routed_lora_topk(x, A, B, slots, w, scale, out=out),
+        "routed_lora(out=) auto (eager: dense)": lambda: routed_lora(x, A, B, slot, scale, out=out),
+        "routed_lora(out=) dense, meta prebuilt": lambda: routed_lora(x, A, B, slot, scale, out=out, meta=meta1),
+        "routed_lora_topk(out=) k=2 auto (dense)": lambda: routed_lora_topk(x, A, B, slots, w, scale, out=out),
         "routed_lora(out=) gather (2 launches)": lambda: routed_lora(x, A, B, slot, scale, out=out, path="gather"),
-        "stacked_lora 1 launch, no checks": lambda: stacked_mod.stacked_lora(x, A, B, s1, None, scale, out, cfg_fused),
-        "stacked_lora 2 phases, no checks": lambda: stacked_mod.stacked_lora(x, A, B, s1, None, scale, out, cfg_two),
-        "check_inputs alone": lambda: check_inputs(x, A, B, s1, None, scale, out),
+        "check_inputs alone": lambda: check_inputs(x, A, B, slot[:, None], None, scale, out),
     }
-    try:  # the launch alone: the compiled kernel's own launcher, skipping JITFunction.run's argument binding
+    try:
         fused = stacked_mod._stacked_fused_kernel
-        args = (x, A, B, s1, scale, scale, out, 1, D, D, R, S, 128, x.stride(0), x.stride(1), A.stride(0),
-                A.stride(1), A.stride(2), B.stride(0), B.stride(1), B.stride(2), out.stride(0), out.stride(1))
+        args = (x, A, B, slot[:, None], scale, scale, out, 1, D, D, R, S, 128, x.stride(0), x.stride(1),
+                A.stride(0), A.stride(1), A.stride(2), B.stride(0), B.stride(1), B.stride(2), out.stride(0),
+                out.stride(1))
         consts = dict(K=1, HAS_W=False, ACCUMULATE=True, DOT_DTYPE=triton.language.bfloat16, PRECISION="tf32",
                       SR_PAD=64, BLOCK_M=16, BLOCK_K=256, BLOCK_N=64)
-        compiled = fused[(1, 32)](*args, **consts, num_warps=4)
-        stream = torch.cuda.current_stream().cuda_stream
-        all_args = args + tuple(consts.values())
-        cases["compiled kernel .run() only (no binder)"] = lambda: compiled.run(
-            1, 32, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *all_args)
-        cases["JITFunction launch, same kernel"] = lambda: fused[(1, 32)](*args, **consts, num_warps=4)
-    except Exception as exc:  # noqa: BLE001  (a probe of Triton internals: report, go on)
-        print(f"  raw launch probe failed: {type(exc).__name__}: {str(exc)[:200]}")
-    # the routed layers as a model runs them (RoutedLoRALinear under one CallRouting), vs the plain linears
-    from molora.routing.context import CallRouting, reset_routing, set_routing
-    from molora.routing.lora import RoutedLoRALinear, group_projections
-
-    def make_layers(names, grouped=True):
-        layers = [RoutedLoRALinear(torch.nn.Linear(D, D, bias=False, device=DEV, dtype=torch.bfloat16), S, R,
-                                   name=f"blk.{nm}") for nm in names]
-        if grouped:
-            group_projections(layers)
-        with torch.no_grad():
-            for layer in layers:
-                layer.lora_A.normal_(0, D ** -0.5)
-                layer.lora_B.normal_(0, 1.0)
-                layer.lora_scale.fill_(0.5)
-        return layers
-    qkv, qkv_apart, o_proj = make_layers(QKV), make_layers(QKV, grouped=False), make_layers(["o_proj"])
+        cases["one Triton launch (JITFunction.run)"] = lambda: fused[(1, 32)](*args, **consts, num_warps=4)
+    except Exception as exc:  # noqa: BLE001
+        print(f"  launch probe failed: {type(exc).__name__}: {str(exc)[:200]}")
+    qkv = make_layers([(nm, D) for nm in QKV], D)
+    qkv_apart = make_layers([(nm, D) for nm in QKV], D, grouped=False)
+    o_proj = make_layers([("o_proj", D)], D)
     xs = x.view(1, 1, D)
-    routing = CallRouting(1, 1, slot.long(), S)
-    token = set_routing(routing)
+
+    def routed(layers):
+        def call():  # one forward's routing per call, as RoutedModel.forward builds it
+            token = set_routing(CallRouting(1, 1, slot.long(), S))
+            for layer in layers:
+                layer(xs)
+            reset_routing(token)
+        return call
+
+    def unrouted(layers):
+        return lambda: [layer(xs) for layer in layers]
     cases |= {
-        "3 base F.linear (q, k, v)": lambda: [torch.nn.functional.linear(xs, layer.weight) for layer in qkv],
-        "3 routed layers q, k, v (one group call)": lambda: [layer(xs) for layer in qkv],
-        "3 routed layers q, k, v (ungrouped)": lambda: [layer(xs) for layer in qkv_apart],
-        "1 routed layer o_proj (group of one)": lambda: o_proj[0](xs),
-        "1 routed layer o_proj, add-after path": lambda: o_proj[0]._forward_add(xs, x, routing, slot.long(), None),
+        "q, k, v routing off": unrouted(qkv),
+        "q, k, v routed, one group call": routed(qkv),
+        "q, k, v routed, one group call, graph paths": in_graph_paths(routed(qkv)),
+        "q, k, v routed, ungrouped": routed(qkv_apart),
+        "o_proj routing off": unrouted(o_proj),
+        "o_proj routed (group of one)": routed(o_proj),
+        "o_proj routed, graph paths": in_graph_paths(routed(o_proj)),
+        "routing set/reset only": routed([]),
     }
-    def unrouted(layers):  # the same modules with no routing active: the baseline "without routing"
-        tok = set_routing(None)
-        for layer in layers:
-            layer(xs)
-        reset_routing(tok)
-    cases["3 routed layers q, k, v, routing off"] = lambda: unrouted(qkv)
     res = {}
     for name, fn in cases.items():
         try:
-            with torch.no_grad():  # as inference runs (the layers' weights require grad)
-                fn()
-                for _ in range(20):
-                    fn()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(300):
-                    fn()
-                torch.cuda.synchronize()
+            res[name] = host_us(fn)
         except Exception as exc:  # noqa: BLE001
             print(f"  {name}: {type(exc).__name__}: {str(exc)[:200]}")
             continue
-        res[name] = (time.perf_counter() - t0) / 300 * 1e6
-        print(f"  {name:42s} {res[name]:8.2f}")
-    for base_name in ("3 base F.linear (q, k, v)", "3 routed layers q, k, v, routing off"):
-        base3 = res.get(base_name, float("nan"))
-        for name in ("3 routed layers q, k, v (one group call)", "3 routed layers q, k, v (ungrouped)"):
-            print(f"  host added per routed layer vs {base_name}, {name[16:]}: "
-                  f"{(res.get(name, float('nan')) - base3) / 3:.2f} us (target <= 40)")
-        for name in ("1 routed layer o_proj (group of one)", "1 routed layer o_proj, add-after path"):
-            print(f"  host added vs {base_name}, {name[15:]}: {res.get(name, float('nan')) - base3 / 3:.2f} us")
-    reset_routing(token)
+        print(f"  {name:46s} {res[name]:8.2f}")
+    nan = float("nan")
+    for name, off, count in (("q, k, v routed, one group call", "q, k, v routing off", 3),
+                             ("q, k, v routed, one group call, graph paths", "q, k, v routing off", 3),
+                             ("q, k, v routed, ungrouped", "q, k, v routing off", 3),
+                             ("o_proj routed (group of one)", "o_proj routing off", 1),
+                             ("o_proj routed, graph paths", "o_proj routing off", 1)):
+        added = (res.get(name, nan) - res.get(off, nan)) / count
+        res[f"added per layer: {name}"] = added
+        print(f"  added per routed layer, {name:44s} {added:8.2f} us (target <= 40)")
     RESULTS["eager_us"] = res
+    run_eager_block()
+
+
+def run_eager_block() -> None:
+    """A decode step's routed linears on the Qwen3-1.7B shape (d=2048, q 2048, k/v 1024, MLP 6144; 7 routed
+    linears per block, q/k/v and gate/up grouped), 8 blocks, batch 1 and 8 tokens, r=16, 4 slots: host time per
+    step routed (eager dense path; Triton via graph paths) vs the same modules with routing off, and a PEFT-like
+    unmerged LoRA on every linear."""
+    from molora.kernels.graphs import graph_paths
+    from molora.routing.context import CallRouting, reset_routing, set_routing
+    d, kv, ff, blocks = (64, 32, 128, 2) if ARGS.dry_run else (2048, 1024, 6144, 8)
+    shape = [("q_proj", d), ("k_proj", kv), ("v_proj", kv), ("o_proj", d), ("gate_proj", ff), ("up_proj", ff),
+             ("down_proj", d)]
+    model = []
+    for b in range(blocks):
+        attn = make_layers(shape[:4], d)
+        mlp = make_layers(shape[4:6], d) + make_layers(shape[6:], ff)
+        for layer in attn + mlp:
+            layer.block = b
+        model.append(attn + mlp)
+    linears = sum(len(m) for m in model)
+    peft = [[(layer.weight, layer.lora_A[0].contiguous(), layer.lora_B[0].contiguous()) for layer in m]
+            for m in model]
+    F = torch.nn.functional
+    print(f"\n== eager decode step, routed linears only, Qwen3-1.7B shape ({blocks} blocks, {linears} routed linears, "
+          "r=16, 4 slots, bf16; host and wall us per step, median of 30, queue empty at the start) ==")
+    res = {}
+    for n in (1, 8):
+        xa = torch.randn(1, n, d, device=DEV, dtype=torch.bfloat16)
+        xf = torch.randn(1, n, ff, device=DEV, dtype=torch.bfloat16)
+        slots = torch.randint(0, S, (n,), device=DEV)
+
+        def step(routing_on=True):
+            token = set_routing(CallRouting(1, n, slots, S) if routing_on else None)
+            for m in model:
+                for layer in m:
+                    layer(xf if layer.in_features == ff else xa)
+            reset_routing(token)
+
+        def step_graph_paths():
+            with graph_paths():
+                step()
+
+        def step_peft():
+            for m in peft:
+                for W, A1, B1 in m:
+                    xin = xf if W.shape[1] == ff else xa
+                    y = F.linear(xin, W)
+                    y.add_(F.linear(F.linear(xin, A1), B1) * 0.5)
+        rows = {"routing off": step_us(lambda: step(False)), "routed (eager dense)": step_us(step),
+                "routed, graph paths (Triton)": step_us(step_graph_paths), "PEFT-like LoRA": step_us(step_peft)}
+        off = rows["routing off"][0]
+        for name, (host, wall) in rows.items():
+            added = (host - off) / linears
+            res[f"N{n} {name}"] = {"host": host, "wall": wall, "added_per_linear": added}
+            print(f"  N={n:2d} {name:30s} host {host:9.1f}  wall {wall:9.1f}  added per linear {added:7.2f} us"
+                  + ("  (target <= 40)" if name.startswith("routed (") else ""))
+    RESULTS["eager_block"] = res
+
+
+def run_dense_gpu() -> None:
+    """GPU time (graph replay) of the dense torch form vs the Triton paths at decode sizes: what a captured step
+    would pay if graph mode took the dense form too (it takes the Triton kernels)."""
+    print(f"\n== decode sizes, GPU time: dense torch form vs Triton (d={D}, {S} slots, bf16, graph replay, median us; "
+          "q/k/v = three 4096-wide projections sharing x) ==")
+    res = {}
+    for r in ([16] if ARGS.dry_run else [16, 64]):
+        for n in ([1, 8] if ARGS.dry_run else [1, 4, 16]):
+            x, A, B, scale, slots, _, bounds = group_inputs(n, (D, D, D), seed=31, r=r)
+            meta = build_routing_meta(slots, S)
+            meta.mixing(x.dtype)  # prebuilt, as a forward builds it once for every layer
+            A1, B1, sc1 = A[:1], B[:, :D], scale[:1]
+            row = {}
+            for name, a, b, sc, bd in (("1 proj", A1, B1, sc1, (0, D)), ("q/k/v", A, B, scale, bounds)):
+                for path in ("torch", "gather", "stacked", "grouped"):
+                    if path == "stacked" and S * r > stacked_mod.MAX_WIDTH:
+                        continue
+                    row[f"{name} {path}"] = bench_us(lambda a=a, b=b, sc=sc, bd=bd, path=path:
+                                                     dispatch.routed_lora_group_forward(x, a, b, slots, None, sc, bd,
+                                                                                        meta, path))
+            res[f"r{r} N{n}"] = row
+            print(f"  r={r:3d} N={n:3d} " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()))
+    RESULTS["dense_gpu"] = res
 
 
 # ----------------------------------------------------------------------------------------------- K3
@@ -494,7 +618,8 @@ def check_group_correctness() -> bool:
             x, A, B, scale, slots, w, bounds = group_inputs(n, outs, k, seed=200 + i, r=r, dtype=dtype)
             slots[::5, 0] = -1
             refs = [t.float() for t in routed_lora_group_reference(x, A, B, slots, w, scale, bounds)]
-            paths = ["gather", "grouped", "auto"] + (["stacked"] if S * r <= stacked_mod.MAX_WIDTH else [])
+            paths = ["gather", "grouped", "auto"] + (["stacked"] if S * r <= stacked_mod.MAX_WIDTH else []) + \
+                (["torch"] if n <= dispatch.DENSE_MAX_TOKENS else [])
             for path in paths:
                 try:
                     got = poisoned_call(lambda: routed_lora_group(x, A, B, slots, w, scale, bounds, path=path))
@@ -700,9 +825,8 @@ def main() -> None:
         print("!! correctness FAILED: timings below are of wrong kernels")
     bw = copy_bandwidth()
     print(f"\ncopy bandwidth (read + write): {bw / 1e12:.2f} TB/s   [{time.perf_counter() - t0:.0f} s]")
-    # eager last: it probes a Triton internal (the compiled kernel's launcher) that could take the process down
     sections = {"k3": run_k3, "ranks": lambda: run_rank_sweep(bw), "topk": run_topk, "sweep": run_sweep,
-                "k1": lambda: run_k1_k2(bw), "eager": run_eager}
+                "k1": lambda: run_k1_k2(bw), "dense": run_dense_gpu, "eager": run_eager}
     for name, section in sections.items():
         if wanted(name):
             section()

@@ -1,13 +1,20 @@
-"""One dispatcher for every routed-LoRA call: torch path on CPU, Triton gather, stacked or grouped kernel on CUDA.
+"""One dispatcher for every routed-LoRA call: torch paths on CPU and for eager decode calls, Triton gather, stacked
+or grouped kernel on CUDA otherwise.
 
-The choice depends only on shapes (rows M = N*k, rank r, stacked width S*r), never on slot values or on whether a
-CUDA graph is being captured, so a warm-up compiles what a capture records and every replay takes the same path:
+The choice depends on shapes (rows M = N*k, rank r, stacked width S*r) and on one explicit mode, never on slot
+values:
+  torch    the CPU; and on CUDA, decode-sized calls (N <= DENSE_MAX_TOKENS) outside graph mode: the dense form of
+           kernels/torch_ops.py, four C++-dispatched launches, the least host time (an eager step is host-bound)
   gather   few rows (rows * r small): reads only the chosen slots, split-K latency kernel
   stacked  narrow hot sets (S*r small) above that, any k: cost independent of k, no metadata; and top-k on
            hot sets up to S*r = 256 at many rows
   grouped  wide hot sets, and k=1 with prebuilt metadata once N*r is large (two phases, slot-sorted tiles)
+Graph mode (kernels/graphs.py: on inside capture_graph, for its warm-up and its capture alike) takes the Triton
+paths at every size, the least GPU time, which is all a replayed graph costs; since warm-up and capture see the
+same mode, a warm-up compiles exactly what the capture records. A capture made outside capture_graph records the
+dense form, which is capture-safe too (no host read).
 Projections that share x (routed_lora_group_forward) take the same choice, except that with prebuilt metadata
-and k = 1 the grouped kernel replaces the stacked one; every Triton path then shrinks once for all of them.
+and k = 1 the grouped kernel replaces the stacked one; every path then shrinks once for all of them.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from molora.kernels.graphs import graph_mode
 from molora.kernels.metadata import RoutingMeta
 from molora.kernels.torch_ops import routed_lora_torch, routed_lora_torch_dense, routed_lora_torch_group_dense
 from molora.kernels.triton_common import HAS_TRITON, interpreting
@@ -54,16 +62,24 @@ STACKED_MAX_ROW_RANK_WITH_META = 2048
 # 68.6 vs 53.4; N=2048 k=2 59.3 vs 137.6; N=8192 k=2 142.3 vs 658.0. Wider stacks do not fit the stacked tiles.
 STACKED_TOPK_MAX_WIDTH = 256
 STACKED_TOPK_MIN_ROWS_WIDE = 1024
-# Small calls take the gather kernel whether or not a CUDA graph is being captured: the choice is by shape only, so
-# the serving engine's warm-up (eager) compiles exactly the kernels its capture then records. The stacked kernel's
-# one-launch schedule would halve an EAGER decode call's host cost (N=1, r=16: host 61.4 vs 117.8 us) but doubles
-# its GPU time (21.7 vs 9.6 us); captured steps, where only GPU time counts, are the decode path.
+# Eager decode calls (CUDA, N <= DENSE_MAX_TOKENS, not in graph mode) take the dense torch form: its host cost is four
+# C++-dispatched launches, against two Triton launches through JITFunction.run (~22 us each on the H200's host) plus
+# their Python; its GPU time (S-fold arithmetic, four launches) matters only inside a captured graph, where graph
+# mode takes the Triton kernels instead. Measurements: benchmarks/RESULTS.md, "Kernels: eager decode path (issue 13,
+# third pass)".
+DENSE_MAX_TOKENS = 16
 
 # Rows up to which the CPU uses the dense all-slots form instead of the slot-grouped loop (decode steps: 2-8 rows;
 # 30-39 us vs 57-62 us per layer at hidden 256, measured on the 2-core dev machine, 2026-11-30).
 CPU_DENSE_MAX_ROWS = 16
 
 PATHS = ("auto", "torch", "gather", "stacked", "grouped")
+
+
+def dense_fits(x: torch.Tensor, k: int) -> bool:
+    """Is x [N, in] (k choices per token) small enough for the dense torch form? By tokens on CUDA (its cost there
+    is per launch, whatever k), by rows N*k on the CPU (measured so)."""
+    return x.shape[0] <= DENSE_MAX_TOKENS if x.is_cuda else x.shape[0] * k <= CPU_DENSE_MAX_ROWS
 
 
 def triton_usable(x: torch.Tensor) -> bool:
@@ -74,10 +90,12 @@ def triton_usable(x: torch.Tensor) -> bool:
 def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: int) -> str:
     """Path for x [N, in] with k choices per token over `num_slots` adapters of rank (r_max) `rank`.
 
-    Shapes only: never slot values, so a captured call replays the same path."""
+    Shapes and graph mode only: never slot values, so a captured call replays the same path."""
     if not triton_usable(x):
         return "torch"
     n = x.shape[0]
+    if n <= DENSE_MAX_TOKENS and x.is_cuda and not graph_mode():
+        return "torch"  # eager decode call: the dense form, least host time
     rows = n * k
     width = num_slots * rank
     if width <= STACKED_MAX_WIDTH:  # narrow
@@ -97,7 +115,7 @@ def choose_group_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, r
     """Path for `proj` projections sharing x: as choose_path, except that with prebuilt metadata and k = 1 the
     grouped kernel replaces the stacked one (the stacked shrink does S times the arithmetic, times P here).
     H200, 2026-12-01, q/k/v at d=4096, r=16, delta + three base GEMMs, median us: N=256 grouped 75.2 vs stacked
-    80.5, N=2048 309.7 vs 365.5, N=8192 1284 vs 1354. Shapes only."""
+    80.5, N=2048 309.7 vs 365.5, N=8192 1284 vs 1354. Shapes and graph mode only."""
     path = choose_path(x, k, has_meta, num_slots, rank)
     if proj > 1 and k == 1 and has_meta and path == "stacked":
         return "grouped"
@@ -106,13 +124,12 @@ def choose_group_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, r
 
 def reads_meta(x: torch.Tensor, k: int, A: torch.Tensor) -> bool:
     """Would the automatic path for this call (adapters A [S, r, in], or [P, S, r, in] for P projections sharing
-    x) read a prebuilt RoutingMeta? On CUDA only the grouped kernel does, so a caller building metadata once per
-    forward skips it otherwise; on the CPU both forms do (the grouped loop its sorted rows, the dense form its
-    selection matrix)."""
+    x) read a prebuilt RoutingMeta? On CUDA the grouped kernel (sorted rows) and the dense form (mixing matrix) do,
+    so a caller building metadata once per forward skips it otherwise; on the CPU both forms do."""
     if triton_usable(x):
         proj, s, r = (A.shape[0], A.shape[1], A.shape[2]) if A.dim() == 4 else (1, A.shape[0], A.shape[1])
-        return choose_group_path(x, k, True, s, r, proj) == "grouped"
-    return True  # the CPU's grouped loop reads the sorted rows, its dense form the selection matrix
+        return choose_group_path(x, k, True, s, r, proj) in ("grouped", "torch")
+    return True  # the CPU's grouped loop reads the sorted rows, its dense form the mixing matrix
 
 
 def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
@@ -122,10 +139,10 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
     if path == "auto":
         path = choose_path(x, slots.shape[1], meta is not None, A.shape[0], A.shape[1])
     if path == "torch":
-        if x.shape[0] * slots.shape[1] <= CPU_DENSE_MAX_ROWS:
-            delta = routed_lora_torch_dense(x, A, B, slots, weights, scale, meta)
-        else:
-            delta = routed_lora_torch(x, A, B, slots, weights, scale, meta)
+        if dense_fits(x, slots.shape[1]):
+            delta = routed_lora_torch_dense(x, A, B, slots, weights, scale, meta, out)
+            return delta if out is not None else delta.to(x.dtype)
+        delta = routed_lora_torch(x, A, B, slots, weights, scale, meta)
         if out is not None:
             return out.add_(delta)
         return delta.to(x.dtype)
@@ -145,10 +162,15 @@ def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     bounds[p]:bounds[p+1]), scale [P, S], slots [N, k]. Returns P fresh deltas [N, width_p] in x's dtype.
     Every Triton path shrinks once for all projections (x read once) and expands all of them in one launch; the
     CPU's grouped loop runs one projection at a time."""
-    p_count, s_count, r, _ = A.shape
     k = slots.shape[1]
+    if path == "torch" and dense_fits(x, k):  # first: the eager decode path, every microsecond of host time counts
+        deltas = routed_lora_torch_group_dense(x, A, B, slots, weights, scale, bounds, meta)
+        return deltas if deltas[0].dtype == x.dtype else [d.to(x.dtype) for d in deltas]
+    p_count, s_count, r, _ = A.shape
     if path == "auto":
         path = choose_group_path(x, k, meta is not None, s_count, r, p_count)
+        if path == "torch" and dense_fits(x, k):
+            return routed_lora_group_forward(x, A, B, slots, weights, scale, bounds, meta, path)
     n = x.shape[0]
     bounds = tuple(bounds)
     if path == "gather" or path == "grouped" or (path == "stacked" and s_count * r <= MAX_WIDTH):
@@ -163,7 +185,5 @@ def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
         widths = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
         return [block.view(n, wd) for block, wd in zip(flat.split([n * wd for wd in widths]), widths)]
     spans = list(zip(bounds, bounds[1:]))
-    if path == "torch" and n * k <= CPU_DENSE_MAX_ROWS:
-        return [d.to(x.dtype) for d in routed_lora_torch_group_dense(x, A, B, slots, weights, scale, bounds, meta)]
     return [routed_lora_forward(x, A[p], B[:, lo:hi], slots, weights, scale[p], None, meta, path)
             for p, (lo, hi) in enumerate(spans)]

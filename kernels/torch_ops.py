@@ -1,13 +1,17 @@
-"""Vectorised PyTorch path for routed LoRA: the CPU implementation and every device's backward.
+"""PyTorch paths for routed LoRA: the CPU implementation, the GPU's eager decode path, and every device's backward.
 
-Method: flatten the top-k choice into M = N*k rows (token, slot, weight), sort the rows by slot once, and run one
-pair of dense matmuls per *slot present* (a Python loop over at most S slots, never over tokens), scattering
-results back with index_add_ (which also sums the k rows of one token).
-Why this on CPU: matmul cost is what the work needs (no S-fold waste of a masked dense formulation, no
-[N, r, in] copy of a gather+bmm formulation, which at N=64, in=4096, r=16 copies 16 MB of A to multiply 512 KB
-of x), and a host read of the counts costs nothing on CPU. On CUDA that read synchronises, which is why the CUDA
-forward uses the Triton kernels; this module is used there only for backward (training, no graph capture).
-Accumulation is float32 (float64 when the inputs are float64, so gradcheck sees exact arithmetic).
+Two forms:
+- Grouped loop (routed_lora_torch): flatten the top-k choice into M = N*k rows (token, slot, weight), sort the
+  rows by slot once, and run one pair of matmuls per *slot present* (a Python loop over at most S slots, never
+  over tokens), scattering results back with index_add_ (which also sums the k rows of one token). Matmul cost is
+  what the work needs (no S-fold waste, no [N, r, in] copy of a gather+bmm formulation), and a host read of the
+  counts costs nothing on the CPU. On CUDA that read synchronises: there the loop serves only the backward
+  (training, no graph capture) and explicit path="torch" calls.
+- Dense form (routed_lora_torch_dense, _group_dense): every slot at once in four device ops, for a few rows: the
+  CPU's decode steps, and the GPU's eager decode calls, where Triton's Python launcher costs more host time than
+  four C++-dispatched cuBLAS / elementwise launches (kernels/dispatch.py).
+Accumulation is float32 (float64 when the inputs are float64, so gradcheck sees exact arithmetic); the dense form
+on the GPU computes in x's dtype with cuBLAS's float32 accumulation inside each product.
 """
 
 from __future__ import annotations
@@ -65,43 +69,64 @@ def routed_lora_torch(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: 
     return out
 
 
+def dense_dtype(x: torch.Tensor) -> torch.dtype:
+    """What the dense form computes in: x's dtype on a GPU (cuBLAS accumulates in float32 inside each product),
+    float32 on the CPU (float64 for float64), where 16-bit matmuls are slow."""
+    return x.dtype if x.is_cuda else accumulate_dtype(x.dtype)
+
+
+def _dense_parts(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                 weights: torch.Tensor | None, scale: torch.Tensor, meta: RoutingMeta | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(coef [N*P, 1, S], y^T [N*P, S, O]) for P projections sharing x (A [P, S, r, in], B [S, O, r],
+    scale [P, S]): delta = bmm(coef, y^T), row n*P + p holding projection p's delta on every column of O."""
+    dt = dense_dtype(x)
+    n = x.shape[0]
+    p_count, num_slots, r, d_in = A.shape
+    if x.dtype != dt or A.dtype != dt or B.dtype != dt or scale.dtype != dt:  # (no .to() calls when all match:
+        x, A, B, scale = x.to(dt), A.to(dt), B.to(dt), scale.to(dt)          # this runs on every eager decode call)
+    # [N, S] weight of each slot per token: built once per forward in the metadata, or here
+    mix = meta.mixing(dt) if meta is not None else selection_matrix(slots, num_slots, weights, dt)
+    coef = torch.mul(mix.unsqueeze(1), scale)  # [N, P, S]
+    h = torch.mm(x, A.reshape(-1, d_in).t())  # [N, P*S*r]: every projection and slot at once
+    # rows (n, p) of h against every slot's B: [S, N*P, O] (P-fold the arithmetic, nothing at decode sizes)
+    y = torch.bmm(h.view(n * p_count, num_slots, r).transpose(0, 1), B.transpose(1, 2))
+    return coef.view(n * p_count, 1, num_slots), y.transpose(0, 1)
+
+
 def routed_lora_torch_dense(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
                             weights: torch.Tensor | None, scale: torch.Tensor,
-                            meta: RoutingMeta | None = None) -> torch.Tensor:
-    """The same delta for a few rows (decode steps on CPU), as dense matmuls against every slot at once.
+                            meta: RoutingMeta | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The same delta for a few rows (decode steps), as dense matmuls against every slot at once:
 
-    delta = sum_s (C[:, s] * (x @ A[s]^T)) @ B[s]^T, where C[n, s] sums weight * scale over the k choices of
-    row n that picked slot s. It does S-fold the arithmetic of the grouped loop, which is nothing at decode
-    sizes, but needs no sort, no host read and a handful of ops; CPU time there is per-op overhead.
-    float32 result.
+        delta[n] = sum_s C[n, s] * B[s] @ (A[s] @ x[n]),   C[n, s] = scale[s] * (summed weight of row n's choices of s)
+
+    Four device ops whatever S and k (x @ all of A; every slot's expand in one bmm; C from the per-forward mixing
+    matrix and the scales; the C-weighted sum over slots as one more bmm), no sort and no host read, so it can be
+    captured. It does S-fold the arithmetic of a routed kernel, which is nothing at decode sizes, where the time is
+    per-op overhead: on the GPU these are C++-dispatched cuBLAS launches, cheaper on the host than Triton's Python
+    launcher (benchmarks/RESULTS.md, issue 13 third pass). Result in dense_dtype(x); with `out` (same dtype) the
+    last product accumulates into it (out += delta) and `out` is returned.
     """
-    acc = accumulate_dtype(x.dtype)
-    n = slots.shape[0]
-    num_slots, r, _ = A.shape
-    selection = meta.selection if meta is not None and meta.selection is not None else None
-    if selection is None:  # not built once per forward by the caller: build it here
-        selection = selection_matrix(slots, num_slots, weights)
-    mix = selection.to(acc) * scale.to(acc)
-    shrunk = (x.to(acc) @ A.reshape(num_slots * r, -1).to(acc).t()).view(n, num_slots, r) * mix[:, :, None]
-    return torch.bmm(shrunk.transpose(0, 1), B.to(acc).transpose(1, 2)).sum(0)
+    coef, yt = _dense_parts(x, A[None], B, slots, weights, scale[None], meta)
+    if out is not None and out.dtype == yt.dtype:
+        out.unsqueeze(1).baddbmm_(coef, yt)
+        return out
+    delta = torch.bmm(coef, yt).view(x.shape[0], B.shape[1])
+    return delta if out is None else out.add_(delta)
 
 
 def routed_lora_torch_group_dense(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
                                   weights: torch.Tensor | None, scale: torch.Tensor, bounds: tuple[int, ...],
                                   meta: RoutingMeta | None = None) -> list[torch.Tensor]:
-    """routed_lora_torch_dense for P projections sharing x (A [P, S, r, in], B [S, O, r], scale [P, S]): one
-    matmul of x against all P*S*r rows of A, then one bmm per projection. float32 results [N, width_p]."""
-    acc = accumulate_dtype(x.dtype)
-    n = slots.shape[0]
-    p_count, num_slots, r, _ = A.shape
-    selection = meta.selection if meta is not None and meta.selection is not None else None
-    if selection is None:
-        selection = selection_matrix(slots, num_slots, weights)
-    mix = selection.to(acc)[:, None, :] * scale.to(acc)[None]  # [N, P, S]
-    shrunk = (x.to(acc) @ A.reshape(-1, A.shape[-1]).to(acc).t()).view(n, p_count, num_slots, r)
-    shrunk = shrunk * mix[..., None]
-    return [torch.bmm(shrunk[:, p].transpose(0, 1), B[:, lo:hi].to(acc).transpose(1, 2)).sum(0)
-            for p, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+    """routed_lora_torch_dense for P projections sharing x (A [P, S, r, in], B [S, O, r], scale [P, S]): still four
+    device ops for all of them. Results [N, width_p] in dense_dtype(x) (views of one [N, P, O] buffer)."""
+    n, p_count, width = x.shape[0], A.shape[0], B.shape[1]
+    coef, yt = _dense_parts(x, A, B, slots, weights, scale, meta)
+    delta = torch.bmm(coef, yt).view(n, p_count * width)  # row n: projection p's result on every column, for each p
+    if p_count == 1:
+        return [delta]
+    return [delta.narrow(1, p * width + lo, hi - lo) for p, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
 
 
 def routed_lora_torch_backward(grad: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

@@ -205,7 +205,9 @@ def test_metadata_builder_is_sync_free_and_sorted(monkeypatch):
     want_counts = [int((slots == s).sum()) for s in range(4)]
     for name in ("item", "tolist", "nonzero", "__bool__", "__int__"):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
-    meta = build_routing_meta(slots, 4)
+    meta = build_routing_meta(slots, 4, torch.rand(50, 2))
+    assert meta._rows is None and not meta._mixing  # lazy: a forward builds only what its layers read
+    meta.rows, meta.offsets, meta.mixing(torch.bfloat16)  # noqa: B018
     monkeypatch.undo()
     flat = slots.reshape(-1)
     assert meta.offsets.tolist()[1:5] == list(torch.tensor(want_counts).cumsum(0))
@@ -266,3 +268,132 @@ def test_group_rejects_bad_bounds_and_scale():
         routed_lora_group(x, A2, B2, slots, None, scale, (0, 12, 24))
     with pytest.raises(KernelInputError, match=r"\[P, S, r, in\]"):
         routed_lora_group(x, A, B, slots, None, scale, (0, 12))
+
+
+# --- the dense form as the GPU runs it (x's dtype), and eager vs graph-mode dispatch ------------------------------
+
+@pytest.fixture
+def native_dense(monkeypatch):
+    """Run the dense form in x's dtype, as it runs on CUDA (on the CPU it computes in float32)."""
+    import molora.kernels.torch_ops as torch_ops
+    monkeypatch.setattr(torch_ops, "dense_dtype", lambda x: x.dtype)
+
+
+DENSE_TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}  # x's dtype holds each product
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 1), (16, 2), (5, 4), (0, 1)])
+def test_dense_form_in_x_dtype_matches_reference(native_dense, dtype, n, k):
+    from molora.kernels.torch_ops import routed_lora_torch_dense
+
+    x, A, B, scale, g = make(n, 40, 24, 4, 8, dtype, seed=n + 10 * k)
+    scale = scale.to(dtype)
+    slots = torch.randint(-1, 4, (n, k), generator=g)
+    weights = torch.rand(n, k, generator=g) if k > 1 else None
+    want = routed_lora_topk_reference(x, A, B, slots, weights if k > 1 else torch.ones(n, k), scale).double()
+    for meta in (None, build_routing_meta(slots, 4, weights)):
+        got = routed_lora_torch_dense(x, A, B, slots, weights, scale, meta)
+        assert got.dtype == dtype and got.shape == (n, 24)
+        if n:
+            assert rel_err(got, want) <= DENSE_TOL[dtype]
+        base = torch.randn(n, 24, generator=g).to(dtype)
+        out = base.clone()
+        assert routed_lora_torch_dense(x, A, B, slots, weights, scale, meta, out) is out  # baddbmm_ into out
+        if n:
+            assert rel_err(out.double() - base.double(), want) <= 2 * DENSE_TOL[dtype]
+    if n:  # a slot beyond S counts as -1 (no adapter), as in the kernels
+        beyond = torch.where(slots < 0, 4, slots)
+        assert torch.equal(routed_lora_torch_dense(x, A, B, beyond, weights, scale),
+                           routed_lora_torch_dense(x, A, B, slots, weights, scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(1, 1), (9, 2), (16, 1)])
+def test_dense_group_in_x_dtype_matches_each_projection_and_adds_in_place(native_dense, dtype, n, k):
+    from molora.kernels import routed_lora_group_reference
+    from molora.kernels.dispatch import routed_lora_group_forward
+
+    g = torch.Generator().manual_seed(n + k)
+    bounds = (0, 20, 28, 40)
+    x = torch.randn(n, 24, generator=g).to(dtype)
+    A = (torch.randn(3, 4, 8, 24, generator=g) / 5).to(dtype)
+    B = torch.randn(4, 40, 8, generator=g).to(dtype)
+    scale = (torch.rand(3, 4, generator=g) + 0.5).to(dtype)
+    slots = torch.randint(-1, 4, (n, k), generator=g)
+    weights = torch.rand(n, k, generator=g) if k > 1 else None
+    got = routed_lora_group_forward(x, A, B, slots, weights, scale, bounds, build_routing_meta(slots, 4, weights),
+                                    "torch")
+    want = routed_lora_group_reference(x, A, B, slots, weights, scale, bounds)
+    for y, ref, (lo, hi) in zip(got, want, zip(bounds, bounds[1:])):
+        assert y.dtype == dtype and y.shape == (n, hi - lo)
+        assert rel_err(y, ref.double()) <= DENSE_TOL[dtype]
+    # the routed layer runs its base GEMM onto each delta in place: one member's addmm_ leaves the others alone
+    others = [t.clone() for t in got[1:]]
+    W = torch.randn(20, 24, generator=g).to(dtype)
+    got[0].addmm_(x, W.t())
+    assert rel_err(got[0], want[0].double() + x.double() @ W.double().t()) <= 2 * DENSE_TOL[dtype]
+    assert all(torch.equal(a, b) for a, b in zip(got[1:], others))
+
+
+def test_mixing_matrix_is_each_tokens_weight_per_slot():
+    slots = torch.tensor([[0, 2], [-1, 1], [3, 3], [5, -1]])  # 5 is beyond S = 4: no adapter
+    weights = torch.tensor([[0.25, 0.75], [0.5, 0.5], [0.5, 0.25], [1.0, 1.0]])
+    meta = build_routing_meta(slots, 4, weights)
+    want = torch.tensor([[0.25, 0, 0.75, 0], [0, 0.5, 0, 0], [0, 0, 0, 0.75], [0, 0, 0, 0]])
+    assert torch.equal(meta.mixing(torch.float32), want)
+    assert meta.mixing(torch.bfloat16).dtype == torch.bfloat16 and meta.mixing(torch.float32) is meta.selection
+    one = build_routing_meta(torch.tensor([2, -1, 0]), 3).mixing(torch.float16)
+    assert torch.equal(one, torch.tensor([[0, 0, 1], [0, 0, 0], [1, 0, 0]], dtype=torch.float16))
+
+
+def test_eager_decode_calls_take_the_dense_form_and_graph_mode_the_triton_kernels(monkeypatch):
+    from types import SimpleNamespace
+
+    from molora.kernels.graphs import graph_mode, graph_paths
+
+    monkeypatch.setattr(dispatch, "HAS_TRITON", True)
+
+    def cuda_x(n):  # what the dispatcher reads of x: its shape, device and dtype
+        return SimpleNamespace(shape=(n, 64), is_cuda=True, dtype=torch.bfloat16)
+    n_max = dispatch.DENSE_MAX_TOKENS
+    assert dispatch.choose_path(cuda_x(1), 1, False, 4, 16) == "torch"
+    assert dispatch.choose_path(cuda_x(n_max), 4, True, 4, 128) == "torch"  # by tokens, any k and rank
+    assert dispatch.choose_path(cuda_x(n_max + 1), 1, False, 4, 16) == "gather"
+    assert dispatch.choose_group_path(cuda_x(1), 1, True, 4, 16, 3) == "torch"
+    assert dispatch.reads_meta(cuda_x(1), 1, torch.zeros(3, 4, 16, 8))  # the dense form reads the mixing matrix
+    assert not graph_mode()
+    with graph_paths():  # capture_graph's warm-up and capture: the kernels with the least GPU time
+        assert graph_mode()
+        assert dispatch.choose_path(cuda_x(1), 1, False, 4, 16) == "gather"
+        assert dispatch.choose_group_path(cuda_x(n_max), 1, True, 4, 64, 3) == "gather"
+        assert not dispatch.reads_meta(cuda_x(1), 1, torch.zeros(3, 4, 16, 8))
+    assert not graph_mode()
+    assert dispatch.dense_fits(torch.zeros(8, 4), 2) and not dispatch.dense_fits(torch.zeros(9, 4), 2)  # CPU: rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 2), (16, 1), (16, 4)])
+def test_cuda_eager_dense_path_and_captured_triton_path_match_reference(dtype, n, k):
+    from molora.kernels import routed_lora_group, routed_lora_group_reference
+    from molora.kernels.graphs import capture_graph
+
+    x, A, B, scale, g = make(n, 256, 192, 4, 16, dtype, seed=n * k)
+    x, A, B, scale = x.cuda(), A.cuda(), B.cuda(), scale.cuda()
+    slots = torch.randint(-1, 4, (n, k), generator=g).cuda()
+    weights = torch.rand(n, k, generator=g).cuda()
+    assert dispatch.choose_path(x, k, True, 4, 16) == "torch"  # eager: the dense form
+    want = routed_lora_topk_reference(x, A, B, slots, weights, scale).double()
+    eager = routed_lora_topk(x, A, B, slots, weights, scale, meta=build_routing_meta(slots, 4, weights))
+    assert eager.dtype == dtype and rel_err(eager, want) <= 2.5e-2
+    graph, captured = capture_graph(lambda: routed_lora_topk(x, A, B, slots, weights, scale))  # Triton inside
+    slots.copy_(torch.randint(-1, 4, (n, k), generator=g).cuda())  # replays read the new values
+    graph.replay()
+    want = routed_lora_topk_reference(x, A, B, slots, weights, scale).double()
+    assert rel_err(captured, want) <= 2.5e-2
+    A3, B3, s3 = torch.stack([A, A.flip(0), A]), torch.cat([B, B[:, :64]], 1), torch.stack([scale] * 3)
+    bounds = (0, 192, 224, 256)
+    got = routed_lora_group(x, A3, B3, slots, weights, s3, bounds)
+    for y, ref in zip(got, routed_lora_group_reference(x, A3, B3, slots, weights, s3, bounds)):
+        assert rel_err(y, ref.double()) <= 2.5e-2
