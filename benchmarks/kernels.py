@@ -52,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="CPU smoke run under TRITON_INTERPRET=1, tiny sizes")
     p.add_argument("--no-tune", action="store_true", help="skip the stacked tile-size sweeps")
     p.add_argument("--quick-correct", action="store_true", help="correctness on a few cases only")
+    p.add_argument("--profile", action="store_true", help="eager: cProfile the routed 1.7B-shaped step (top 25)")
     p.add_argument("--only", default="", help="comma-separated sections to run (default: all): correct, group, "
                    "topk, ranks, k3, k1, dense, eager, tune, sweep")
     return p.parse_args()
@@ -552,6 +553,18 @@ def run_eager_block() -> None:
                     y.add_(F.linear(F.linear(xin, A1), B1) * 0.5)
         rows = {"routing off": step_us(lambda: step(False)), "routed (eager dense)": step_us(step),
                 "routed, graph paths (Triton)": step_us(step_graph_paths), "PEFT-like LoRA": step_us(step_peft)}
+        if ARGS.profile and n == 1:  # where the host time goes (cProfile inflates Python; read the shares)
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            with torch.no_grad():
+                prof.enable()
+                for _ in range(20):
+                    step()
+                prof.disable()
+            torch.cuda.synchronize()
+            print(f"  cProfile of 20 routed steps (N=1, {linears} routed linears each), top 25 by own time:")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         off = rows["routing off"][0]
         for name, (host, wall) in rows.items():
             added = (host - off) / linears
