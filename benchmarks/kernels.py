@@ -426,6 +426,15 @@ def run_eager() -> None:
             with graph_paths():
                 return fn()
         return call
+
+    def eager_stacked(fn):
+        def call():
+            before, dispatch.EAGER_DECODE_PATH = dispatch.EAGER_DECODE_PATH, "stacked"
+            try:
+                return fn()
+            finally:
+                dispatch.EAGER_DECODE_PATH = before
+        return call
     print("\n== eager host cost per call (N=1, d=4096, r=16, bf16; us per call, 300 calls, one sync) ==")
     x, A, B, slots, w, scale = make_inputs(1, 2, seed=9)
     slot = slots[:, 0].contiguous()
@@ -478,10 +487,12 @@ def run_eager() -> None:
         "q, k, v routing off": unrouted(qkv),
         "q, k, v routed, one group call": routed(qkv),
         "q, k, v routed, one group call, graph paths": in_graph_paths(routed(qkv)),
+        "q, k, v routed, one group call, eager stacked": eager_stacked(routed(qkv)),
         "q, k, v routed, ungrouped": routed(qkv_apart),
         "o_proj routing off": unrouted(o_proj),
         "o_proj routed (group of one)": routed(o_proj),
         "o_proj routed, graph paths": in_graph_paths(routed(o_proj)),
+        "o_proj routed, eager stacked": eager_stacked(routed(o_proj)),
         "routing set/reset only": routed([]),
     }
     res = {}
@@ -497,7 +508,9 @@ def run_eager() -> None:
                              ("q, k, v routed, one group call, graph paths", "q, k, v routing off", 3),
                              ("q, k, v routed, ungrouped", "q, k, v routing off", 3),
                              ("o_proj routed (group of one)", "o_proj routing off", 1),
-                             ("o_proj routed, graph paths", "o_proj routing off", 1)):
+                             ("q, k, v routed, one group call, eager stacked", "q, k, v routing off", 3),
+                             ("o_proj routed, graph paths", "o_proj routing off", 1),
+                             ("o_proj routed, eager stacked", "o_proj routing off", 1)):
         added = (res.get(name, nan) - res.get(off, nan)) / count
         res[f"added per layer: {name}"] = added
         print(f"  added per routed layer, {name:44s} {added:8.2f} us (target <= 40)")
@@ -545,13 +558,22 @@ def run_eager_block() -> None:
             with graph_paths():
                 step()
 
+        def step_stacked():  # eager decode calls on the stacked kernel (one launch per single projection)
+            dispatch.EAGER_DECODE_PATH = "stacked"
+            try:
+                step()
+            finally:
+                dispatch.EAGER_DECODE_PATH = eager_path
+
         def step_peft():
             for m in peft:
                 for W, A1, B1 in m:
                     xin = xf if W.shape[1] == ff else xa
                     y = F.linear(xin, W)
                     y.add_(F.linear(F.linear(xin, A1), B1) * 0.5)
+        eager_path = dispatch.EAGER_DECODE_PATH
         rows = {"routing off": step_us(lambda: step(False)), "routed (eager dense)": step_us(step),
+                "routed (eager stacked)": step_us(step_stacked),
                 "routed, graph paths (Triton)": step_us(step_graph_paths), "PEFT-like LoRA": step_us(step_peft)}
         if ARGS.profile and n == 1:  # where the host time goes (cProfile inflates Python; read the shares)
             import cProfile

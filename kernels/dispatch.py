@@ -68,6 +68,10 @@ STACKED_TOPK_MIN_ROWS_WIDE = 1024
 # mode takes the Triton kernels instead. Measurements: benchmarks/RESULTS.md, "Kernels: eager decode path (issue 13,
 # third pass)".
 DENSE_MAX_TOKENS = 16
+# What those eager decode calls take: "torch" (the dense form, four launches whatever P) or "stacked" (narrow hot
+# sets, S*r <= STACKED_MAX_WIDTH: the one-launch stacked kernel for one projection, its two-phase schedule for a
+# group; the dense form for wider hot sets). Compared per 1.7B-shaped decode step in the same run (RESULTS.md).
+EAGER_DECODE_PATH = "torch"
 
 # Rows up to which the CPU uses the dense all-slots form instead of the slot-grouped loop (decode steps: 2-8 rows;
 # 30-39 us vs 57-62 us per layer at hidden 256, measured on the 2-core dev machine, 2026-11-30).
@@ -94,8 +98,10 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
     if not triton_usable(x):
         return "torch"
     n = x.shape[0]
-    if n <= DENSE_MAX_TOKENS and x.is_cuda and not graph_mode():
-        return "torch"  # eager decode call: the dense form, least host time
+    if n <= DENSE_MAX_TOKENS and x.is_cuda and not graph_mode():  # eager decode call: least host time
+        if EAGER_DECODE_PATH == "stacked" and num_slots * rank <= STACKED_MAX_WIDTH:
+            return "stacked"
+        return "torch"
     rows = n * k
     width = num_slots * rank
     if width <= STACKED_MAX_WIDTH:  # narrow
@@ -117,7 +123,8 @@ def choose_group_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, r
     H200, 2026-12-01, q/k/v at d=4096, r=16, delta + three base GEMMs, median us: N=256 grouped 75.2 vs stacked
     80.5, N=2048 309.7 vs 365.5, N=8192 1284 vs 1354. Shapes and graph mode only."""
     path = choose_path(x, k, has_meta, num_slots, rank)
-    if proj > 1 and k == 1 and has_meta and path == "stacked":
+    if proj > 1 and k == 1 and has_meta and path == "stacked" and (EAGER_DECODE_PATH != "stacked" or graph_mode()
+                                                                    or x.shape[0] > DENSE_MAX_TOKENS):
         return "grouped"
     return path
 

@@ -370,6 +370,13 @@ def test_eager_decode_calls_take_the_dense_form_and_graph_mode_the_triton_kernel
         assert not dispatch.reads_meta(cuda_x(1), 1, torch.zeros(3, 4, 16, 8))
     assert not graph_mode()
     assert dispatch.dense_fits(torch.zeros(8, 4), 2) and not dispatch.dense_fits(torch.zeros(9, 4), 2)  # CPU: rows
+    # the alternative eager choice: the stacked kernel (one launch for one projection) on narrow hot sets
+    monkeypatch.setattr(dispatch, "EAGER_DECODE_PATH", "stacked")
+    assert dispatch.choose_path(cuda_x(1), 1, True, 4, 16) == "stacked"
+    assert dispatch.choose_group_path(cuda_x(1), 1, True, 4, 16, 3) == "stacked"  # not swapped for grouped
+    assert dispatch.choose_path(cuda_x(1), 1, True, 4, 64) == "torch"  # too wide for its tiles' measurements
+    with graph_paths():
+        assert dispatch.choose_group_path(cuda_x(1), 1, True, 4, 16, 3) == "gather"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
