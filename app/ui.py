@@ -68,14 +68,15 @@ EXAMPLES: list[tuple[str, bool, int]] = [
 # gates). The shipped router answers both right at the page's defaults, switching domain adapter between the two
 # answer spans (tests/test_app_examples.py checks the answers and that two domain adapters appear).
 LEARNED_EXAMPLES: list[tuple[str, int]] = [
-    ("A large pink diamond at the top right, a large orange triangle in the middle and a large pink diamond at the "
-     "bottom. What size is the orange triangle? How many large shapes are there? A:", 0),
-    ("A large brown circle on the left, a small pink square at the top left, a large red star on the right and a "
-     "small yellow square in the center. How many more squares than circles are there? What is above the red star? "
-     "A:", 0),
-    ("A small green star on the left, a large purple star in the bottom left corner, a large purple square in the "
-     "top right corner and a large purple star in the center. What is below the green star? How many purple shapes "
-     "are there? A:", 0),
+    ('A large orange triangle on the right, a large orange triangle at the left, a small brown circle at the top '
+     'and a small orange triangle in the top left corner. How many circles are there? What is right of the brown '
+     'circle? A:', 0),
+    ('A small red star at the bottom, a large red star on the right, a small green triangle at the bottom right '
+     'and a small blue diamond at the top right. How many green shapes are there? What is left of the blue '
+     'diamond? A:', 0),
+    ('A large pink diamond in the bottom left corner, a large green square at the bottom right, a large pink '
+     'diamond on the right and a large yellow star at the bottom. What size is the green square? What is above the'
+     ' green square? A:', 0),
 ]
 
 # The pickers start on the shipped model's style adapters (its domain adapters, also "text", are for the learned

@@ -419,6 +419,7 @@ class Engine:
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # learned image gates decide once per picture: each row's decision per block, kept across decode steps
         self._pictures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # top-k -> (slots, weights) [rows+1, blocks, k]
+        self._route_states: dict[tuple[int, int], torch.Tensor] = {}  # (decays, d) -> routing state [rows+1, S, d]
         self._ready = True
         log.info("engine: %d rows x %d positions (%.1f MiB of KV cache), widths %s, CUDA graphs %s",
                  self.max_rows, self.max_len, self.kv.nbytes() / 2 ** 20, self.widths, self.use_graphs)
@@ -567,6 +568,7 @@ class Engine:
         plan = self._plan(ids, slots.view(-1), members, routed)
         out = self._forward(ids, positions, rows, mask, plan, length=length)
         self._keep_pictures(plan, rows)
+        self._keep_states(plan, rows)
         return self._last_logits(out), _producing(out.routing, slots[:, -1])
 
     def _last_logits(self, out: Any) -> torch.Tensor:
@@ -679,8 +681,10 @@ class Engine:
         members = [(job, row) for job in jobs for row in (job.row, job.twin) if row is not None]
         plan = self._plan(ids, slots, members, routed)
         self._hold_pictures(plan)
+        self._hold_states(plan, self.all_rows[:width])
         out = self._forward(ids, positions, self.all_rows[:width], mask, plan, leading=width, length=length)
         self._keep_pictures(plan, self.all_rows[:width])
+        self._keep_states(plan, self.all_rows[:width])
         return self._last_logits(out), _producing(out.routing, slots)
 
     def _picture_tables(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -689,6 +693,26 @@ class Engine:
             self._pictures[k] = (torch.full(shape, -1, dtype=torch.long, device=self.device),
                                  torch.zeros(shape, dtype=torch.float32, device=self.device))
         return self._pictures[k]
+
+    def _state_table(self, gates: Any) -> torch.Tensor:
+        key = (len(gates.context_decays), gates.d_model)
+        if key not in self._route_states:
+            self._route_states[key] = torch.zeros(self.max_rows + 1, *key, dtype=torch.float32, device=self.device)
+        return self._route_states[key]
+
+    def _hold_states(self, plan: CallRouting | None, cache_rows: torch.Tensor) -> None:
+        """Decode step: gates with a routing state continue each row's state from its previous step."""
+        for group in plan.learned if plan is not None else ():
+            if group.gates.context_decays:
+                local = group.rows if group.rows is not None else torch.arange(plan.batch, device=self.device)
+                group.state_in = self._state_table(group.gates)[cache_rows[local]]
+
+    def _keep_states(self, plan: CallRouting | None, cache_rows: torch.Tensor) -> None:
+        """After a forward (prefill or decode): keep each row's routing state after its last position."""
+        for group in plan.learned if plan is not None else ():
+            if group.gates.context_decays and group.state_out is not None:
+                local = group.rows if group.rows is not None else torch.arange(plan.batch, device=self.device)
+                self._state_table(group.gates)[cache_rows[local]] = group.state_out
 
     def _hold_pictures(self, plan: CallRouting | None) -> None:
         """Decode step: rows inside a picture begun in an earlier step reuse the decision kept for it (the rows

@@ -86,6 +86,37 @@ def _past_key_values(out: Any) -> Any:
     return getattr(out, "past_key_values", None)
 
 
+def _cached_length(cache: Any) -> int:
+    """Positions an HF KV cache already holds (0 for none or an empty one)."""
+    if cache is None:
+        return 0
+    if hasattr(cache, "get_seq_length"):
+        return int(cache.get_seq_length())
+    return int(cache[0][0].shape[-2]) if len(cache) else 0  # legacy tuple of (key, value) per layer
+
+
+def _carry_routing_states(plan: CallRouting | None, continuing: bool) -> None:
+    """Gates with context decays read a causal state of every earlier position. A forward that extends a KV cache
+    (token-by-token decode with transformers' cache) continues each row from the state its router kept after the
+    previous forward; a forward over a fresh sequence starts from zeros. (The serving engine keeps states per
+    cache row itself and calls `run`.)"""
+    for group in plan.learned if plan is not None else ():
+        if not group.gates.context_decays:
+            continue
+        state = group.router.carried_states.get(id(group.gates)) if continuing else None
+        rows = group.gated.shape[0]
+        if continuing and (state is None or state.shape[0] != rows):
+            raise RoutingError("this forward extends a KV cache, but its learned router carries no routing state "
+                               f"for {rows} rows: pass the same LearnedRouter object to every step of a sequence")
+        group.state_in = state
+
+
+def _keep_routing_states(plan: CallRouting | None) -> None:
+    for group in plan.learned if plan is not None else ():
+        if group.gates.context_decays and group.state_out is not None:
+            group.router.carried_states[id(group.gates)] = group.state_out
+
+
 # --- attaching ---------------------------------------------------------------------------------------------
 
 @dataclass
@@ -444,7 +475,11 @@ class RoutedModel(nn.Module):
         if "inputs_embeds" in hf_kwargs:
             raise RoutingError("routing works from token ids; pass input_ids, not inputs_embeds")
         with self.routing_scope(input_ids, routers) as plan:
-            return self.run(input_ids, plan, aux_losses=aux_losses, **hf_kwargs)
+            cache = hf_kwargs.get("past_key_values", hf_kwargs.get("cache"))
+            _carry_routing_states(plan, continuing=_cached_length(cache) > 0)
+            out = self.run(input_ids, plan, aux_losses=aux_losses, **hf_kwargs)
+            _keep_routing_states(plan)
+            return out
 
     def run(self, input_ids: torch.Tensor, plan: CallRouting | None, *, aux_losses: bool | None = None,
             **hf_kwargs: Any) -> RoutedOutput:

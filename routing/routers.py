@@ -288,6 +288,9 @@ class LearnedRouter:
     image_gates: LearnedGates | None = None
     image_top_k: int = 1
     _vocab_router: VocabRangeRouter | None = field(default=None, init=False, repr=False)
+    # gates with context decays: each gate set's routing state after the last forward, per row ([b, S, d]), for
+    # RoutedModel.forward to continue from when the next forward extends a KV cache (reuse the router object)
+    carried_states: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.gates.num_experts:

@@ -92,9 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--base-expert", action=argparse.BooleanOptionalAction, default=True,
                    help="one more gate output meaning 'no adapter' (context positions go there)")
-    p.add_argument("--context-decays", type=float, nargs="*", default=[],
-                   help="gates also read causal moving averages of the token embeddings with these decays, e.g. "
-                        "0.5 0.8 0.97 (default none: the block input only; a decode loop must carry the state)")
+    p.add_argument("--context-decays", type=float, nargs="*", default=[0.5, 0.8, 0.97],
+                   help="gates also read causal moving averages of the token embeddings with these decays (default "
+                        "0.5 0.8 0.97, the shipped router's; --context-decays with no value: the block input only)")
     p.add_argument("--max-minutes", type=float, default=0.0)
     p.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: at the end only)")
     p.add_argument("--init-from", type=Path, default=None,

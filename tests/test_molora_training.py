@@ -320,3 +320,62 @@ def test_image_gates_decide_once_per_picture_in_the_engine_and_in_one_pass(train
             out = pipe.routed(ids, routers=pipe.make_router("learned", None, None))
         image_names = [n for n, r in zip(out.routing.adapter_names(0)[1:], doc.routing) if r.modality == "image"]
         assert len(set(image_names)) == 1
+
+
+def test_gates_with_a_routing_state_decode_through_the_engine_as_in_one_pass(trained):
+    """The engine carries each row's routing state from step to step: every generated token is routed and chosen
+    exactly as one pass over the whole sequence routes and scores it (without the carried state, decode steps
+    would restart the moving averages at each token)."""
+    from molora.models.pipeline import InterleavedPipeline
+    root, _, _, _, _ = trained
+    pipe = InterleavedPipeline.from_pretrained(root)
+    torch.manual_seed(5)
+    pipe.gates = LearnedGates.for_model(pipe.routed, ["count", "spatial"], base_expert=True,
+                                        context_decays=(0.5, 0.9), init_std=1.0)  # decisions vary with the state
+    prompts = ["A red circle on the left. How many circles are there? A:", "Two blue squares. What is left? A:"]
+    docs = pipe.generate(prompts, routing="learned", max_new_tokens=8, max_images=0, seed=0, text_temperature=0)
+    router = pipe.make_router("learned", None, None)
+    for prompt, doc in zip(prompts, docs):
+        config = pipe.default_config.with_overrides(max_new_tokens=8)
+        prompt_ids = pipe.encode_prompt(prompt, config, 8)[0]
+        new = [r.id for r in doc.routing]
+        with torch.no_grad():
+            out = pipe.routed(torch.tensor([prompt_ids + new]), routers=router)
+        start = len(prompt_ids) - 1  # the position that predicted the first new token
+        names = out.routing.adapter_names(0)[start:start + len(new)]
+        assert [r.adapter for r in doc.routing] == names
+        v = pipe.vocab  # outside a picture (and with max_images=0) generation allows text ids and <eos> only
+        allowed = torch.full((v.vocab_size,), -torch.inf)
+        allowed[v.text_start:v.text_start + v.text_size] = 0.0
+        allowed[v.eos_id] = 0.0
+        assert (out.logits[0, start:start + len(new)] + allowed).argmax(-1).tolist() == new
+    assert len({r.adapter for doc in docs for r in doc.routing}) >= 2
+
+
+def test_decoding_with_a_transformers_kv_cache_carries_the_routing_state_on_the_router(trained):
+    """RoutedModel.forward with past_key_values: token by token with one router object routes as one pass does;
+    a new router object cannot continue a cached sequence (it holds no state): a clear error."""
+    from molora.models.pipeline import InterleavedPipeline
+    from molora.routing.errors import RoutingError
+    from transformers import DynamicCache
+    root, _, _, _, _ = trained
+    pipe = InterleavedPipeline.from_pretrained(root)
+    torch.manual_seed(6)
+    gates = LearnedGates.for_model(pipe.routed, ["count", "spatial"], base_expert=True, context_decays=(0.5, 0.9),
+                                   init_std=1.0)
+    ids = torch.tensor([[pipe.vocab.bos_id, *range(40, 52)], [pipe.vocab.bos_id, *range(60, 72)]])
+    with torch.no_grad():
+        whole = pipe.routed(ids, routers=LearnedRouter(gates, top_k=2, vocab=pipe.vocab))
+        router = LearnedRouter(gates, top_k=2, vocab=pipe.vocab)
+        cache = DynamicCache()
+        out = pipe.routed(ids[:, :5], routers=router, past_key_values=cache, use_cache=True)
+        names = [list(out.routing.adapter_names(r)) for r in range(2)]
+        for t in range(5, ids.shape[1]):
+            out = pipe.routed(ids[:, t:t + 1], routers=router, past_key_values=cache, use_cache=True)
+            for r in range(2):
+                names[r] += out.routing.adapter_names(r)
+            assert torch.allclose(out.logits[:, -1], whole.logits[:, t], atol=1e-4)
+        assert names == [list(whole.routing.adapter_names(r)) for r in range(2)]
+        with pytest.raises(RoutingError, match="same LearnedRouter object"):
+            pipe.routed(ids[:, -1:], routers=LearnedRouter(gates, top_k=2, vocab=pipe.vocab), past_key_values=cache,
+                        use_cache=True)
