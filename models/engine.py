@@ -419,7 +419,7 @@ class Engine:
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # learned image gates decide once per picture: each row's decision per block, kept across decode steps
         self._pictures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # top-k -> (slots, weights) [rows+1, blocks, k]
-        self._route_states: dict[tuple[int, int], torch.Tensor] = {}  # (decays, d) -> routing state [rows+1, S, d]
+        self._route_states: dict[tuple, torch.Tensor] = {}  # (image gates?, decays, d) -> routing state [rows+1, S, d]
         self._ready = True
         log.info("engine: %d rows x %d positions (%.1f MiB of KV cache), widths %s, CUDA graphs %s",
                  self.max_rows, self.max_len, self.kv.nbytes() / 2 ** 20, self.widths, self.use_graphs)
@@ -694,10 +694,14 @@ class Engine:
                                  torch.zeros(shape, dtype=torch.float32, device=self.device))
         return self._pictures[k]
 
-    def _state_table(self, gates: Any) -> torch.Tensor:
-        key = (len(gates.context_decays), gates.d_model)
+    def _state_table(self, group: Any) -> torch.Tensor:
+        """Each row's routing state after its last forward, one table per gate set's role (text or image gates)
+        and decays: gate sets with other decays (or updated by other positions) never share a state."""
+        gates = group.gates
+        key = (group.per_picture, gates.context_decays, gates.d_model)
         if key not in self._route_states:
-            self._route_states[key] = torch.zeros(self.max_rows + 1, *key, dtype=torch.float32, device=self.device)
+            self._route_states[key] = torch.zeros(self.max_rows + 1, len(gates.context_decays), gates.d_model,
+                                                  dtype=torch.float32, device=self.device)
         return self._route_states[key]
 
     def _hold_states(self, plan: CallRouting | None, cache_rows: torch.Tensor) -> None:
@@ -705,14 +709,14 @@ class Engine:
         for group in plan.learned if plan is not None else ():
             if group.gates.context_decays:
                 local = group.rows if group.rows is not None else torch.arange(plan.batch, device=self.device)
-                group.state_in = self._state_table(group.gates)[cache_rows[local]]
+                group.state_in = self._state_table(group)[cache_rows[local]]
 
     def _keep_states(self, plan: CallRouting | None, cache_rows: torch.Tensor) -> None:
         """After a forward (prefill or decode): keep each row's routing state after its last position."""
         for group in plan.learned if plan is not None else ():
             if group.gates.context_decays and group.state_out is not None:
                 local = group.rows if group.rows is not None else torch.arange(plan.batch, device=self.device)
-                self._state_table(group.gates)[cache_rows[local]] = group.state_out
+                self._state_table(group)[cache_rows[local]] = group.state_out
 
     def _hold_pictures(self, plan: CallRouting | None) -> None:
         """Decode step: rows inside a picture begun in an earlier step reuse the decision kept for it (the rows

@@ -341,6 +341,9 @@ class LearnedGroup:
     position (`anchor`, within this forward), or, when the picture began in an earlier forward (token-by-token
     decode), the decision kept from then (`held`: the serving engine keeps it per row). Gated per position, the
     first codes drawn pull a picture's later positions to whichever adapter drew them (benchmarks/RESULTS.md).
+    Image gates with context decays read a routing state updated by the TEXT positions (the words asking for a
+    style), not by the pictures they route: at a second picture's first position the short decays hold the
+    sentence just written, where the block inputs are dominated by the first picture.
     """
 
     router: LearnedRouter
@@ -353,8 +356,9 @@ class LearnedGroup:
     held: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # slots, weights [b, blocks, k]; use [b, T]
     # gates with context decays: the routing state before this forward's first position ([b, S, d], None = the
     # sequence starts here; a serving engine passes the state it kept per row), which positions update it
-    # ([b, T] bool: gated, not padding), and, after block 0, every position's state [b*T, S, d] and each row's
-    # state after its last position (`state_out` [b, S, d]: what to pass as `state_in` to the row's next forward)
+    # ([b, T] bool: the text positions, not padding, for text and image gates alike), and, after block 0, every
+    # position's state [b*T, S, d] and each row's state after its last position (`state_out` [b, S, d]: what to
+    # pass as `state_in` to the row's next forward)
     state_in: torch.Tensor | None = None
     updates: torch.Tensor | None = None
     state: torch.Tensor | None = field(default=None, repr=False)
@@ -372,8 +376,11 @@ class LearnedGroup:
         pad = getattr(router.vocab, "pad_id", None)
         real = input_ids != pad if isinstance(pad, int) else torch.ones_like(input_ids, dtype=torch.bool)
         for gates, k, mask in router.gate_sets(input_ids):
-            anchor = picture_anchor(mask) if gates is router.image_gates else None
-            updates = mask & real if gates.context_decays else None
+            image = gates is router.image_gates
+            anchor = picture_anchor(mask) if image else None
+            # the state is the words: updated by text positions for every gate set. Image gates route positions
+            # whose own ids say nothing of the style asked; the sentence before a picture does (benchmarks/RESULTS.md)
+            updates = ((~mask if image else mask) & real) if gates.context_decays else None
             groups.append(cls(router, rows, gates.expert_slots(slot_of, device), mask, gates, k, anchor,
                               updates=updates))
         return groups

@@ -4,7 +4,8 @@ base expert, per picture, from what the words before it asked for. Base, adapter
 
 Data (models/shapes/styles.py): "Here is an outlined small red circle at the top left:" + the picture in that
 style; the shipped `outline` LoRA draws outlined shapes, the base model filled ones (the base expert). Per block a
-gate Linear(d_model, 2) on the block input of image positions (`<boi>`, codes, row markers, `<eoi>`); loss =
+gate Linear(d_model, 2) on the block input of image positions (`<boi>`, codes, row markers, `<eoi>`), and with
+--context-decays also on a routing state updated by the text positions (the words before the picture); loss =
 next-token loss on the picture's ids + lb * load-balance + z * z-loss + label * cross-entropy of every block's gate
 against the requested style's expert on the picture's positions. The gates train at k = 2 (with k = 1 the kept
 weight is always 1 and the next-token loss gives the gate no gradient) and serve at k = 1: one expert a picture.
@@ -54,9 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=2000, help="training requests (half of each style)")
     p.add_argument("--n-val", type=int, default=100, help="held-out requests scored at the end")
     p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--second", type=float, default=0.0,
+    p.add_argument("--second", type=float, default=0.5,
                    help="share of requests that follow a picture in the other style (a two-picture document; "
-                        "0.5 did not help the second picture: benchmarks/RESULTS.md)")
+                        "without a routing state 0.5 did not help the second picture: benchmarks/RESULTS.md)")
+    p.add_argument("--context-decays", type=float, nargs="*", default=[0.5, 0.8, 0.97],
+                   help="the gates also read a routing state: causal moving averages of the TEXT positions' "
+                        "embeddings at these decays (the sentence before a picture); none = block input only")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--lb-coef", type=float, default=0.01)
@@ -160,13 +164,14 @@ def main(argv: list[str] | None = None) -> dict:
     routed = pipe.routed
     routed.requires_grad_(False)
     torch.manual_seed(args.seed)
-    gates = LearnedGates.for_model(routed, image_adapters, base_expert=True)
+    gates = LearnedGates.for_model(routed, image_adapters, base_expert=True, context_decays=args.context_decays)
     train_router = LearnedRouter(pipe.gates, top_k=pipe.learned_top_k, vocab=pipe.vocab, image_gates=gates,
                                  image_top_k=gates.num_experts)
     train = encode(pipe, style_items(args.n, seed=args.seed, split="train"), gates.experts, seed=args.seed,
                    split="train", second=args.second)
-    val = encode(pipe, style_items(args.n_val, seed=f"val{args.seed}", split="heldout"), gates.experts,
-                 seed=f"val{args.seed}", split="heldout", second=args.second)
+    val_items = style_items(args.n_val, seed=f"val{args.seed}", split="heldout")
+    val = encode(pipe, val_items, gates.experts, seed=f"val{args.seed}", split="heldout", second=0.0)
+    val_second = encode(pipe, val_items, gates.experts, seed=f"val{args.seed}", split="heldout", second=1.0)
     opt = torch.optim.AdamW(gates.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = Schedule(args.steps, max(1, args.steps // 10), args.max_minutes)
     rng = random.Random(f"{args.seed}:image-router-order")
@@ -194,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
             bar.set_postfix(nll=f"{curve[-1][1]:.3f}", loss=f"{curve[-1][2]:.3f}")
     bar.close()
     serve = LearnedRouter(pipe.gates, top_k=pipe.learned_top_k, vocab=pipe.vocab, image_gates=gates, image_top_k=1)
-    val_metrics = agreement(pipe, serve, val, args.device)
+    val_metrics = {"one picture": agreement(pipe, serve, val, args.device),
+                   "second picture": agreement(pipe, serve, val_second, args.device)}
     log.info("validation: %s", val_metrics)
     args.out.mkdir(parents=True, exist_ok=True)
     gates.save(args.out / "image_gates.safetensors")
@@ -205,7 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
         "file": "image_gates.safetensors", "adapters": image_adapters, "base_expert": True, "top_k": 1,
         "styles": {style: adapter for style, adapter in STYLE_ADAPTERS.items()},
         "loss": {"next_token": 1.0, "load_balance": args.lb_coef, "z": args.z_coef, "label": args.label_coef},
-        "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed, "second": args.second, "steps": step, "train_records": len(train),
+        "context_decays": list(gates.context_decays), "state_updated_by": "text positions",
+        "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed, "second": args.second, "steps": step,
+        "train_records": len(train),
         "val_records": len(val), "data": "models/shapes/styles.py", "adapter_sha256_16": hashes,
         "seconds": round(time.time() - t0, 1), "device": device_name(args.device), "threads": args.threads,
         "torch": torch.__version__, "curve": curve, "val": val_metrics}

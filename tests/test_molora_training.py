@@ -379,3 +379,82 @@ def test_decoding_with_a_transformers_kv_cache_carries_the_routing_state_on_the_
         with pytest.raises(RoutingError, match="same LearnedRouter object"):
             pipe.routed(ids[:, -1:], routers=LearnedRouter(gates, top_k=2, vocab=pipe.vocab), past_key_values=cache,
                         use_cache=True)
+
+
+def _reads_the_words(direction: torch.Tensor):
+    """Hand-set image-gate logits that read the routing state only: expert 0 where the shortest-decay average
+    (the last few text positions) holds much of `direction` (a word's embedding), else the base expert."""
+    def logits(block, hidden, state=None):
+        assert state is not None  # image gates with decays are given their routing state
+        share = (state[:, 0] * direction).sum(-1, keepdim=True) / direction.pow(2).sum()
+        return torch.cat([share - 0.3, torch.zeros_like(share)], dim=1) * 50.0
+    return logits
+
+
+def test_image_gates_read_a_state_of_the_words_so_a_second_picture_follows_its_own_sentence(trained):
+    """Image gates with context decays read a routing state updated by the TEXT positions: at a picture's first
+    position the short decay holds the sentence just written, not the picture before it. In one pass, a second
+    picture's decision follows the word before it; a state updated by the image positions (the rule before) would
+    hold the first picture instead."""
+    from molora.routing.routers import LearnedGroup, routing_state
+    root, model, adapters, _, _ = trained
+    routed, tok = _script("train_router").load_routed(model, adapters, ["count", "spatial"])
+    v = tok.vocab
+    text_gates = LearnedGates.for_model(routed, ["count"])
+    image_gates = LearnedGates.for_model(routed, ["spatial"], base_expert=True, context_decays=(0.5, 0.97))
+    asks, other = 40, 41  # the 'style word' asking for the adapter, and a neutral word
+    image_gates.logits = _reads_the_words(routed.model.get_input_embeddings().weight[asks].detach().float())
+    codes = [v.image_start, v.image_start + 1, v.image_start + 2]
+    # doc A: asks, picture 1, other, picture 2     doc B: other, picture 1, asks, picture 2
+    doc_a = [v.bos_id, asks, v.boi_id, *codes, v.eoi_id, other, v.boi_id, *codes]
+    doc_b = [v.bos_id, other, v.boi_id, *codes, v.eoi_id, asks, v.boi_id, *codes]
+    ids = torch.tensor([doc_a, doc_b])
+    router = LearnedRouter(text_gates, top_k=1, vocab=v, image_gates=image_gates)
+    with torch.no_grad():
+        out = routed(ids, routers=router)
+    first, second = slice(2, 6), slice(8, 12)
+    names = [out.routing.adapter_names(r) for r in range(2)]
+    assert list(names[0][first]) == ["spatial"] * 4 and list(names[0][second]) == [None] * 4
+    assert list(names[1][first]) == [None] * 4 and list(names[1][second]) == ["spatial"] * 4
+    # the image gates' state is updated by the (non-pad) text positions, not by the pictures they route
+    groups = LearnedGroup.for_router(router, None, ids, {"count": 0, "spatial": 1}, "cpu")
+    text = router.gated(ids)
+    assert groups[0].updates is None and torch.equal(groups[1].updates, text)
+    # updated by its own (image) positions, the state at the second <boi> still holds picture 1's codes: the
+    # second picture's short-decay state would be the same in both documents' second pictures
+    emb = routed.model.get_input_embeddings().weight[ids].detach()
+    own = routing_state(emb, ~text, (0.5, 0.97))[:, 8, 0]
+    words = routing_state(emb, text, (0.5, 0.97))[:, 8, 0]
+    assert torch.allclose(own[0], own[1]) and not torch.allclose(words[0], words[1])
+
+
+def test_image_gates_with_a_routing_state_decode_through_the_engine_as_in_one_pass(trained):
+    """Image gates with a routing state (and text gates with as many other decays): the engine keeps one state per
+    gate set and row across decode steps, so each generated picture takes the decision one pass over the whole
+    document gives it, and the text positions route as in that pass too."""
+    from molora.models.pipeline import InterleavedPipeline
+    root, _, _, _, _ = trained
+    pipe = InterleavedPipeline.from_pretrained(root)
+    torch.manual_seed(7)
+    pipe.gates = LearnedGates.for_model(pipe.routed, ["count", "spatial"], base_expert=True,
+                                        context_decays=(0.6, 0.9), init_std=1.0)
+    pipe.image_gates = LearnedGates.for_model(pipe.routed, ["spatial"], base_expert=True,
+                                              context_decays=(0.5, 0.97), init_std=1.0)  # as many as the text gates
+    prompts = ["A red circle. Then a blue square:", "Two green stars", "A small square at the top left:"]
+    docs = pipe.generate(prompts, routing="learned", max_images=2, seed=0, text_temperature=0,
+                         max_new_tokens=2 * pipe.vocab.image_span_tokens + 12, start_image=True)
+    router = pipe.make_router("learned", None, None)
+    assert router.image_gates is pipe.image_gates
+    seen = set()
+    for prompt, doc in zip(prompts, docs):
+        config = pipe.default_config.with_overrides(max_new_tokens=8, start_image=True)
+        prompt_ids = pipe.encode_prompt(prompt, config, 8)[0]  # ends with <boi>: the first picture's decision
+        new = [r.id for r in doc.routing]
+        assert any(r.modality == "image" for r in doc.routing)
+        with torch.no_grad():
+            out = pipe.routed(torch.tensor([prompt_ids + new]), routers=router)
+        start = len(prompt_ids) - 1
+        names = list(out.routing.adapter_names(0)[start:start + len(new)])
+        assert [r.adapter for r in doc.routing] == names
+        seen |= {r.adapter for r in doc.routing if r.modality == "image"}
+    assert seen  # pictures were routed by the image gates
