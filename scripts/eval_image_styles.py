@@ -36,6 +36,7 @@ from molora.models.shapes.prompts import EvalPrompt  # noqa: E402
 from molora.models.shapes.styles import StyleItem, style_items  # noqa: E402
 
 log = logging.getLogger("eval_image_styles")
+ROWS = ("base", "outline everywhere", "oracle (requested style's expert)", "learned image gates")
 
 
 def prompts(items: list[StyleItem], second: bool) -> list[list]:
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS),
+                   help="which rows to run (default: all)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     pipe = InterleavedPipeline.from_pretrained(args.model, device=args.device)
@@ -83,26 +86,28 @@ def main(argv: list[str] | None = None) -> dict:
     rows: dict = {}
     for kind, second in (("one picture", False), ("second picture", True)):
         batch = prompts(items, second)
-        rows[kind] = {
-            "base": run_row(pipe, items, batch, "none", None, args.seed),
-            "outline everywhere": run_row(pipe, items, batch, "vocab", "outline", args.seed),
-            "oracle (requested style's expert)": run_row(pipe, items, batch, "vocab", [it.adapter for it in items],
-                                                         args.seed),
-            "learned image gates": run_row(pipe, items, batch, "learned", None, args.seed),
-        }
+        settings = {"base": ("none", None), "outline everywhere": ("vocab", "outline"),
+                    "oracle (requested style's expert)": ("vocab", [it.adapter for it in items]),
+                    "learned image gates": ("learned", None)}
+        rows[kind] = {name: run_row(pipe, items, batch, *settings[name], args.seed) for name in args.rows}
         for name, r in rows[kind].items():
             log.info("%s / %s: %s", kind, name, r)
+    config_path = (args.model or Path(__file__).resolve().parents[1] / "assets") / "router" / "config.json"
+    section = json.loads(config_path.read_text()).get("image_gates", {}) if config_path.is_file() else {}
     results = {"rows": rows, "setup": {"n": args.n, "seed": args.seed, "split": "heldout",
+                                       "image_gates_context_decays": list(pipe.image_gates.context_decays),
+                                       "image_gates": {k: section[k] for k in ("steps", "second", "val") if k in section},
                                        "device": device_name(args.device), "torch": torch.__version__,
                                        "threads": torch.get_num_threads()}}
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
-    lines = ["| row | one picture: style | outlined asked | filled asked | content | second picture: style |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| row | one picture: style | outlined asked | filled asked | content | second picture: style "
+             "(outlined / filled asked) | content |", "|---|---|---|---|---|---|---|"]
     for name in rows["one picture"]:
         a, b = rows["one picture"][name], rows["second picture"][name]
         lines.append(f"| {name} | {a['style']:.3f} | {a['style_outline']:.3f} | {a['style_filled']:.3f} | "
-                     f"{a['content']:.3f} | {b['style']:.3f} |")
+                     f"{a['content']:.3f} | {b['style']:.3f} ({b['style_outline']:.3f} / {b['style_filled']:.3f}) | "
+                     f"{b['content']:.3f} |")
     print("\n".join(lines))
     return results
 
