@@ -56,21 +56,31 @@ STACKED_MAX_WIDTH = 64
 # kernel wins: r=8 N=256 stacked 12.93 vs meta 14.30, N=2048 26.34 vs 22.14; r=16 N=128 12.83 vs 13.15,
 # N=256 15.58 vs 13.34, N=2048 33.50 vs 20.90, N=8192 74.72 vs 48.54
 STACKED_MAX_ROW_RANK_WITH_META = 2048
+# Projections sharing x (P of them): the gather kernel while rows * r * P <= GROUP_GATHER_MAX_ROW_RANK. H200,
+# 2026-12-01 (RESULTS.md, issue 13 third pass), q/k/v at d=4096, graph replay, metadata prebuilt, median us:
+#   r=16: N=4 gather 11.55, stacked 11.90, grouped 15.23;  N=16 gather 13.98, stacked 12.16, grouped 15.49
+#   r=64: N=1 gather 16.70, grouped 16.42;  N=4 19.58 vs 17.09;  N=16 29.63 vs 18.56
+GROUP_GATHER_MAX_ROW_RANK = 256
+# ... and with prebuilt metadata (k = 1) the stacked kernel only while N * r <= GROUP_STACKED_MAX_ROW_RANK, then the
+# grouped one (r=16: N=16 stacked 12.16 vs grouped 15.49; N=256 q/k/v with their GEMMs grouped 75.2 vs stacked 80.5)
+GROUP_STACKED_MAX_ROW_RANK = 256
 # Top-k (k > 1) on wide hot sets up to STACKED_TOPK_MAX_WIDTH: the stacked kernel (cost independent of k, S/k times
 # the arithmetic) above STACKED_TOPK_MIN_ROWS_WIDE rows, the grouped kernel (float32 atomics) below. r=64 (S*r=256),
 # metadata built in the call: N=64 k=2 stacked 36.4 vs grouped 30.0, k=4 36.2 vs 31.6; N=256 k=2 68.6 vs 39.3, k=4
 # 68.6 vs 53.4; N=2048 k=2 59.3 vs 137.6; N=8192 k=2 142.3 vs 658.0. Wider stacks do not fit the stacked tiles.
 STACKED_TOPK_MAX_WIDTH = 256
 STACKED_TOPK_MIN_ROWS_WIDE = 1024
-# Eager decode calls (CUDA, N <= DENSE_MAX_TOKENS, not in graph mode) take the dense torch form: its host cost is four
-# C++-dispatched launches, against two Triton launches through JITFunction.run (~22 us each on the H200's host) plus
-# their Python; its GPU time (S-fold arithmetic, four launches) matters only inside a captured graph, where graph
-# mode takes the Triton kernels instead. Measurements: benchmarks/RESULTS.md, "Kernels: eager decode path (issue 13,
-# third pass)".
+# Eager decode calls (CUDA, N <= DENSE_MAX_TOKENS, not in graph mode) take the dense torch form: four C++-dispatched
+# launches per group call (9-16 us of host each on the H200's host) against two Triton launches (24-30 us each) plus
+# their Python. Its GPU time is 2-2.4x the gather kernel's (r=16 N=1: 19.0 vs 8.1 us), which only a captured graph
+# would pay, and graph mode takes the Triton kernels there. Host time added per routed linear, decode step of 8
+# Qwen3-1.7B-shaped blocks, dense vs Triton, two runs (H200, 2026-12-01): N=1 60.9 / 82.8 vs 83.2 / 49.9 us; N=8
+# 64.4 / 54.5 vs 128.8 / 55.7 (benchmarks/RESULTS.md, "Kernels: eager decode path (issue 13, third pass)").
+# DENSE_MAX_TOKENS = 0 sends eager calls to the Triton kernels again.
 DENSE_MAX_TOKENS = 16
 # What those eager decode calls take: "torch" (the dense form, four launches whatever P) or "stacked" (narrow hot
 # sets, S*r <= STACKED_MAX_WIDTH: the one-launch stacked kernel for one projection, its two-phase schedule for a
-# group; the dense form for wider hot sets). Compared per 1.7B-shaped decode step in the same run (RESULTS.md).
+# group; the dense form for wider hot sets). Same step, run 2: stacked 84.4 us (N=1) and 125.4 (N=8) per linear.
 EAGER_DECODE_PATH = "torch"
 
 # Rows up to which the CPU uses the dense all-slots form instead of the slot-grouped loop (decode steps: 2-8 rows;
@@ -118,13 +128,21 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
 
 
 def choose_group_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: int, proj: int) -> str:
-    """Path for `proj` projections sharing x: as choose_path, except that with prebuilt metadata and k = 1 the
-    grouped kernel replaces the stacked one (the stacked shrink does S times the arithmetic, times P here).
-    H200, 2026-12-01, q/k/v at d=4096, r=16, delta + three base GEMMs, median us: N=256 grouped 75.2 vs stacked
-    80.5, N=2048 309.7 vs 365.5, N=8192 1284 vs 1354. Shapes and graph mode only."""
+    """Path for `proj` projections sharing x: as choose_path, except
+    - k = 1: the gather kernel only while N * r * P <= GROUP_GATHER_MAX_ROW_RANK (its work grows with P), then the
+      stacked kernel on narrow hot sets and the grouped one on wide;
+    - with prebuilt metadata and k = 1 the grouped kernel replaces the stacked one once N * r > 256 (the stacked
+      shrink does S times the arithmetic, times P here). H200, 2026-12-01, q/k/v at d=4096, r=16, delta + three
+      base GEMMs, median us: N=256 grouped 75.2 vs stacked 80.5, N=2048 309.7 vs 365.5, N=8192 1284 vs 1354; but
+      N=16 (delta alone) stacked 12.16 vs grouped 15.49.
+    Shapes and graph mode only."""
     path = choose_path(x, k, has_meta, num_slots, rank)
-    if proj > 1 and k == 1 and has_meta and path == "stacked" and (EAGER_DECODE_PATH != "stacked" or graph_mode()
-                                                                    or x.shape[0] > DENSE_MAX_TOKENS):
+    if proj == 1 or path == "torch":
+        return path
+    if path == "gather" and k == 1 and x.shape[0] * rank * proj > GROUP_GATHER_MAX_ROW_RANK:  # measured for k = 1
+        path = "stacked" if num_slots * rank <= STACKED_MAX_WIDTH else "grouped"
+    if k == 1 and has_meta and path == "stacked" and x.shape[0] * rank > GROUP_STACKED_MAX_ROW_RANK and \
+            (EAGER_DECODE_PATH != "stacked" or graph_mode() or x.shape[0] > DENSE_MAX_TOKENS):
         return "grouped"
     return path
 

@@ -54,9 +54,13 @@ class RoutingMeta:
 
     def mixing(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, S] in `dtype`: the summed weight of each token's choices of each slot, made once per dtype."""
+        return self.mixing_rows(dtype)[:, 0]
+
+    def mixing_rows(self, dtype: torch.dtype) -> torch.Tensor:
+        """mixing(dtype) as [N, 1, S] (the dense form's layout), made once per dtype."""
         got = self._mixing.get(dtype)
         if got is None:
-            got = self._mixing[dtype] = selection_matrix(self.slots, self.num_slots, self.weights, dtype)
+            got = self._mixing[dtype] = selection_matrix(self.slots, self.num_slots, self.weights, dtype)[:, None]
         return got
 
 

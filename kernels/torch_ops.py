@@ -16,6 +16,7 @@ on the GPU computes in x's dtype with cuBLAS's float32 accumulation inside each 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -79,19 +80,33 @@ def _dense_parts(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch
                  weights: torch.Tensor | None, scale: torch.Tensor, meta: RoutingMeta | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(coef [N*P, 1, S], y^T [N*P, S, O]) for P projections sharing x (A [P, S, r, in], B [S, O, r],
-    scale [P, S]): delta = bmm(coef, y^T), row n*P + p holding projection p's delta on every column of O."""
+    scale [P, S]): delta = bmm(coef, y^T), row n*P + p holding projection p's delta on every column of O.
+    Few Python-level calls: on the H200's host each view costs ~1.6 us and each launch 9-16 us (RESULTS.md)."""
     dt = dense_dtype(x)
     n = x.shape[0]
     p_count, num_slots, r, d_in = A.shape
     if x.dtype != dt or A.dtype != dt or B.dtype != dt or scale.dtype != dt:  # (no .to() calls when all match:
         x, A, B, scale = x.to(dt), A.to(dt), B.to(dt), scale.to(dt)          # this runs on every eager decode call)
-    # [N, S] weight of each slot per token: built once per forward in the metadata, or here
-    mix = meta.mixing(dt) if meta is not None else selection_matrix(slots, num_slots, weights, dt)
-    coef = torch.mul(mix.unsqueeze(1), scale)  # [N, P, S]
-    h = torch.mm(x, A.reshape(-1, d_in).t())  # [N, P*S*r]: every projection and slot at once
+    # [N, 1, S] weight of each slot per token: built once per forward in the metadata, or here
+    mix = meta.mixing_rows(dt) if meta is not None else selection_matrix(slots, num_slots, weights, dt)[:, None]
+    coef = torch.mul(mix, scale)  # [N, P, S]
+    h = torch.nn.functional.linear(x, A.reshape(-1, d_in))  # [N, P*S*r]: every projection and slot at once
     # rows (n, p) of h against every slot's B: [S, N*P, O] (P-fold the arithmetic, nothing at decode sizes)
-    y = torch.bmm(h.view(n * p_count, num_slots, r).transpose(0, 1), B.transpose(1, 2))
-    return coef.view(n * p_count, 1, num_slots), y.transpose(0, 1)
+    rows = n * p_count
+    y = torch.bmm(h.as_strided((num_slots, rows, r), (r, num_slots * r, 1)), B.transpose(1, 2))
+    return (coef if p_count == 1 else coef.view(rows, 1, num_slots)), y.transpose(0, 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _column_pieces(bounds: tuple[int, ...], width: int) -> tuple[int, ...]:
+    """Split sizes of a row [P * width] (projection p's result on every column, for each p) that put projection
+    p's own columns bounds[p]:bounds[p+1] at the odd positions."""
+    sizes, at = [], 0
+    for p, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        sizes += [p * width + lo - at, hi - lo]
+        at = p * width + hi
+    sizes.append(len(bounds[1:]) * width - at)
+    return tuple(sizes)
 
 
 def routed_lora_torch_dense(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
@@ -126,7 +141,7 @@ def routed_lora_torch_group_dense(x: torch.Tensor, A: torch.Tensor, B: torch.Ten
     delta = torch.bmm(coef, yt).view(n, p_count * width)  # row n: projection p's result on every column, for each p
     if p_count == 1:
         return [delta]
-    return [delta.narrow(1, p * width + lo, hi - lo) for p, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+    return list(delta.split(_column_pieces(tuple(bounds), width), 1)[1::2])  # one call for every projection
 
 
 def routed_lora_torch_backward(grad: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

@@ -198,6 +198,18 @@ def test_group_path_prefers_the_grouped_kernel_with_metadata(monkeypatch):
     assert dispatch.choose_group_path(x, 1, True, 4, 8, 1) == "stacked"
 
 
+def test_group_path_at_decode_sizes_leaves_the_gather_kernel_as_projections_multiply(monkeypatch):
+    monkeypatch.setattr(dispatch, "triton_usable", lambda _x: True)  # CPU tensors: outside the dense eager rule
+
+    def pick(n, r, proj, k=1):
+        return dispatch.choose_group_path(torch.zeros(n, 4), k, True, 4, r, proj)
+    assert pick(4, 16, 3) == "gather" and pick(16, 16, 1) == "gather"  # rows * r * P <= GROUP_GATHER_MAX_ROW_RANK
+    assert pick(16, 16, 3) == "stacked"  # narrow: the stacked kernel (12.2 us vs gather 14.0, grouped 15.5)
+    assert pick(1, 64, 3) == "gather" and pick(4, 64, 3) == "grouped"  # wide: the grouped kernel
+    assert pick(32, 16, 3) == "grouped"  # N * r > GROUP_STACKED_MAX_ROW_RANK with metadata: grouped, as before
+    assert pick(1, 64, 3, k=2) == "gather"  # top-k keeps the single-projection rule (measured there)
+
+
 def test_metadata_builder_is_sync_free_and_sorted(monkeypatch):
     def forbidden(*_a, **_k):
         raise AssertionError("host synchronisation in the metadata builder")
@@ -342,7 +354,7 @@ def test_mixing_matrix_is_each_tokens_weight_per_slot():
     meta = build_routing_meta(slots, 4, weights)
     want = torch.tensor([[0.25, 0, 0.75, 0], [0, 0.5, 0, 0], [0, 0, 0, 0.75], [0, 0, 0, 0]])
     assert torch.equal(meta.mixing(torch.float32), want)
-    assert meta.mixing(torch.bfloat16).dtype == torch.bfloat16 and meta.mixing(torch.float32) is meta.selection
+    assert meta.mixing(torch.bfloat16).dtype == torch.bfloat16 and torch.equal(meta.mixing(torch.float32), meta.selection)
     one = build_routing_meta(torch.tensor([2, -1, 0]), 3).mixing(torch.float16)
     assert torch.equal(one, torch.tensor([[0, 0, 1], [0, 0, 0], [1, 0, 0]], dtype=torch.float16))
 
@@ -366,7 +378,7 @@ def test_eager_decode_calls_take_the_dense_form_and_graph_mode_the_triton_kernel
     with graph_paths():  # capture_graph's warm-up and capture: the kernels with the least GPU time
         assert graph_mode()
         assert dispatch.choose_path(cuda_x(1), 1, False, 4, 16) == "gather"
-        assert dispatch.choose_group_path(cuda_x(n_max), 1, True, 4, 64, 3) == "gather"
+        assert dispatch.choose_group_path(cuda_x(n_max), 1, True, 4, 64, 3) == "grouped"
         assert not dispatch.reads_meta(cuda_x(1), 1, torch.zeros(3, 4, 16, 8))
     assert not graph_mode()
     assert dispatch.dense_fits(torch.zeros(8, 4), 2) and not dispatch.dense_fits(torch.zeros(9, 4), 2)  # CPU: rows
