@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -83,8 +82,8 @@ class HotSetCache:
         self._last_use: dict[str, int] = {}
         self._tick = 0
         self._streams: dict[torch.device, Any] = {}
-        self._in_flight: dict[str, list[Any]] = {}  # adapter name -> CUDA events (one per device) ending its copy
-        self._event_device: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event -> its device
+        # adapter name -> (CUDA event ending its copy, that copy's device), one per device holding routed layers
+        self._in_flight: dict[str, list[tuple[Any, torch.device]]] = {}
         self.hits = self.misses = self.evictions = self.bytes_copied = 0
 
     def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: a lock and CUDA streams cannot be copied
@@ -92,13 +91,11 @@ class HotSetCache:
         del state["_lock"]
         state["_streams"] = {}
         state["_in_flight"] = {}
-        del state["_event_device"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.RLock()
-        self._event_device = weakref.WeakKeyDictionary()
 
     # --- pool ------------------------------------------------------------------------------------------
     @property
@@ -213,15 +210,20 @@ class HotSetCache:
     def acquire(self, names: Sequence[str]) -> list[int]:
         """Pin `names` in the hot set and return their slots (same order).  All or nothing.  The compute stream
         waits for any copy into those slots, so the next forward on it sees the adapters."""
-        slots, pending = self.acquire_nowait(names)
-        for event in pending:  # each copy's event waits on its own device's compute stream
-            torch.cuda.current_stream(self._event_device[event]).wait_event(event)
+        slots, pending = self._acquire(names)
+        for event, device in pending:  # each copy's event waits on its own device's compute stream
+            torch.cuda.current_stream(device).wait_event(event)
         return slots
 
     def acquire_nowait(self, names: Sequence[str]) -> tuple[list[int], list[Any]]:
         """Like `acquire`, but nothing waits for the copies: returns (slots, events still in flight).  The
         caller (the serving engine) runs a forward that reads these slots only once every event has completed
         (`event.query()`), so rows that do not need the new adapters never stall behind their copy."""
+        slots, pending = self._acquire(names)
+        return slots, [event for event, _ in pending]
+
+    def _acquire(self, names: Sequence[str]) -> tuple[list[int], list[tuple[Any, torch.device]]]:
+        """Pin and copy in; returns (slots, (event, device) of every copy into them still in flight)."""
         with self._lock:
             unique = list(dict.fromkeys(names))
             for name in unique:
@@ -261,7 +263,7 @@ class HotSetCache:
                         self._in_flight[entry.adapter.name] = events
             pending = []
             for name in unique:
-                events = [e for e in self._in_flight.get(name, ()) if not e.query()]
+                events = [(e, d) for e, d in self._in_flight.get(name, ()) if not e.query()]
                 if events:
                     self._in_flight[name] = events
                     pending += events
@@ -316,10 +318,10 @@ class HotSetCache:
             groups.setdefault(layer.lora_A.device, {})[name] = layer
         return groups
 
-    def _copy_in(self, items: list[tuple[int, _PoolEntry]]) -> list[Any]:
+    def _copy_in(self, items: list[tuple[int, _PoolEntry]]) -> list[tuple[Any, torch.device]]:
         """Copy pool entries into their slots on every layer's own device; on CUDA on a side stream per device,
-        returning the events that mark the end of the copies (none on the CPU, where the copy is done when this
-        returns)."""
+        returning (event, device) pairs that mark the end of the copies (none on the CPU, where the copy is done
+        when this returns)."""
         events = []
         for device, layers in self._by_device().items():
             if device.type != "cuda":
@@ -332,8 +334,7 @@ class HotSetCache:
                 self._copy(items, layers, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(side)
-            self._event_device[done] = device
-            events.append(done)
+            events.append((done, device))
         return events
 
     @torch.no_grad()
