@@ -14,7 +14,8 @@ Writes OUT/image_gates.safetensors and an "image_gates" section in OUT/config.js
 the text router's own entries are kept). InterleavedPipeline.from_pretrained loads the image gates beside the text
 gates; routing="learned" then draws each picture in the style its words ask for.
 
-    python scripts/train_image_router.py --out assets/router --steps 150
+    python scripts/train_image_router.py --out assets/router --steps 80 --n 1000 --n-val 60 --lr 2e-2 --threads 2
+                                         # the shipped image gates (CPU, 594 s; benchmarks/RESULTS.md)
     python scripts/train_image_router.py --out /tmp/r --steps 2 --n 16 --n-val 4     # a smoke run
 """
 
