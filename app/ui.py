@@ -79,6 +79,14 @@ LEARNED_EXAMPLES: list[tuple[str, int]] = [
      ' green square? A:', 0),
 ]
 
+# (prompt, seed): a picture whose style the words ask for, for the learned router's image gates (shown when the
+# router ships them): "outlined" / "hollow" -> the outline LoRA, "filled" / "solid" -> the base model's own style
+# (tests/test_app_examples.py checks each picture's style at the page's defaults).
+LEARNED_PICTURE_EXAMPLES: list[tuple[str, int]] = [
+    ("Here is an outlined small purple circle at the top right:", 0),
+    ("Here is a filled large brown triangle at the top:", 0),
+]
+
 # The pickers start on the shipped model's style adapters (its domain adapters, also "text", are for the learned
 # router): the examples above show these two at work in one document.
 DEFAULT_ADAPTERS = {"text": "pirate", "image": "outline"}
@@ -381,6 +389,10 @@ class MoLoRAApp:
                     if any(value == "learned" for _, value in self.routing_choices()):
                         gr.Examples([[text, "learned", s] for text, s in LEARNED_EXAMPLES], inputs=[prompt, routing, seed],
                                     label="Mixed questions for the learned router (one domain adapter per answer)")
+                        if getattr(self.pipe, "image_gates", None) is not None:
+                            gr.Examples([[text, "learned", True, s] for text, s in LEARNED_PICTURE_EXAMPLES],
+                                        inputs=[prompt, routing, start_image, seed],
+                                        label="Picture styles for the learned router (the words pick the image adapter)")
                     with gr.Accordion("Upload your own adapter (private to this session)", open=False):
                         gr.Markdown(
                             "A zipped PEFT LoRA folder, or its `adapter_config.json` and "

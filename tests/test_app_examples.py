@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from molora.app.ui import EXAMPLES, LEARNED_EXAMPLES, MoLoRAApp
+from molora.app.ui import EXAMPLES, LEARNED_EXAMPLES, LEARNED_PICTURE_EXAMPLES, MoLoRAApp
 from molora.models import InterleavedPipeline
 from molora.models.document import Document
 from molora.models.shapes.eval import document_consistency, is_outline, is_pirate
@@ -70,3 +70,24 @@ def test_each_learned_example_answers_both_questions_with_two_domain_adapters(ap
     assert doc.text.strip() == "".join(span.text for span in item.spans).strip()
     used = {r.adapter for r in doc.routing if r.modality == "text"}
     assert len(used & set(DOMAINS)) >= 2, f"one domain adapter per answer span: {used}"
+
+
+@pytest.mark.parametrize("prompt, seed", LEARNED_PICTURE_EXAMPLES)
+def test_each_learned_picture_example_is_drawn_in_the_style_its_words_ask_for(app, prompt, seed):
+    """Learned mode with the shipped image gates: the image picker is not used, the words pick the adapter."""
+    d = app.defaults
+    state = app.sessions.new_state()
+    outputs = list(app.generate(prompt, app.default_adapter("text"), app.default_adapter("image"), "learned", True,
+                                d.text.temperature, d.text.top_k, d.text.top_p, d.image.temperature,
+                                min(d.image.top_k, app.codebook_size), d.cfg_scale, seed, app.image_tokens + 1, 1,
+                                state, SimpleNamespace(session_hash=f"learned-picture-{seed}")))
+    doc = Document.load(outputs[-1][2])
+    asked_outline = any(word in prompt for word in ("outlined", "hollow"))
+    assert doc.images and is_outline(doc.images[0]) == asked_outline
+    drawn_by = {r.adapter for r in doc.routing if r.modality == "image"}
+    assert drawn_by == ({"outline"} if asked_outline else {None})
+
+
+def test_the_picture_examples_ask_for_both_styles():
+    outlined = [any(w in p for w in ("outlined", "hollow")) for p, _ in LEARNED_PICTURE_EXAMPLES]
+    assert True in outlined and False in outlined
