@@ -15,6 +15,8 @@ import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from PIL import Image
+
 from molora.models.document import BASE_COLOR, adapter_colors
 from molora.models.events import (
     Event,
@@ -27,7 +29,6 @@ from molora.models.events import (
     StepTiming,
     TextDelta,
 )
-from PIL import Image
 
 BASE_LABEL = "base (no adapter)"
 IMAGE_TOKEN_GLYPH = "■"

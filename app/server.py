@@ -14,6 +14,7 @@ import time
 
 import gradio as gr
 import torch
+
 from molora.app.ui import DEFAULT_CONCURRENCY, build_demo, default_adapter, launch_kwargs
 from molora.models import InterleavedPipeline
 from molora.models.runtime import configure_cpu_threads

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import gradio as gr
+
 from molora.app.render import BASE_LABEL, RunView, color_map
 from molora.app.session import NONE_CHOICE, SessionRegistry, SessionState
 from molora.app.streaming import in_background

@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from gradio_client import Client
+
 from molora.app.server import load_pipeline, serve, warm_up
 from molora.models.runtime import configure_cpu_threads
 

@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+
 from molora.models import InterleavedPipeline
 from molora.models.runtime import configure_cpu_threads
 

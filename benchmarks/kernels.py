@@ -63,12 +63,13 @@ if ARGS.dry_run:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernels imports it)
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+import triton  # noqa: E402
+
 import molora.kernels.dispatch as dispatch  # noqa: E402
 import molora.kernels.triton_gather as gather_mod  # noqa: E402
 import molora.kernels.triton_grouped as grouped_mod  # noqa: E402
 import molora.kernels.triton_stacked as stacked_mod  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
 from molora.kernels import build_routing_meta, routed_lora, routed_lora_group, routed_lora_topk  # noqa: E402
 from molora.kernels.checks import check_inputs  # noqa: E402
 from molora.kernels.graphs import capture_graph  # noqa: E402

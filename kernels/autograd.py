@@ -8,6 +8,7 @@ for training and never happens on an inference step (no tensor requires grad the
 from __future__ import annotations
 
 import torch
+
 from molora.kernels.dispatch import routed_lora_forward
 from molora.kernels.metadata import RoutingMeta
 from molora.kernels.torch_ops import routed_lora_torch_backward

@@ -8,6 +8,7 @@ out-of-range slot is treated like -1 by every kernel (no out-of-bounds read), se
 from __future__ import annotations
 
 import torch
+
 from molora.kernels.errors import KernelInputError
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 
 import torch
+
 from molora.kernels.graphs import graph_mode
 from molora.kernels.metadata import RoutingMeta
 from molora.kernels.torch_ops import routed_lora_torch, routed_lora_torch_dense, routed_lora_torch_group_dense

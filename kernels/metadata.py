@@ -16,6 +16,7 @@ Lazy because a forward reads one of the two: decode steps the mixing matrix, pre
 from __future__ import annotations
 
 import torch
+
 from molora.kernels.triton_common import HAS_TRITON, interpreting, next_pow2, tl, triton
 
 

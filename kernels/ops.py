@@ -14,6 +14,7 @@ so the delta costs no extra pass over the output.
 from __future__ import annotations
 
 import torch
+
 from molora.kernels.autograd import RoutedLoRAFunction, needs_autograd
 from molora.kernels.checks import check_inputs
 from molora.kernels.dispatch import routed_lora_forward, routed_lora_group_forward

@@ -20,6 +20,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
 from molora.kernels.metadata import RoutingMeta, build_routing_meta_torch, selection_matrix
 
 

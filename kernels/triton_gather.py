@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 import torch
+
 from molora.kernels.triton_common import HAS_TRITON, cdiv, delta_target, interpreting, next_pow2, tl, triton
 
 if HAS_TRITON:

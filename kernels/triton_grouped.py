@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 
 import torch
+
 from molora.kernels.metadata import RoutingMeta, build_routing_meta
 from molora.kernels.triton_common import HAS_TRITON, cdiv, dot_config, interpreting, next_pow2, tl, triton
 

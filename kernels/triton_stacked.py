@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 
 import torch
+
 from molora.kernels.errors import KernelInputError
 from molora.kernels.triton_common import (
     HAS_TRITON,

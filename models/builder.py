@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from PIL import Image
+
 from molora.models.document import Document, Part, TokenRecord
 from molora.models.events import Event, Finished, ImageDone, ImageProgress, ImageStarted, Notice, TextDelta
-from PIL import Image
 
 
 class DocumentBuilder:

@@ -20,12 +20,13 @@ import logging
 import sys
 from pathlib import Path
 
+from PIL import Image
+
 from molora.models.batch import read_prompts, run_data_parallel
 from molora.models.pipeline import ROUTING_MODES, InterleavedPipeline
 from molora.models.runtime import configure_cpu_threads
 from molora.models.sampling import check_seed
 from molora.routing.errors import MoLoRAError
-from PIL import Image
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from molora.models.shapes import world
 from safetensors.torch import load_file, save_file
+
+from molora.models.shapes import world
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from molora.routing.errors import MoLoRAError
 from PIL import Image
+
+from molora.routing.errors import MoLoRAError
 
 FORMAT = "molora-document"
 VERSION = 1

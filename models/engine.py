@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from molora.kernels.graphs import capture_graph
 from molora.models.generation import GenerationConfig, Request, open_image_span
 from molora.models.kv_cache import RowKVCache

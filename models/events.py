@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from molora.models.document import Document
 from PIL import Image
+
+from molora.models.document import Document
 
 
 @dataclass

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from PIL import Image
+
 from molora.models.best_of import Check, register_check
 from molora.models.loading import (
     DEFAULT_MODEL_DIR,
@@ -44,7 +46,6 @@ from molora.models.loading import (
     placing,
 )
 from molora.models.vocab import UnifiedVocab
-from PIL import Image
 
 log = logging.getLogger(__name__)
 

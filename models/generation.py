@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
+
 from molora.models.sampling import GenerationError, SamplingConfig, check_seed
 from molora.models.vocab import UnifiedVocab
 from molora.routing.routers import Router

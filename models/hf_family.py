@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from molora.models.checkpoint import check_declared_counts, check_finite, read_config
 from molora.models.loading import (
     DeviceMap,

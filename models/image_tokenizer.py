@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from diffusers import VQModel
+from PIL import Image
+
 from molora.models.checkpoint import check_checkpoint, check_finite, read_config
 from molora.routing.errors import MoLoRAError
-from PIL import Image
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from molora.models.checkpoint import check_checkpoint, check_finite, read_config
 from molora.models.runtime import configure_cpu_threads
 from molora.routing.cache import (
@@ -265,9 +266,10 @@ def load_model_dir(path: str | Path | None = None, *, adapters_dir: str | Path |
     configs describe (models/checkpoint.py: names, dtypes, shapes from the safetensors headers); after: no NaN/Inf
     weight, the LM's vocabulary covers the unified vocabulary and the VQ's grid and codebook match it.
     """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from molora.models.image_tokenizer import ImageTokenizer
     from molora.models.tokenizer import UnifiedTokenizer
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     placed = placing(device, device_map, max_memory, offload_folder)
     model_dir, adapters_dir = resolve_dirs(path, adapters_dir)

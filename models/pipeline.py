@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
+
 from molora.models.best_of import candidate_config, make_check, stream_best_of
 from molora.models.builder import DocumentBuilder
 from molora.models.document import Document
@@ -62,7 +64,6 @@ from molora.routing import (
     attach_routed_lora,
     merge_adapters,
 )
-from PIL import Image
 
 log = logging.getLogger(__name__)
 

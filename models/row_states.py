@@ -14,6 +14,7 @@ hold, so a row decodes exactly as it would alone.
 from __future__ import annotations
 
 import torch
+
 from molora.models.generation import (
     CODE_PHASE,
     ROW_END_PHASE,

@@ -13,6 +13,7 @@ import logging
 import os
 
 import torch
+
 from molora.routing.errors import MoLoRAError
 
 log = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from molora.models.vocab import UnifiedVocab
 from molora.routing import LoraAdapter, RoutedModel, attach_routed_lora
 

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 from diffusers import VQModel
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from molora.models.image_tokenizer import vq_config
 from molora.models.tokenizer import UnifiedTokenizer, build_tiny_tokenizer
 from molora.models.vocab import UnifiedVocab
-from transformers import LlamaConfig, LlamaForCausalLM
 
 BASE_MODEL_NAME = "molora/shapes-lm"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

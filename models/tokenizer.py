@@ -21,9 +21,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from molora.models.vocab import UnifiedVocab, VocabError
 from molora.routing.errors import MoLoRAError
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
+
 from molora.kernels.errors import MoLoRAError  # the bottom layer: routing/ imports this module (no cycle)
 from molora.routing.modality import IMAGE, MODALITY_NAMES, TEXT  # noqa: F401  (routers read the table built here)
 

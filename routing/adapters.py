@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from molora.routing.errors import AdapterError
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from molora.routing.errors import AdapterError
 
 log = logging.getLogger(__name__)
 

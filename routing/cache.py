@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from molora.routing.adapters import LoraAdapter
 from molora.routing.errors import AdapterError, CacheFullError, UnknownAdapterError
 from molora.routing.lora import RoutedLoRALinear

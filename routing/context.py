@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from molora.kernels import build_routing_meta
 from molora.routing.errors import RoutingError
 

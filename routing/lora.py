@@ -29,12 +29,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from molora.kernels import reads_meta, routed_lora, routed_lora_topk
 from molora.kernels.autograd import needs_autograd
 from molora.kernels.dispatch import choose_group_path, routed_lora_group_forward
 from molora.routing.context import CallRouting, SharedDeltas, current_routing
 from molora.routing.errors import RoutingError
-from torch import nn
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+
 from molora.routing.errors import RoutingError
 
 TEXT = 0

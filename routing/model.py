@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from molora.routing.adapters import LoraAdapter, check_base_model, load_peft_adapter, save_peft_adapter
 from molora.routing.cache import AdapterInfo, HotSetCache
 from molora.routing.context import (
@@ -43,7 +45,6 @@ from molora.routing.context import (
 from molora.routing.errors import AdapterError, RoutingError
 from molora.routing.lora import PlacedRoutedLoRALinear, RoutedLoRALinear, group_projections
 from molora.routing.routers import LearnedGroup, LearnedRouter, Router, load_balance_loss, router_z_loss
-from torch import nn
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
-from molora.routing.context import BlockDecision
-from molora.routing.errors import RoutingError
-from molora.routing.modality import IMAGE, ModalityTable
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+
+from molora.routing.context import BlockDecision
+from molora.routing.errors import RoutingError
+from molora.routing.modality import IMAGE, ModalityTable
 
 GATES_FORMAT_VERSION = 2  # 2: optional "context_decays" (gates read a routing state); 1: block input only
 

@@ -47,11 +47,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from train_router import load_routed  # noqa: E402
+
 from molora.models.runtime import device_name  # noqa: E402
 from molora.models.shapes.domain_batches import EncodedItem, encode_item, exact_matches, make_batch  # noqa: E402
 from molora.models.shapes.domains import DOMAINS, domain_items, mixed_items  # noqa: E402
 from molora.routing import LabelRouter, LearnedGates, LearnedRouter, SequenceRouter  # noqa: E402
-from train_router import load_routed  # noqa: E402
 
 log = logging.getLogger("eval_molora")
 REPO = Path(__file__).resolve().parents[1]
@@ -123,8 +124,9 @@ def summarise(hits: Hits, encoded: list[EncodedItem]) -> dict:
 # --- peft baselines ----------------------------------------------------------------------------------------
 
 def fresh_lm(model_dir: Path, device: str):
-    from molora.models.testing import set_base_model_name
     from transformers import LlamaForCausalLM
+
+    from molora.models.testing import set_base_model_name
     lm = LlamaForCausalLM.from_pretrained(model_dir / "lm", dtype=torch.float32).to(device)
     set_base_model_name(lm)
     return lm.eval().requires_grad_(False)

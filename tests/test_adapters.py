@@ -9,6 +9,10 @@ import shutil
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from molora.routing import (
     AdapterError,
     MoLoRAError,
@@ -17,9 +21,6 @@ from molora.routing import (
     attach_routed_lora,
     load_peft_adapter,
 )
-from peft import LoraConfig, get_peft_model
-from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 IDS = torch.tensor([[1, 7, 9, 3, 33, 40, 4, 8]])
 WEIGHTS = "adapter_model.safetensors"

@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
+from PIL import Image
+
 from molora.app.render import BASE_LABEL
 from molora.app.server import serve, warm_up
 from molora.app.session import SessionState
@@ -32,7 +34,6 @@ from molora.models import InterleavedPipeline
 from molora.models.best_of import CHECKS
 from molora.models.testing import write_tiny_adapter
 from molora.routing import LearnedGates
-from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE_TOKENS = 274  # 16 rows of 16 codes and a row marker + <eoi> + one more step for <eos> or text

@@ -12,6 +12,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+
 from molora.app.ui import EXAMPLES, LEARNED_EXAMPLES, LEARNED_PICTURE_EXAMPLES, MoLoRAApp
 from molora.models import InterleavedPipeline
 from molora.models.document import Document

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from PIL import Image
+
 from molora.app.render import BASE_COLOR, BASE_LABEL, IMAGE_TOKEN_GLYPH, RunView, color_map, sparkline
 from molora.app.ui import best_of_status
 from molora.models.document import Document, TokenRecord
@@ -15,7 +17,6 @@ from molora.models.events import (
     StepTiming,
     TextDelta,
 )
-from PIL import Image
 
 
 def label_of(name: str | None) -> str:

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from molora.app import uploads
 from molora.app.session import SessionState
 from molora.app.uploads import CONFIG_NAME, WEIGHTS_NAME, UploadError, check_adapter_name, validate_upload
 from molora.routing.errors import MoLoRAError, UnknownAdapterError
-from safetensors.torch import save_file
 
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
 

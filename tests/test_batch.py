@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from molora.models.batch import PromptFileError, read_prompts
 from molora.models.cli import main as cli_main
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from molora.models import Document, GenerationConfig, GenerationError, InterleavedPipeline
 from molora.models.best_of import (
     CHECKS,

@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from molora.app.server import serve
 from molora.models import InterleavedPipeline
 from molora.models.testing import write_tiny_adapter

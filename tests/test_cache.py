@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
 from molora.routing import (
     AdapterError,
     AdapterInfo,

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from family_checks import check_picture_grammar, check_routing_rule, make_peft_adapter
+from PIL import Image
+
 from molora.models import InterleavedPipeline
 from molora.models.chameleon.family import CODE_PIXELS, LORA_TARGETS
 from molora.models.chameleon.testing import build_tiny_chameleon, image_token_name
 from molora.routing import SequenceRouter
-from PIL import Image
 
 
 @pytest.fixture(scope="module")

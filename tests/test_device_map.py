@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from molora.models.loading import PlacementError, load_model_dir
 from molora.models.pipeline import InterleavedPipeline
 from molora.routing import LearnedGates, MoLoRAError, attach_routed_lora
@@ -179,10 +180,10 @@ def test_a_model_on_one_device_keeps_the_plain_routing_path(tiny_pipeline):
 
 
 def test_emu3_loads_with_a_device_map_and_gives_the_plain_tokens(tmp_path):
-    from molora.models.emu3.family import LORA_TARGETS
-    from molora.models.emu3.testing import build_tiny_emu3
     from transformers import Emu3ForConditionalGeneration
 
+    from molora.models.emu3.family import LORA_TARGETS
+    from molora.models.emu3.testing import build_tiny_emu3
     from tests.family_checks import make_peft_adapter
 
     path = build_tiny_emu3(tmp_path / "emu3")

@@ -6,6 +6,7 @@ import random
 import re
 
 import pytest
+
 from molora.models.shapes import world
 from molora.models.shapes.domains import (
     ALL_DOMAINS,

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from molora.models import InterleavedPipeline
 from molora.models.shapes.eval import analyse_image
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from family_checks import check_picture_grammar, check_routing_rule, make_peft_adapter
+from PIL import Image
+
 from molora.models import InterleavedPipeline
 from molora.models.emu3.family import LORA_TARGETS
 from molora.models.emu3.testing import build_tiny_emu3
 from molora.models.loading import ModelDirError
 from molora.routing import SequenceRouter, VocabRangeRouter
-from PIL import Image
 
 GRID = (4, 4)
 

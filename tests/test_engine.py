@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+
 from molora.models.engine import Done, Engine, EngineConfig, Token
 from molora.models.generation import GenerationConfig, Request
 from molora.models.sampling import GenerationError, SamplingConfig

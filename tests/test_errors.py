@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from molora.kernels.errors import KernelInputError, MoLoRAError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,6 +115,7 @@ def test_value_error_mixins_stay_for_callers_that_catch_value_error():
 
 def test_bad_kernel_input_is_caught_as_the_project_error():
     import torch
+
     from molora.kernels import routed_lora
 
     x = torch.zeros(3, 8)

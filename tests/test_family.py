@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from molora.models.best_of import CHECKS
 from molora.models.family import ModelFamily, detect_family, families, get_family, register_family
 from molora.models.loading import ModelDirError

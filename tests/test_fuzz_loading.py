@@ -31,11 +31,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from molora.kernels.errors import MoLoRAError
 from molora.routing.adapters import CONFIG_NAME, WEIGHTS_NAME, load_peft_adapter
 from molora.routing.errors import AdapterError, RoutingError
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
@@ -132,9 +133,10 @@ class _Quiet(tuple):
 @pytest.fixture(scope="module")
 def routed(tiny_assets: Path):
     """The tiny LM with routed layers and one adapter loaded (and in a slot), shared by the adapter tests."""
+    from transformers import LlamaForCausalLM
+
     from molora.models.testing import set_base_model_name
     from molora.routing import attach_routed_lora
-    from transformers import LlamaForCausalLM
 
     lm = set_base_model_name(LlamaForCausalLM.from_pretrained(tiny_assets / "model" / "lm"))
     model = attach_routed_lora(lm, num_slots=2, r_max=8)

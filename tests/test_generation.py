@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from molora.models.engine import Done, Engine
 from molora.models.generation import GenerationConfig, Request, build_phase_masks
 from molora.models.sampling import GenerationError, SamplingConfig, filter_logits, guide, sample

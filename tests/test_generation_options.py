@@ -1,6 +1,7 @@
 """Generation options added for fixed-length workloads (the CPU speed benchmark uses min_new_tokens)."""
 
 import pytest
+
 from molora.models import GenerationConfig
 from molora.models.sampling import GenerationError
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from family_checks import check_picture_grammar, check_routing_rule, make_peft_adapter
+from PIL import Image
+
 from molora.models import InterleavedPipeline
 from molora.models.janus.family import LORA_TARGETS
 from molora.models.janus.testing import build_tiny_janus
 from molora.routing import MoLoRAError, SequenceRouter
-from PIL import Image
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import molora.kernels.dispatch as dispatch
 import pytest
 import torch
+
+import molora.kernels.dispatch as dispatch
 from molora.kernels import (
     KernelInputError,
     build_routing_meta,

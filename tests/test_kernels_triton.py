@@ -103,9 +103,10 @@ def _slots(torch, pattern: str, n: int, s: int, k: int, gen):
 
 
 def _run_case(name: str, path: str, seed: int) -> dict:
+    import torch
+
     import molora.kernels.triton_gather as gather_mod
     import molora.kernels.triton_grouped as grouped_mod
-    import torch
     from molora.kernels.dispatch import routed_lora_forward
     from molora.kernels.reference import routed_lora_topk_reference
 
@@ -163,9 +164,10 @@ def _run_case(name: str, path: str, seed: int) -> dict:
 
 
 def _run_group_case(name: str, path: str, seed: int) -> dict:
+    import torch
+
     import molora.kernels.triton_gather as gather_mod
     import molora.kernels.triton_stacked as stacked_mod
-    import torch
     from molora.kernels import routed_lora_group
     from molora.kernels.reference import routed_lora_group_reference
 
@@ -229,6 +231,7 @@ def _spy_paths():
 def _run_grad_case(name: str, path: str, seed: int) -> dict:
     """Forward and gradients of x, A, B (and the top-k weights) through the public ops vs reference autograd."""
     import torch
+
     from molora.kernels import routed_lora, routed_lora_topk
     from molora.kernels.reference import routed_lora_reference, routed_lora_topk_reference
 
@@ -277,6 +280,7 @@ def _run_grad_case(name: str, path: str, seed: int) -> dict:
 def _run_auto_case(name: str, seed: int) -> dict:
     """path="auto" with the interpreter on: which launcher the dispatcher picks by rows, and the result."""
     import torch
+
     from molora.kernels import build_routing_meta, routed_lora, routed_lora_topk
     from molora.kernels.dispatch import choose_path
     from molora.kernels.reference import routed_lora_topk_reference
@@ -306,6 +310,7 @@ def _run_auto_case(name: str, seed: int) -> dict:
 
 def _run_meta_checks() -> dict:
     import torch
+
     from molora.kernels.metadata import build_routing_meta, build_routing_meta_torch
     gen = torch.Generator().manual_seed(7)
     results = {}
@@ -410,8 +415,9 @@ def test_auto_path_under_interpreter(interp_results: dict, case: str) -> None:
 
 def test_auto_cases_straddle_the_dispatcher_thresholds(monkeypatch) -> None:
     """Keeps AUTO_CASES meaningful if the thresholds in kernels/dispatch.py move."""
-    import molora.kernels.dispatch as dispatch
     import torch
+
+    import molora.kernels.dispatch as dispatch
     monkeypatch.setattr(dispatch, "triton_usable", lambda _x: True)
     for n, k, with_meta, s, r, want in AUTO_CASES.values():
         assert dispatch.choose_path(torch.zeros(n, 1), k, with_meta, s, r) == want, (n, k, with_meta, s, r, want)

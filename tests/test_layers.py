@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import torch
+
 from molora.routing import ModalityMap, SequenceRouter, VocabRangeRouter
 from molora.routing.modality import IMAGE, TEXT
 
@@ -128,6 +129,7 @@ def test_vocab_router_reads_any_modality_table():
 
 def test_modality_map_refuses_other_values():
     import pytest
+
     from molora.routing.errors import RoutingError
 
     with pytest.raises(RoutingError):

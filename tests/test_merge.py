@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from molora.routing import AdapterError, SequenceRouter, UnknownAdapterError, merge_adapters
 
 

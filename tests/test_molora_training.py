@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from molora.models.loading import load_model_dir
 from molora.models.shapes.domain_batches import encode_item, exact_matches, make_batch
 from molora.models.shapes.domains import domain_items, mixed_items
@@ -43,10 +44,11 @@ def trained(tmp_path_factory):
 
 
 def test_domain_adapters_are_peft_files_that_peft_and_the_routed_model_apply_alike(trained):
-    from molora.models.testing import set_base_model_name
-    from molora.routing import attach_routed_lora
     from peft import PeftModel
     from transformers import LlamaForCausalLM
+
+    from molora.models.testing import set_base_model_name
+    from molora.routing import attach_routed_lora
     root, model, adapters, metrics, _ = trained
     assert set(metrics) == {"count", "spatial"} and metrics["count"]["steps"] == 3
     assert json.loads((adapters / "domain_metrics.json").read_text())["spatial"]["val_items"] == 8
@@ -355,9 +357,10 @@ def test_gates_with_a_routing_state_decode_through_the_engine_as_in_one_pass(tra
 def test_decoding_with_a_transformers_kv_cache_carries_the_routing_state_on_the_router(trained):
     """RoutedModel.forward with past_key_values: token by token with one router object routes as one pass does;
     a new router object cannot continue a cached sequence (it holds no state): a clear error."""
+    from transformers import DynamicCache
+
     from molora.models.pipeline import InterleavedPipeline
     from molora.routing.errors import RoutingError
-    from transformers import DynamicCache
     root, _, _, _, _ = trained
     pipe = InterleavedPipeline.from_pretrained(root)
     torch.manual_seed(6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from molora.models.generation import GenerationConfig, Request
 from molora.models.row_states import RowStates
 from molora.models.sampling import GenerationError

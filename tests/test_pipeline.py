@@ -10,6 +10,8 @@ import time
 
 import numpy as np
 import pytest
+from PIL import Image
+
 from molora.models import Document, GenerationConfig, GenerationError, InterleavedPipeline, ModelDirError
 from molora.models.document import DocumentError
 from molora.models.events import (
@@ -23,7 +25,6 @@ from molora.models.events import (
 )
 from molora.models.pipeline import split_prompts, truncate_prompt
 from molora.routing import AdapterError, MoLoRAError, UnknownAdapterError
-from PIL import Image
 
 FAST = dict(max_new_tokens=280, seed=0)
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import copy
 
-import molora.routing.lora as lora_mod
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import molora.routing.lora as lora_mod
 from molora.kernels.reference import routed_lora_reference
 from molora.routing import LoraAdapter, RoutedLoRALinear, SequenceRouter, attach_routed_lora
 from molora.routing.context import CallRouting, reset_routing, set_routing
 from molora.routing.lora import ProjectionGroup, group_projections
-from transformers import LlamaConfig, LlamaForCausalLM
 
 IDS = torch.tensor([[1, 7, 9, 3, 33, 40, 57, 63, 4, 8, 30, 2], [1, 3, 32, 35, 36, 50, 4, 11, 12, 13, 14, 2]])
 

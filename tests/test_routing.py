@@ -10,6 +10,8 @@ import warnings
 
 import pytest
 import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
 from molora.models.vocab import IMAGE, UnifiedVocab
 from molora.routing import (
     LearnedGates,
@@ -22,7 +24,6 @@ from molora.routing import (
     VocabRangeRouter,
     attach_routed_lora,
 )
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 VOCAB = UnifiedVocab(vocab_size=64, text_start=5, text_size=27, image_start=32, image_size=32, pad_id=0, bos_id=1,
                      eos_id=2, boi_id=3, eoi_id=4, image_grid=(2, 2))

@@ -8,6 +8,9 @@ import math
 
 import pytest
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
 from molora.models.vocab import UnifiedVocab
 from molora.routing import (
     SequenceRouter,
@@ -16,8 +19,6 @@ from molora.routing import (
     load_peft_adapter,
     save_peft_adapter,
 )
-from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 VOCAB = UnifiedVocab(vocab_size=64, text_start=5, text_size=27, image_start=32, image_size=32, pad_id=0, bos_id=1,
                      eos_id=2, boi_id=3, eoi_id=4, image_grid=(2, 2))

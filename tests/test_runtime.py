@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from molora.models import runtime
 from molora.models.loading import load_model_dir
 from molora.models.runtime import DEFAULT_CPU_THREADS, THREADS_ENV, configure_cpu_threads, cpu_threads

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from molora.models.cli import main as cli_main
 from molora.models.sampling import MAX_SEED, GenerationError, check_seed
 

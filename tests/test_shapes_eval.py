@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from PIL import Image, ImageFilter
+
 from molora.models.sampling import GenerationError
 from molora.models.shapes import ShapesError
 from molora.models.shapes.eval import (
@@ -38,7 +40,6 @@ from molora.models.shapes.world import (
     sample_object,
     sample_scene,
 )
-from PIL import Image, ImageFilter
 
 
 def _key(o):

@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+
 from molora.models.shapes import ShapesError
 from molora.models.shapes.text import PIRATE_MARKERS, caption, document, instruction
 from molora.models.shapes.world import (

@@ -9,12 +9,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from PIL import Image
+
 from molora.models.image_tokenizer import ImageTokenizer, ImageTokenizerError
 from molora.models.testing import BASE_MODEL_NAME, write_tiny_adapter, write_tiny_model_dir
 from molora.models.tokenizer import SPECIAL_TOKENS, TokenizerError, UnifiedTokenizer, build_tiny_tokenizer
 from molora.models.vocab import VocabError
 from molora.routing.errors import MoLoRAError
-from PIL import Image
 
 TOK = build_tiny_tokenizer()
 

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaForCausalLM
+
 from molora.models.data import (
     ExampleSpec,
     Schedule,
@@ -29,8 +32,6 @@ from molora.models.image_tokenizer import ImageTokenizer
 from molora.models.testing import BASE_MODEL_NAME, LORA_TARGETS, llama_config, write_tiny_model_dir
 from molora.models.tokenizer import UnifiedTokenizer, build_tiny_tokenizer
 from molora.models.vocab import IMAGE, TEXT
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -32,11 +32,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
+
 from molora.models.family import ModelFamily, config_model_type, register_family
 from molora.models.hf_family import SpanTokenizer, load_model_and_processor, read_generation_defaults
 from molora.models.loading import DeviceMap, LoadedModel, ModelDirError, find_adapters
 from molora.models.vocab import UnifiedVocab, VocabError
-from PIL import Image
 
 log = logging.getLogger(__name__)
 

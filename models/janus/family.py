@@ -34,12 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
+from torch import nn
+
 from molora.models.family import ModelFamily, config_model_type, register_family
 from molora.models.hf_family import SpanTokenizer, load_model_and_processor, read_generation_defaults
 from molora.models.loading import DeviceMap, LoadedModel, ModelDirError, find_adapters
 from molora.models.vocab import UnifiedVocab, VocabError
-from PIL import Image
-from torch import nn
 
 log = logging.getLogger(__name__)
 

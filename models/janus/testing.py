@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from molora.models.hf_family import tiny_byte_bpe
 
 TEXTS = ["a red circle in the top left", "two blue squares on a green field", "draw a picture of a cat"]
