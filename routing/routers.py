@@ -197,7 +197,11 @@ class LearnedGates(nn.Module):
     def with_adapters(self, adapters: Sequence[str]) -> LearnedGates:
         """New gates over `adapters` (every adapter of these gates, plus new ones): known adapters keep their
         gate rows in every block, new adapters start with zero rows (logit 0 everywhere, so they join the top-k
-        only where every known adapter's logit is negative, until trained)."""
+        only where every known adapter's logit is negative, until trained). Train the new rows before serving:
+        gates with context decays are often negative everywhere (the shipped ones: a zero row takes 28% of prompt
+        positions and old domains fall from 0.72 to 0.45); `scripts/train_router.py --init-from ...
+        --train-new-only` trains only them (benchmarks/RESULTS.md, "Adding a fifth adapter to the routing-state
+        gates")."""
         names = list(adapters)
         missing = [n for n in self.adapters if n not in names]
         if missing:

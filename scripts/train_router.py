@@ -237,7 +237,11 @@ def train_gates(routed: RoutedModel, tok: UnifiedTokenizer, adapters: list[str],
     gates = LearnedGates.for_model(routed, adapters, base_expert=args.base_expert, context_decays=args.context_decays)
     if args.init_from is not None:
         old = LearnedGates.load(args.init_from, device=routed.device)
-        gates = old.with_adapters(adapters)
+        gates = old.with_adapters(adapters)  # the loaded gates' context decays and base expert, not the flags'
+        if (list(old.context_decays), old.base_expert) != (list(args.context_decays), args.base_expert):
+            log.warning("--init-from %s: its gates read context decays %s (base expert: %s); they are kept, "
+                        "--context-decays / --base-expert are ignored", args.init_from, list(old.context_decays),
+                        old.base_expert)
         if args.train_new_only:
             frozen = torch.tensor([n is None or n in old.adapters for n in gates.experts], device=routed.device)
             for gate in gates.gates:
@@ -286,6 +290,8 @@ def train_gates(routed: RoutedModel, tok: UnifiedTokenizer, adapters: list[str],
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.train_new_only and args.init_from is None:
+        raise SystemExit("--train-new-only needs --init-from (the gates whose rows stay as they are)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
     t0 = time.time()

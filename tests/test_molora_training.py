@@ -461,3 +461,24 @@ def test_image_gates_with_a_routing_state_decode_through_the_engine_as_in_one_pa
         assert [r.adapter for r in doc.routing] == names
         seen |= {r.adapter for r in doc.routing if r.modality == "image"}
     assert seen  # pictures were routed by the image gates
+
+
+def test_init_from_with_train_new_only_keeps_the_loaded_context_decays_and_old_rows(trained, tmp_path):
+    root, model, adapters, _, _ = trained
+    shape = LearnedGates.load(root / "router" / "gates.safetensors")
+    old = LearnedGates(shape.d_model, ["count"], shape.num_blocks, base_expert=True, context_decays=(0.6, 0.9))
+    old.save(tmp_path / "old.safetensors")
+    train_router = _script("train_router")
+    config = train_router.main(
+        ["--model-dir", str(model), "--adapters-dir", str(adapters), "--adapters", "count", "spatial",
+         "--out", str(tmp_path / "r"), "--steps", "2", "--n-per-domain", "8", "--n-val", "4", "--batch-size", "8",
+         "--label-coef", "1.0", "--lr", "0.1", "--init-from", str(tmp_path / "old.safetensors"), "--train-new-only",
+         "--context-decays"])  # the flag says none: the loaded gates' decays win
+    grown = LearnedGates.load(tmp_path / "r" / "gates.safetensors")
+    assert grown.context_decays == (0.6, 0.9) and config["context_decays"] == [0.6, 0.9]
+    assert grown.experts == ["count", "spatial", None]
+    for before, after in zip(old.gates, grown.gates):
+        assert torch.equal(after.weight[0], before.weight[0]) and torch.equal(after.weight[2], before.weight[1])
+        assert after.weight[1].any()  # the new row trained from zero
+    with pytest.raises(SystemExit, match="needs --init-from"):
+        train_router.main(["--out", str(tmp_path / "x"), "--train-new-only"])
