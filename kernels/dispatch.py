@@ -13,8 +13,9 @@ Graph mode (kernels/graphs.py: on inside capture_graph, for its warm-up and its 
 paths at every size, the least GPU time, which is all a replayed graph costs; since warm-up and capture see the
 same mode, a warm-up compiles exactly what the capture records. A capture made outside capture_graph records the
 dense form, which is capture-safe too (no host read).
-Projections that share x (routed_lora_group_forward) take the same choice, except that with prebuilt metadata
-and k = 1 the grouped kernel replaces the stacked one; every path then shrinks once for all of them.
+Projections that share x (routed_lora_group_forward) take the same choice, except at k = 1 (choose_group_path):
+the gather kernel only while N*r*P is small, and with prebuilt metadata the grouped kernel replaces the stacked one
+once N*r is large; every path then shrinks once for all of them.
 """
 
 from __future__ import annotations
@@ -132,10 +133,10 @@ def choose_group_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, r
     """Path for `proj` projections sharing x: as choose_path, except
     - k = 1: the gather kernel only while N * r * P <= GROUP_GATHER_MAX_ROW_RANK (its work grows with P), then the
       stacked kernel on narrow hot sets and the grouped one on wide;
-    - with prebuilt metadata and k = 1 the grouped kernel replaces the stacked one once N * r > 256 (the stacked
-      shrink does S times the arithmetic, times P here). H200, 2026-12-01, q/k/v at d=4096, r=16, delta + three
-      base GEMMs, median us: N=256 grouped 75.2 vs stacked 80.5, N=2048 309.7 vs 365.5, N=8192 1284 vs 1354; but
-      N=16 (delta alone) stacked 12.16 vs grouped 15.49.
+    - with prebuilt metadata and k = 1 the grouped kernel replaces the stacked one once N * r >
+      GROUP_STACKED_MAX_ROW_RANK (the stacked shrink does S times the arithmetic, times P here). H200,
+      2026-12-01, q/k/v at d=4096, r=16, delta + three base GEMMs, median us: N=256 grouped 75.2 vs stacked 80.5,
+      N=2048 309.7 vs 365.5, N=8192 1284 vs 1354; but N=16 (delta alone) stacked 12.16 vs grouped 15.49.
     Shapes and graph mode only."""
     path = choose_path(x, k, has_meta, num_slots, rank)
     if proj == 1 or path == "torch":

@@ -7,8 +7,9 @@
 Each process (accelerate's `PartialState`: rank, world size, device) takes its share of the prompts, loads its own
 pipeline (its own engine and hot set) on its device and submits its share to the engine all at once, so the
 share decodes as one batch. Every prompt has its own seed (its line's "seed", else --seed + its index), and a
-request's tokens do not depend on what it is batched with (bit-exact on the CPU, the same greedy tokens on a GPU),
-so a document does not depend on how many processes ran. Each document is written as `<index>.html`; every process
+request's tokens do not depend on what it is batched with, so a document does not depend on how many processes
+ran (bit-exact on the CPU; on a GPU greedy tokens are the same, but a sampled token can flip when a row is decoded
+in a different batch width: benchmarks/RESULTS.md). Each document is written as `<index>.html`; every process
 writes a line per prompt to its shard, and the main process joins the shards into `documents.jsonl` (index order)
 and writes `run.json` (processes, tokens, seconds, tokens/s, the prompts that failed and why).
 """

@@ -18,7 +18,8 @@ One background thread owns the model (gpt-fast's loop, vLLM's scheduler in minia
 
 Routing is device tables written in place (models/row_states.py): a row's (text, image) slots and the
 vocabulary's modality table; the captured step reads them, so no slot number is baked into a graph and adapters
-may come and go between replays.  Learned (MoLoRA) rows run the same step eagerly: their gates decide per block.
+may come and go between replays.  Learned (MoLoRA) rows run the same step eagerly: their gates decide per block,
+and gates that read a routing state continue each row's state from its previous step (`_hold_states`).
 
 A model dispatched over several devices by accelerate (`from_pretrained(..., device_map=...)`): the engine's
 tables and inputs live on the first device (the input embedding's), each attention layer's KV cache on its

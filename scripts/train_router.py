@@ -2,7 +2,7 @@
 
 Per transformer block a gate Linear(d_model, E) on the block input picks the top-k of E adapters per token
 (routing/routers.py LearnedGates / LearnedRouter, hierarchical: image positions never reach the gate); with
---context-decays 0.5 0.8 0.97 every gate also reads the routing state, causal moving averages of the token
+--context-decays 0.5 0.8 0.97 (the default) every gate also reads the routing state, causal moving averages of the token
 embeddings, so block 0 sees which question is being answered (benchmarks/RESULTS.md, issue 12). The loss
 is the next-token loss on the answer ids (the whole text when a record has no prompt) + lb * Switch load-balance
 loss + z * router z-loss (both from RoutedModel.forward, averaged over blocks; computed in training only), and,
