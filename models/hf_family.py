@@ -21,11 +21,11 @@ from molora.models.loading import (
     ModelDirError,
     Placing,
     check_finite_placed,
-    input_device,
     placing,
 )
 from molora.models.runtime import configure_cpu_threads
 from molora.models.vocab import UnifiedVocab, VocabError
+from molora.routing.model import input_device
 
 
 class SpanTokenizer:
@@ -156,7 +156,7 @@ def load_model_and_processor(model_cls: Any, processor_cls: Any, path: Path, *, 
     if placed is None:
         model = model.to(device)
     else:
-        device = input_device(model)
+        device = input_device(model, torch.device("cpu"))
     model = model.eval().requires_grad_(False)
     model.name_or_path = getattr(model.config, "molora_base_model", None) or model.name_or_path
     return processor, model, device

@@ -27,6 +27,7 @@ from molora.routing.cache import (
     AdapterInfo,  # the adapter registry's metadata (name, path, modality, description)
 )
 from molora.routing.errors import MoLoRAError
+from molora.routing.model import input_device
 
 log = logging.getLogger(__name__)
 
@@ -99,18 +100,6 @@ def placing(device: Any = None, device_map: DeviceMap | None = None, max_memory:
         raise PlacementError(f"max_memory must be a {{device: size}} dict (e.g. {{0: \"20GiB\", \"cpu\": \"60GiB\"}}); "
                              f"got {max_memory!r}")
     return Placing(device_map, max_memory, offload_folder)
-
-
-def input_device(model: torch.nn.Module) -> torch.device:
-    """Where a (possibly dispatched) model takes its input ids: its input embedding's execution device."""
-    from molora.routing.model import execution_device
-
-    try:
-        embed = model.get_input_embeddings()
-        name = next((n for n, m in model.named_modules() if m is embed), "")
-    except (AttributeError, NotImplementedError):
-        name = ""
-    return execution_device(model, name, torch.device("cpu"))
 
 
 def check_finite_placed(model: torch.nn.Module, where: Path, error: type[Exception]) -> None:
@@ -309,7 +298,7 @@ def load_model_dir(path: str | Path | None = None, *, adapters_dir: str | Path |
     else:
         check_finite_placed(lm, lm_dir, ModelDirError)
         lm = lm.eval().requires_grad_(False)
-        device = input_device(lm)
+        device = input_device(lm, torch.device("cpu"))
         log.info("language model placed by device_map: %s", getattr(lm, "hf_device_map", device_map))
     # from_pretrained replaces name_or_path by the directory; adapters name the stable base-model name
     lm.name_or_path = getattr(lm.config, "molora_base_model", None) or lm.name_or_path

@@ -190,12 +190,15 @@ def execution_device(model: nn.Module, name: str, default: torch.device | None =
     return default
 
 
-def _input_name(model: nn.Module) -> str | None:
+def input_device(model: nn.Module, default: torch.device | None = None) -> torch.device:
+    """Where a (possibly dispatched) model takes its input ids: its input embedding's execution device, else
+    (a model without one: transformers raises NotImplementedError there) the whole model's."""
     try:
         embed = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
-        return None
-    return next((n for n, m in model.named_modules() if m is embed), None)
+        embed = None
+    name = next((n for n, m in model.named_modules() if m is embed), "") if embed is not None else ""
+    return execution_device(model, name, default)
 
 
 def find_placement(model: nn.Module, layer_names: Sequence[str], block_path: str | None, num_blocks: int
@@ -203,18 +206,14 @@ def find_placement(model: nn.Module, layer_names: Sequence[str], block_path: str
     """The Placement of `model` (layer_names: the linears to route; block_path: the blocks' ModuleList)."""
     layer_devices = {execution_device(model, n) for n in layer_names}
     first = next(iter(layer_devices))
-    embed = _input_name(model)
-    if embed is not None:
-        input_device = execution_device(model, embed, first)
-    else:
-        input_device = execution_device(model, "", first)
+    inputs = input_device(model, first)
     prefix = f"{block_path}." if block_path else ""
-    blocks = [execution_device(model, f"{prefix}{i}", input_device) for i in range(num_blocks)] \
+    blocks = [execution_device(model, f"{prefix}{i}", inputs) for i in range(num_blocks)] \
         if block_path is not None else []
     hooked = any(hasattr(m, "_hf_hook") for m in model.modules())
     offloaded = any(p.device.type == "meta" for p in model.parameters()) and hooked
-    spread = layer_devices != {input_device}
-    return Placement(input_device, blocks, spread, offloaded, hooked)
+    spread = layer_devices != {inputs}
+    return Placement(inputs, blocks, spread, offloaded, hooked)
 
 
 def _keep_hook(base: nn.Module, layer: nn.Module) -> None:
