@@ -16,6 +16,16 @@ losses every --val-every steps).
                                 # a second stage: continue from stage 1's weights on fresh examples (seed 1)
     torchrun --standalone --nproc_per_node 2 scripts/train_lm.py --model-dir runs/model --workers 16
                                 # data parallel, one process a GPU (gloo on CPU)
+    python scripts/train_lm.py --model-dir runs/big --hidden 512 --intermediate 2048 --heads 8 --domain-share 0.04
+                                # a base that also reads the question domains (scripts/scale_vs_specialise.sh)
+
+--domain-share F mixes the question-domain items of models/shapes/domains.py (train split) into the training
+sequences, F of the training ids of every epoch: the very items scripts/train_domain_adapters.py and
+scripts/train_router.py train on with --seed --domain-seed (prefixes of their generators), a share
+--domain-router-share of the domain ids as the router's data (each domain, and as many mixed requests), the rest as
+the adapters' (each domain, 40% also asking another domain's question). Each item is one sequence, encoded as those
+scripts read it ([<bos>] prompt answer [<eos>]); the loss covers all of its ids like any other sequence's, or with
+--targets-only the answer ids only (the prompt is context, as for the adapters). The default, 0, adds nothing.
 
 Data parallel: each rank renders and encodes its own share of the --n-examples sequences (the shares together
 are exactly the single-process examples) and trains on --tokens-per-batch ids a step (so a step sees world-size
@@ -98,8 +108,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--targets-only", action="store_true",
                    help="loss on generated tokens only: a text->image example's prompt and an image->text example's "
                         "picture are context, as in train_adapters (validation still scores every target)")
+    p.add_argument("--domain-share", type=float, default=0.0,
+                   help="share of each epoch's training ids that are question-domain items (the adapters' and the "
+                        "router's train data, models/shapes/domains.py); 0 = none (see the module docstring)")
+    p.add_argument("--domain-router-share", type=float, default=0.2,
+                   help="with --domain-share: share of the domain ids drawn as train_router.py's data, the rest as "
+                        "train_domain_adapters.py's")
+    p.add_argument("--domain-seed", type=int, default=0,
+                   help="with --domain-share: the --seed of the adapters and router whose train items are mirrored")
     p.add_argument("--tiny", action="store_true", help="tiny model and data (CPU smoke test)")
     args = p.parse_args(argv)
+    if not 0.0 <= args.domain_share < 1.0 or not 0.0 <= args.domain_router_share <= 1.0:
+        p.error("--domain-share must lie in [0, 1) and --domain-router-share in [0, 1]")
     if args.tiny:
         args.n_examples, args.n_val, args.hidden, args.layers, args.heads = 48, 8, 32, 2, 2
         args.intermediate, args.tokens_per_batch = 64, 4096
@@ -127,6 +147,35 @@ def build_sequences(tok: UnifiedTokenizer, vq: ImageTokenizer, n: int, *, seed: 
     seqs = encode_examples(examples, tok, codes, seed=zlib.crc32(seed.encode()), cfg_dropout=cfg_dropout,
                            max_len=10**9)
     return seqs, [prompt_length(e, s, tok.vocab) for e, s in zip(examples, seqs, strict=True)]
+
+
+def domain_sequences(tok: UnifiedTokenizer, n_ids: int, *, router_share: float, seed: int
+                     ) -> tuple[list[list[int]], list[int]]:
+    """About `n_ids` ids of question-domain items (train split) and each one's prompt length (its answer's first
+    index), encoded as train_domain_adapters.py and train_router.py read them ([<bos>] prompt answer [<eos>]).
+
+    A share `router_share` of the ids are train_router.py's items with --seed `seed` (per domain, and as many mixed
+    requests of two domains), the rest train_domain_adapters.py's (per domain, 40% also asking another domain's
+    question): prefixes of the same seeded generators, so these are the items those scripts train on, up to the
+    count that fills the budget. The counts come from the mean length of the first 64 items of each kind."""
+    from molora.models.shapes.domain_batches import encode_item
+    from molora.models.shapes.domains import DOMAINS, domain_items, mixed_items
+
+    def adapter_items(n: int) -> list:
+        return [it for d in DOMAINS for it in domain_items(d, n, seed=f"{seed}", split="train", foreign=0.4)]
+
+    def router_items(n: int) -> list:
+        return ([it for d in DOMAINS for it in domain_items(d, n, seed=f"router{seed}", split="train")]
+                + mixed_items(n, seed=f"router{seed}", split="train", domains=DOMAINS))
+
+    items = []
+    for make, share, kinds in ((adapter_items, 1.0 - router_share, len(DOMAINS)),
+                               (router_items, router_share, len(DOMAINS) + 1)):
+        probe = [len(encode_item(tok, it)) for it in make(64 // kinds + 1)]
+        n = round(n_ids * share / kinds / (sum(probe) / len(probe)))
+        items += make(n) if n > 0 else []
+    encoded = [encode_item(tok, it) for it in items]
+    return [e.ids for e in encoded], [e.answer_start for e in encoded]
 
 
 def token_losses(model: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor, amp: bool) -> torch.Tensor:
@@ -231,6 +280,21 @@ def main(argv: list[str] | None = None) -> dict | None:
     n_sequences, n_tokens, too_long = totals.tolist()
     log.info("data: %d sequences on %d process(es) (%.1fM ids, %d over %d dropped), %d val, in %.0fs", n_sequences,
              world_size, n_tokens / 1e6, too_long, args.max_positions, len(val), time.time() - t0)
+    n_base = len(train)  # this process's sequences before the domain items: indices >= n_base are domain items
+    domain = {}
+    if args.domain_share > 0:
+        # the same global item list on every rank (sized from the global id count), each rank taking its share
+        d_seqs, d_prompts = domain_sequences(tok, round(n_tokens * args.domain_share / (1.0 - args.domain_share)),
+                                             router_share=args.domain_router_share, seed=args.domain_seed)
+        d_ids = sum(len(s) for s in d_seqs)
+        train += d_seqs[rank::world_size]
+        prompts += d_prompts[rank::world_size]
+        domain = {"domain_share": args.domain_share, "domain_router_share": args.domain_router_share,
+                  "domain_seed": args.domain_seed, "domain_sequences": len(d_seqs), "domain_ids_per_epoch": d_ids,
+                  "domain_share_actual": round(d_ids / (n_tokens + d_ids), 5)}
+        log.info("domain items: %d sequences, %.2fM ids (%.2f%% of the epoch's ids)", len(d_seqs), d_ids / 1e6,
+                 100 * domain["domain_share_actual"])
+        n_sequences, n_tokens = n_sequences + len(d_seqs), n_tokens + d_ids
     del vq
     gc.freeze()  # millions of id lists: keep the garbage collector from walking them during training
 
@@ -275,6 +339,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             break
         seen += len(batches)
     t_train, step, losses, val_curve, loss = time.time(), start, [], [], None
+    seen = {"ids": 0, "domain_ids": 0}  # real (non-padding) ids of the batches trained on, by this process
     sched = Schedule(args.steps, min(200, args.steps // 10), args.max_minutes)
     bar = tqdm(total=args.steps, initial=start, desc="lm", mininterval=10, disable=rank > 0)
     while True:
@@ -285,6 +350,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             epoch += 1
             batches = length_batches(lengths, args.tokens_per_batch, seed=args.seed, epoch=epoch)
         batch = batches.pop()
+        seen["ids"] += sum(lengths[i] for i in batch)  # on the host, from the lengths: no device sync
+        seen["domain_ids"] += sum(lengths[i] for i in batch if i >= n_base)
         ids, mask = collate([train[i] for i in batch], tok.vocab.pad_id,
                             context=[prompts[i] for i in batch] if args.targets_only else None)
         ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
@@ -315,7 +382,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         if rank == 0 and args.ckpt_every and step % args.ckpt_every == 0 and step < args.steps:
             save_checkpoint(ckpt, model, opt, {"step": step})
     bar.close()
+    seen_all = torch.tensor([seen["ids"], seen["domain_ids"]], dtype=torch.float64)
     if world_size > 1:
+        dist.all_reduce(seen_all, group=sched_group)
         check_ranks_agree(model, sched_group)
         dist.destroy_process_group()
         if rank > 0:
@@ -326,6 +395,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     metrics.update(train_loss=final_loss, steps=step, planned_steps=args.steps, epochs=epoch + 1,
                    sequences=n_sequences, train_tokens_per_epoch=n_tokens, params=n_params, seed=args.seed,
                    processes=world_size, tokens_per_batch=args.tokens_per_batch, lr=args.lr,
+                   ids_seen=int(seen_all[0]), domain_ids_seen=int(seen_all[1]), **domain,
                    train_seconds=round(train_seconds, 1),
                    total_seconds=round(time.time() - t0, 1), loss_curve=losses,
                    val_curve=[*val_curve, {"step": step, "val_text_loss": metrics["val_text_loss"],

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Specialisation vs scale (issue 12), scaled down and controlled: both arms from scratch on one token budget.
+#
+#   arm 1   a fresh 1x LM (hidden 256, 6 layers, MLP 1024: the embedded base's shape and data mixture) for LM_STEPS
+#           steps of 65,536 ids, then the four domain adapters on it (train_domain_adapters.py, AD_STEPS steps each,
+#           four processes at once), then a router over them (train_router.py, the shipped router's flags, RT_STEPS)
+#   arm 4x  an LM of about 4x the parameters (hidden 512, 8 heads of 64, 6 layers, MLP 2048), no adapters, trained
+#           from scratch for as many ids as the whole of arm 1: LM_STEPS + the adapters' and router's ids in LM steps,
+#           with those very train items mixed into its data in the same share of ids (train_lm.py --domain-share;
+#           loss on every id, as train_lm trains). It trains at the same time as arm 1, on the same GPU.
+#   eval    scripts/eval_molora.py --rows base ours oracle_span on arm 1; the same items and scoring on the 4x base
+#           (scale_vs_specialise.py eval-base); then OUT/table.md and OUT/summary.json (scale_vs_specialise.py report)
+#
+#   scripts/scale_vs_specialise.sh [OUT]          # OUT defaults to runs/scale; the GPU run (one H200, ~9 min)
+#   TINY=1 DEVICE=cpu scripts/scale_vs_specialise.sh /tmp/scale      # a CPU smoke run at toy sizes (~1 min)
+#
+# BASE (default assets/model) lends its tokenizer.json, vocab.json and vq/: only the LMs are trained. Knobs:
+# LM_STEPS, AD_STEPS, RT_STEPS, N_EXAMPLES, N_EVAL, WORKERS (per LM process), DEVICE, BIG_LR, and the time limits
+# LM_MAX_MIN, BIG_MAX_MIN, AD_MAX_MIN, RT_MAX_MIN (0 = none; a limit that cuts a run short makes the budgets unequal:
+# OUT/summary.json records the steps each took). Logs go to OUT/logs/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-runs/scale}
+PY=${PYTHON:-python3}
+BASE=${BASE:-assets/model}
+DEVICE=${DEVICE:-cuda}
+DOMAINS=(count arith spatial size)
+if [[ "${TINY:-0}" == "1" ]]; then
+  LM_STEPS=${LM_STEPS:-3}; AD_STEPS=${AD_STEPS:-2}; RT_STEPS=${RT_STEPS:-2}; N_EVAL=${N_EVAL:-4}; WORKERS=${WORKERS:-1}
+  LM_SHAPE=(--n-examples 48 --n-val 8 --tokens-per-batch 4096 --hidden 32 --heads 2 --layers 2 --intermediate 64)
+  BIG_SHAPE=(--n-examples 48 --n-val 8 --tokens-per-batch 4096 --hidden 64 --heads 4 --layers 2 --intermediate 128)
+  AD_DATA=(--n-train 64 --n-val 8); RT_DATA=(--n-per-domain 16 --n-val 4); PLAN_DATA=(--n-train 64 --n-per-domain 16
+    --tokens-per-batch 4096 --fill-examples 48)
+  COMPILE=()
+else
+  LM_STEPS=${LM_STEPS:-2000}; AD_STEPS=${AD_STEPS:-500}; RT_STEPS=${RT_STEPS:-500}; N_EVAL=${N_EVAL:-200}
+  WORKERS=${WORKERS:-8}
+  N_EXAMPLES=${N_EXAMPLES:-120000}
+  LM_SHAPE=(--n-examples "$N_EXAMPLES" --tokens-per-batch 65536 --hidden 256 --heads 4 --layers 6 --intermediate 1024)
+  BIG_SHAPE=(--n-examples "$N_EXAMPLES" --tokens-per-batch 65536 --hidden 512 --heads 8 --layers 6 --intermediate 2048)
+  AD_DATA=(--n-train 12000 --n-val 200); RT_DATA=(--n-per-domain 3000 --n-val 100)
+  PLAN_DATA=(--n-train 12000 --n-per-domain 3000 --tokens-per-batch 65536)
+  COMPILE=(--compile)
+fi
+BIG_LR=${BIG_LR:-1e-3}  # Pythia-70M's (hidden 512, 6 layers); the 1x keeps the shipped 2e-3
+mkdir -p "$OUT/logs" "$OUT/arm1/model" "$OUT/big/model" "$OUT/arm1/adapters"
+for arm in arm1 big; do
+  cp "$BASE/tokenizer.json" "$BASE/vocab.json" "$OUT/$arm/model/"
+  ln -sfn "$(cd "$BASE" && pwd)/vq" "$OUT/$arm/model/vq"
+done
+stamp() { echo "=== $* ($(date -u +%H:%M:%S))"; }
+
+stamp plan
+$PY scripts/scale_vs_specialise.py plan --model-dir "$BASE" --lm-steps "$LM_STEPS" --adapter-steps "$AD_STEPS" \
+  --router-steps "$RT_STEPS" "${PLAN_DATA[@]}" > "$OUT/plan.json"
+read -r BIG_STEPS SHARE ROUTER_SHARE < <($PY -c "import json,sys; p=json.load(open(sys.argv[1])); \
+print(p['big_steps'], p['domain_share'], p['domain_router_share'])" "$OUT/plan.json")
+stamp "4x: $BIG_STEPS steps, domain share $SHARE (router part $ROUTER_SHARE)"
+
+# the 4x base and the 1x LM train at the same time; the 4x runs on while arm 1 trains its adapters and router
+$PY scripts/train_lm.py --model-dir "$OUT/big/model" "${BIG_SHAPE[@]}" --steps "$BIG_STEPS" --lr "$BIG_LR" \
+  --domain-share "$SHARE" --domain-router-share "$ROUTER_SHARE" --seed 0 --workers "$WORKERS" --device "$DEVICE" \
+  --val-every 0 --ckpt-every 0 --max-minutes "${BIG_MAX_MIN:-0}" "${COMPILE[@]}" > "$OUT/logs/big_lm.log" 2>&1 &
+BIG_PID=$!
+stamp "arm 1: 1x LM, $LM_STEPS steps"
+$PY scripts/train_lm.py --model-dir "$OUT/arm1/model" "${LM_SHAPE[@]}" --steps "$LM_STEPS" --seed 0 \
+  --workers "$WORKERS" --device "$DEVICE" --val-every 0 --ckpt-every 0 --max-minutes "${LM_MAX_MIN:-0}" \
+  "${COMPILE[@]}" > "$OUT/logs/arm1_lm.log" 2>&1
+
+stamp "arm 1: adapters ${DOMAINS[*]}, $AD_STEPS steps each, one process each"
+pids=()
+for d in "${DOMAINS[@]}"; do  # one --out each: the script merges domain_metrics.json, which would race
+  $PY scripts/train_domain_adapters.py --model-dir "$OUT/arm1/model" --out "$OUT/arm1/ad_$d" --domains "$d" \
+    --steps "$AD_STEPS" "${AD_DATA[@]}" --lr 3e-3 --seed 0 --device "$DEVICE" --max-minutes "${AD_MAX_MIN:-0}" \
+    > "$OUT/logs/arm1_adapter_$d.log" 2>&1 &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
+for d in "${DOMAINS[@]}"; do rm -rf "$OUT/arm1/adapters/$d"; cp -r "$OUT/arm1/ad_$d/$d" "$OUT/arm1/adapters/$d"; done
+
+stamp "arm 1: router, $RT_STEPS steps"
+$PY scripts/train_router.py --model-dir "$OUT/arm1/model" --adapters-dir "$OUT/arm1/adapters" --out "$OUT/arm1/router" \
+  --steps "$RT_STEPS" --context-decays 0.5 0.8 0.97 --label-coef 1.0 --top-k 2 "${RT_DATA[@]}" --seed 0 \
+  --device "$DEVICE" --max-minutes "${RT_MAX_MIN:-0}" > "$OUT/logs/arm1_router.log" 2>&1
+
+stamp "arm 1: eval"
+$PY scripts/eval_molora.py --model-dir "$OUT/arm1/model" --adapters-dir "$OUT/arm1/adapters" \
+  --router "$OUT/arm1/router/gates.safetensors" --rows base ours oracle_span --n "$N_EVAL" --device "$DEVICE" \
+  --json "$OUT/arm1/eval.json" > "$OUT/logs/arm1_eval.log" 2>&1
+# the same LM through eval-base must give eval_molora's base row: the two arms are scored alike
+$PY scripts/scale_vs_specialise.py eval-base --model-dir "$OUT/arm1/model" --name base_1x --n "$N_EVAL" \
+  --device "$DEVICE" --json "$OUT/arm1/eval_base_check.json" > "$OUT/logs/arm1_eval_base_check.log" 2>&1
+
+stamp "4x: waiting for its training"
+wait "$BIG_PID"
+stamp "4x: eval"
+$PY scripts/scale_vs_specialise.py eval-base --model-dir "$OUT/big/model" --name base_4x --n "$N_EVAL" \
+  --device "$DEVICE" --json "$OUT/big/eval.json" > "$OUT/logs/big_eval.log" 2>&1
+$PY scripts/scale_vs_specialise.py report --run "$OUT"
+stamp "done: $OUT"
