@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--val-data", type=Path, default=None)
     p.add_argument("--n-per-domain", type=int, default=1500, help="generated data: train items per domain (+ mixed)")
     p.add_argument("--n-val", type=int, default=100, help="generated data: held-out items per domain (+ mixed)")
+    p.add_argument("--n-mixed", type=int, default=None,
+                   help="generated data: mixed train requests (two domains in one answer; default --n-per-domain)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-2)
@@ -87,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lb-coef", type=float, default=0.01, help="Switch load-balance loss coefficient")
     p.add_argument("--z-coef", type=float, default=1e-3, help="router z-loss coefficient")
     p.add_argument("--label-coef", type=float, default=0.0, help="gate cross-entropy on domain labels (if given)")
+    p.add_argument("--start-weight", type=float, default=1.0,
+                   help="weight of the label loss at span starts (answer positions whose label differs from the "
+                        "position before: where the gate must switch) against 1 at the other answer positions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -154,13 +159,15 @@ def read_jsonl(path: Path, tok: UnifiedTokenizer, adapters: list[str]) -> list[E
     return records
 
 
-def shapes_data(tok: UnifiedTokenizer, adapters: list[str], n: int, seed: str, split: str) -> list[EncodedItem]:
+def shapes_data(tok: UnifiedTokenizer, adapters: list[str], n: int, seed: str, split: str,
+                n_mixed: int | None = None) -> list[EncodedItem]:
+    """`n` items of each adapter's domain and `n_mixed` (default `n`) mixed requests over them."""
     unknown = [a for a in adapters if a not in ("count", "arith", "spatial", "size", "mix")]
     if unknown:
         raise RouterDataError(f"adapters {unknown} are not shapes question domains: pass --data with your texts")
     items = [it for d in adapters for it in domain_items(d, n, seed=seed, split=split)]
     if len(adapters) >= 2:
-        items += mixed_items(n, seed=seed, split=split, domains=adapters)
+        items += mixed_items(n if n_mixed is None else n_mixed, seed=seed, split=split, domains=adapters)
     return [encode_item(tok, it) for it in items]
 
 
@@ -170,11 +177,13 @@ def shapes_data(tok: UnifiedTokenizer, adapters: list[str], n: int, seed: str, s
 def validate(routed: RoutedModel, router: LearnedRouter | None, data: list[EncodedItem], pad: int,
              adapters: list[str], batch_size: int = 64) -> dict:
     """Exact match per kind (domain / mixed) and routing agreement of every block's top-1 with the labels on the
-    positions that predict an answer id (and, with a base expert, the share of prompt positions sent to it)."""
+    positions that predict an answer id, and at the span starts among them (`span_starts`), and, with a base
+    expert, the share of prompt positions sent to it."""
     hits: dict[str, list[bool]] = {}
     agree = torch.zeros(routed.num_blocks)
+    agree_starts = torch.zeros(routed.num_blocks)
     to_base = torch.zeros(routed.num_blocks)
-    counted = counted_context = 0
+    counted = counted_starts = counted_context = 0
     device = routed.device
     for i in range(0, len(data), batch_size):
         batch = make_batch(data, range(i, min(i + batch_size, len(data))), pad, adapters, device)
@@ -184,12 +193,15 @@ def validate(routed: RoutedModel, router: LearnedRouter | None, data: list[Encod
             hits.setdefault(data[r].kind, []).append(ok)
         if out.decisions:
             flat = answer_positions(batch).reshape(-1)
+            starts = span_starts(batch).reshape(-1)
             context = context_positions(batch).reshape(-1)
             for block, ds in out.decisions.items():
-                top1 = ds[0].topk[:, 0]
-                agree[block] += float((top1[flat] == batch.labels.reshape(-1)[flat]).sum())
-                to_base[block] += float((top1[context] == len(adapters)).sum())
+                right = ds[0].topk[:, 0] == batch.labels.reshape(-1)
+                agree[block] += float(right[flat].sum())
+                agree_starts[block] += float(right[starts].sum())
+                to_base[block] += float((ds[0].topk[context, 0] == len(adapters)).sum())
             counted += int(flat.sum())
+            counted_starts += int(starts.sum())
             counted_context += int(context.sum())
     metrics = {f"exact_{k}": round(sum(v) / len(v), 4) for k, v in sorted(hits.items())}
     every = [x for v in hits.values() for x in v]
@@ -198,6 +210,7 @@ def validate(routed: RoutedModel, router: LearnedRouter | None, data: list[Encod
         per_block = (agree / counted).tolist()
         metrics["agreement_per_block"] = [round(a, 4) for a in per_block]
         metrics["agreement"] = round(sum(per_block) / len(per_block), 4)
+        metrics["agreement_span_starts"] = round(float(agree_starts.mean()) / max(1, counted_starts), 4)
     if counted_context and router is not None and router.gates.base_expert:
         metrics["context_to_base"] = round(float(to_base.mean()) / counted_context, 4)
     return metrics
@@ -217,17 +230,34 @@ def context_positions(batch) -> torch.Tensor:
     return batch.valid & (batch.labels < 0)
 
 
-def label_loss(decisions: dict, batch, base_expert: int | None) -> torch.Tensor:
+def span_starts(batch) -> torch.Tensor:
+    """[B, T] bool: answer positions whose label differs from the position before (the first answer position,
+    and each later span's first prediction): where a gate must switch adapters."""
+    before = torch.cat([torch.full_like(batch.labels[:, :1], -1), batch.labels[:, :-1]], dim=1)
+    return answer_positions(batch) & (batch.labels != before)
+
+
+def label_loss(decisions: dict, batch, base_expert: int | None, start_weight: float = 1.0) -> torch.Tensor:
     """Cross-entropy of every block's gate logits against the domain labels on the positions that predict an
     answer id, and against the base expert (index `base_expert`, when there is one) on context positions. The
     two kinds count equally: a prompt has ten times more positions than its answer, and a gate fitted to the
-    plain mean learns "base everywhere"."""
-    groups = [(answer_positions(batch).reshape(-1), batch.labels.reshape(-1))]
+    plain mean learns "base everywhere". Within the answer positions, span starts weigh `start_weight`: a
+    request's first answer position must pick its FIRST question's domain while the words just read ask the
+    second, which a gate fitted to the plain mean gets wrong (benchmarks/RESULTS.md, issue 12)."""
+    answer = answer_positions(batch).reshape(-1)
+    weight = torch.where(span_starts(batch).reshape(-1), start_weight, 1.0)
+    groups = [(answer, batch.labels.reshape(-1), weight)]
     if base_expert is not None:
         context = context_positions(batch).reshape(-1)
-        groups.append((context, torch.full_like(context, base_expert, dtype=torch.long)))
-    losses = [F.cross_entropy(d.logits[keep], target[keep]) for keep, target in groups if bool(keep.any())
-              for ds in decisions.values() for d in ds]
+        groups.append((context, torch.full_like(context, base_expert, dtype=torch.long), torch.ones_like(weight)))
+    losses = []
+    for keep, target, w in groups:
+        if not bool(keep.any()):
+            continue
+        for ds in decisions.values():
+            for d in ds:
+                ce = F.cross_entropy(d.logits[keep], target[keep], reduction="none")
+                losses.append((ce * w[keep]).sum() / w[keep].sum())
     return torch.stack(losses).mean()
 
 
@@ -266,7 +296,7 @@ def train_gates(routed: RoutedModel, tok: UnifiedTokenizer, adapters: list[str],
         nll = answer_loss(out.logits, batch)
         loss = nll + args.lb_coef * out.load_balance_loss + args.z_coef * out.z_loss
         if args.label_coef > 0 and bool(answer_positions(batch).any()):
-            loss = loss + args.label_coef * label_loss(out.decisions, batch, base_index)
+            loss = loss + args.label_coef * label_loss(out.decisions, batch, base_index, args.start_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -307,9 +337,10 @@ def main(argv: list[str] | None = None) -> dict:
             val, train = [data[i] for i in order[:cut]], [data[i] for i in order[cut:]] or [data[order[0]]]
         source = {"data": str(args.data), "val_data": str(args.val_data) if args.val_data else "10% of data"}
     else:
-        train = shapes_data(tok, adapters, args.n_per_domain, f"router{args.seed}", "train")
+        train = shapes_data(tok, adapters, args.n_per_domain, f"router{args.seed}", "train", args.n_mixed)
         val = shapes_data(tok, adapters, args.n_val, f"router-val{args.seed}", "heldout")
-        source = {"data": "models/shapes/domains.py", "n_per_domain": args.n_per_domain, "n_val": args.n_val}
+        source = {"data": "models/shapes/domains.py", "n_per_domain": args.n_per_domain,
+                  "n_mixed": args.n_per_domain if args.n_mixed is None else args.n_mixed, "n_val": args.n_val}
     log.info("router over %s: %d train, %d val records", adapters, len(train), len(val))
     gates, result = train_gates(routed, tok, adapters, train, val, args)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -318,7 +349,8 @@ def main(argv: list[str] | None = None) -> dict:
               "base_expert": gates.base_expert, "context_decays": list(gates.context_decays),
               "top_k": args.top_k, "d_model": gates.d_model,
               "num_blocks": gates.num_blocks, "hierarchical": "text positions gated; image positions by vocabulary",
-              "loss": {"next_token": 1.0, "load_balance": args.lb_coef, "z": args.z_coef, "label": args.label_coef},
+              "loss": {"next_token": 1.0, "load_balance": args.lb_coef, "z": args.z_coef, "label": args.label_coef,
+                       "label_start_weight": args.start_weight},
               "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed,
               "init_from": str(args.init_from) if args.init_from else None, "train_new_only": args.train_new_only,
               "train_records": len(train),

@@ -72,7 +72,7 @@ def test_router_trains_only_the_gates_and_writes_gates_and_config(trained):
     root, _, adapters, _, config = trained
     saved = json.loads((root / "router" / "config.json").read_text())
     assert saved["adapters"] == ["count", "spatial"] and saved["top_k"] == 2 and saved["steps"] == 2
-    assert set(saved["loss"]) == {"next_token", "load_balance", "z", "label"}
+    assert set(saved["loss"]) == {"next_token", "load_balance", "z", "label", "label_start_weight"}
     assert {"top1", "top2"} <= set(saved["val"]) and "agreement_per_block" in saved["val"]["top2"]
     for name, digest in saved["adapter_sha256_16"].items():  # adapters untouched by router training
         data = (adapters / name / "adapter_model.safetensors").read_bytes()
@@ -134,6 +134,29 @@ def test_router_trains_from_a_users_jsonl(trained, tmp_path):
          "--label-coef", "0.5"])
     assert config["train_records"] == 11 and config["val_records"] == 1 and config["loss"]["label"] == 0.5
     assert (tmp_path / "r" / "gates.safetensors").is_file()
+
+
+def test_span_starts_mark_where_the_gate_must_switch_and_weigh_the_label_loss(trained):
+    """The first answer position of a mixed request and the first prediction of its second span are span starts;
+    `start_weight` scales only their share of the label loss."""
+    _, model, _, _, _ = trained
+    train_router = _script("train_router")
+    tok = load_model_dir(model).tokenizer
+    e = encode_item(tok, mixed_items(1, seed="s", split="train", domains=["count", "spatial"])[0])
+    batch = make_batch([e], [0], tok.vocab.pad_id, ["count", "spatial"])
+    starts = train_router.span_starts(batch)[0].nonzero().flatten().tolist()
+    second = e.answer_start - 1 + list(e.span_index).index(1)
+    assert starts == [e.answer_start - 1, second]
+    logits = torch.randn(batch.ids.numel(), 3)
+    decisions = {0: [type("D", (), {"logits": logits})()]}
+    plain = train_router.label_loss(decisions, batch, 2)
+    assert torch.allclose(plain, train_router.label_loss(decisions, batch, 2, start_weight=1.0))
+    starts_only = logits.clone()
+    keep = train_router.answer_positions(batch).reshape(-1) & ~train_router.span_starts(batch).reshape(-1)
+    starts_only[keep] = 0.0  # change only non-start answer positions: a huge start weight hides the change
+    heavy = [train_router.label_loss({0: [type("D", (), {"logits": x})()]}, batch, 2, start_weight=1e6)
+             for x in (logits, starts_only)]
+    assert not torch.allclose(plain, heavy[0]) and torch.allclose(heavy[0], heavy[1], atol=1e-3)
 
 
 def test_label_router_routes_each_position_to_its_label_and_checks_shapes(trained):
