@@ -1,0 +1,105 @@
+"""Specialisation vs scale (issue 12): train_lm.py --domain-share mixes the very items the domain adapters and the
+router train on into the LM's data, in the asked share of ids, and changes nothing when left at 0; the
+orchestration script runs end to end at toy sizes on the CPU and scores both arms alike."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from molora.models.shapes.domain_batches import encode_item
+from molora.models.shapes.domains import DOMAINS, domain_items, mixed_items
+from molora.models.testing import write_tiny_model_dir
+from molora.models.tokenizer import UnifiedTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    path = ROOT / "scripts" / f"{name}.py"
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_tiny_model_dir(tmp_path_factory.mktemp("scale") / "model")
+
+
+TINY_LM = ["--n-examples", "24", "--n-val", "4", "--tokens-per-batch", "4096", "--hidden", "32", "--heads", "2",
+           "--layers", "2", "--intermediate", "64", "--device", "cpu", "--val-every", "0", "--ckpt-every", "0"]
+
+
+def test_domain_sequences_are_the_adapters_and_routers_own_train_items(model_dir):
+    train_lm = _script("train_lm")
+    tok = UnifiedTokenizer.load(model_dir)
+    seqs, prompts = train_lm.domain_sequences(tok, 20_000, router_share=0.25, seed=0)
+    # the adapters' items come first, domain by domain: a prefix of train_domain_adapters.py's list (--seed 0)
+    adapters = [encode_item(tok, it) for it in domain_items(DOMAINS[0], 5, seed="0", split="train", foreign=0.4)]
+    assert seqs[:5] == [e.ids for e in adapters] and prompts[:5] == [e.answer_start for e in adapters]
+    # the router's mixed requests come last: a prefix of train_router.py's mixed items (--seed 0)
+    mixed = [encode_item(tok, it) for it in mixed_items(len(seqs), seed="router0", split="train", domains=DOMAINS)]
+    n_mixed = next(k for k in range(len(seqs), 0, -1) if seqs[-k:] == [e.ids for e in mixed[:k]])
+    router_ids = sum(len(s) for s in seqs[-5 * n_mixed:])  # the router's data: n items a domain + n mixed
+    assert abs(router_ids / sum(len(s) for s in seqs) - 0.25) < 0.05
+    total = sum(len(s) for s in seqs)
+    assert 0.85 * 20_000 < total < 1.15 * 20_000
+    assert all(tok.vocab.bos_id == s[0] and tok.vocab.eos_id == s[-1] and 0 < p < len(s) for s, p in zip(seqs, prompts))
+
+
+def test_domain_share_zero_adds_no_domain_items(model_dir, tmp_path):
+    train_lm = _script("train_lm")
+    out = tmp_path / "m"
+    out.mkdir()
+    for name in ("tokenizer.json", "vocab.json"):
+        (out / name).write_bytes((model_dir / name).read_bytes())
+    (out / "vq").symlink_to(model_dir / "vq")
+    metrics = train_lm.main(["--model-dir", str(out), *TINY_LM, "--steps", "2"])
+    assert metrics["domain_ids_seen"] == 0 and "domain_share" not in metrics
+    assert metrics["ids_seen"] > 0 and metrics["sequences"] <= 24
+
+
+def test_domain_share_puts_that_share_of_ids_in_the_lms_data(model_dir, tmp_path):
+    train_lm = _script("train_lm")
+    out = tmp_path / "m"
+    out.mkdir()
+    for name in ("tokenizer.json", "vocab.json"):
+        (out / name).write_bytes((model_dir / name).read_bytes())
+    (out / "vq").symlink_to(model_dir / "vq")
+    metrics = train_lm.main(["--model-dir", str(out), *TINY_LM, "--steps", "3", "--domain-share", "0.3",
+                             "--targets-only"])
+    assert abs(metrics["domain_share_actual"] - 0.3) < 0.05
+    assert metrics["domain_sequences"] > 0 and metrics["sequences"] > 24
+    assert 0 < metrics["domain_ids_seen"] < metrics["ids_seen"]
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(["--model-dir", str(out), "--domain-share", "1.0"])
+
+
+def test_the_tiny_study_runs_end_to_end_and_scores_both_arms_alike(model_dir, tmp_path):
+    run = tmp_path / "run"
+    env = {**os.environ, "TINY": "1", "DEVICE": "cpu", "BASE": str(model_dir), "PYTHON": sys.executable}
+    subprocess.run(["bash", str(ROOT / "scripts" / "scale_vs_specialise.sh"), str(run)], check=True, env=env,
+                   cwd=ROOT, capture_output=True, text=True, timeout=600)
+    summary = json.loads((run / "summary.json").read_text())
+    plan, budget = summary["plan"], summary["budget"]
+    assert plan["big_steps"] > plan["lm_steps"] and 0 < plan["domain_share"] < 1
+    assert budget["big_lm"]["steps"] == plan["big_steps"] and budget["arm1_lm"]["steps"] == plan["lm_steps"]
+    assert budget["big_lm"]["params"] > budget["arm1_lm"]["params"]
+    assert budget["big_lm"]["domain_ids_seen"] > 0
+    assert all(a["steps"] == plan["adapter_steps"] for a in budget["arm1_adapters"].values())
+    # eval-base on arm 1's LM reproduces eval_molora.py's base row: the 4x is scored as arm 1 is
+    check = budget["base_check"]
+    assert {k: v for k, v in check["eval_base"].items() if k != "seconds"} == \
+        {k: v for k, v in check["eval_molora_base"].items() if k != "seconds"}
+    rows = summary["rows"]
+    assert any(name.startswith("arm 4x") for name in rows) and any("ours top-2" in name for name in rows)
+    assert (run / "table.md").read_text().startswith("| row |")
