@@ -183,18 +183,14 @@ def check_correctness() -> bool:
             weights = w if k > 1 else None
             ref = routed_lora_topk_reference(x, A, B, slots, w if k > 1 else torch.ones_like(w), scale).float()
             den = ref.abs().max().clamp_min(1e-6)
-            stacked_cfg = stacked_mod.stacked_config(n, di, do, s * r)
-            # every path, and the stacked kernel in both schedules (one launch / two phases)
+            # every path, the stacked kernel in both schedules (two phases / one launch), the dense eager form
             narrow = s * r <= stacked_mod.MAX_WIDTH
-            variants = [(p, None) for p in ("gather", "stacked", "grouped", "auto") if narrow or p != "stacked"]
-            if n <= dispatch.DENSE_MAX_TOKENS:  # the eager decode path (auto takes it too outside graph mode)
-                variants.append(("torch", None))
-            if narrow:
-                variants.append(("stacked", {**stacked_cfg, "FUSED": not stacked_cfg["FUSED"]}))
-            for path, cfg in variants:
-                def call(out=None, path=path, cfg=cfg):
-                    if cfg is not None:
-                        return stacked_mod.stacked_lora(x, A, B, slots, weights, scale, out, cfg)
+            variants = [p for p in ("gather", "stacked", "fused", "grouped", "auto") if narrow or p not in
+                        ("stacked", "fused")]
+            if n <= dispatch.EAGER_MAX_TOKENS:  # the dense eager decode form
+                variants.append("torch")
+            for path in variants:
+                def call(out=None, path=path):
                     return dispatch.routed_lora_forward(x, A, B, slots, weights, scale, out, None, path)
                 try:
                     delta = poisoned_call(call)
@@ -210,8 +206,7 @@ def check_correctness() -> bool:
                 nan = int(torch.isnan(delta).sum())
                 good = err <= tol[dtype] and acc_err <= tol[dtype] * 2 and nan == 0
                 ok &= good
-                name = path if cfg is None else ("stk-1launch" if cfg["FUSED"] else "stk-2phase")
-                print(f"{str(dtype)[6:]:9s} N={n:5d} in={di:5d} out={do:5d} S={s} r={r:3d} k={k} {name:11s} "
+                print(f"{str(dtype)[6:]:9s} N={n:5d} in={di:5d} out={do:5d} S={s} r={r:3d} k={k} {path:11s} "
                       f"err={err:.2e} out+=err={acc_err:.2e} unwritten={nan} {'ok' if good else 'FAIL'}")
     ok &= check_graph_capture()
     RESULTS["correct"] = ok
@@ -331,9 +326,7 @@ def run_tuning() -> None:
                 us = bench_us(lambda cfg=cfg: stacked_mod.stacked_lora(x, A, B, slots, None, scale, None, cfg))
                 tune[f"r{r} N{n} 1launch split{split}"] = us
                 line.append(f"1launch/s{split}={us:.1f}")
-            two = stacked_mod.stacked_config(max(n, stacked_mod.FUSED_MAX_TOKENS + 1), D, D, S * r) \
-                if base["FUSED"] else base
-            us = bench_us(lambda: stacked_mod.stacked_lora(x, A, B, slots, None, scale, None, two))
+            us = bench_us(lambda: stacked_mod.stacked_lora(x, A, B, slots, None, scale, None, base))
             tune[f"r{r} N{n} 2phase"] = us
             line.append(f"2phase={us:.1f}")
             print(f"  r={r} N={n}: " + " ".join(line))
@@ -411,12 +404,24 @@ def make_layers(names_outs, d_in, grouped=True, r=R):
     return layers
 
 
+def eager_path(path, fn):
+    """fn with dispatch.EAGER_DECODE_PATH set to `path` ("fused": one launch per group call, "torch": the dense
+    form) for the call."""
+    def call():
+        before, dispatch.EAGER_DECODE_PATH = dispatch.EAGER_DECODE_PATH, path
+        try:
+            return fn()
+        finally:
+            dispatch.EAGER_DECODE_PATH = before
+    return call
+
+
 def run_eager() -> None:
     """Host time per call when called eagerly (no graph), at decode size: what each routed layer adds to an eager
     decode step. Per op and per layer: loops of 300 calls with one sync (host-bound). Per block of a Qwen3-1.7B-
     shaped model: a step of 8 blocks' 56 routed linears under one CallRouting, host time of the step measured with
     the queue empty at its start. `graph paths` = the same call inside kernels.graphs.graph_paths(), i.e. the
-    Triton kernels a captured step runs (the eager path before this pass)."""
+    Triton kernels a captured step runs."""
     if DEV == "cpu":
         return
     from molora.kernels.graphs import graph_paths
@@ -427,15 +432,6 @@ def run_eager() -> None:
             with graph_paths():
                 return fn()
         return call
-
-    def eager_stacked(fn):
-        def call():
-            before, dispatch.EAGER_DECODE_PATH = dispatch.EAGER_DECODE_PATH, "stacked"
-            try:
-                return fn()
-            finally:
-                dispatch.EAGER_DECODE_PATH = before
-        return call
     print("\n== eager host cost per call (N=1, d=4096, r=16, bf16; us per call, 300 calls, one sync) ==")
     x, A, B, slots, w, scale = make_inputs(1, 2, seed=9)
     slot = slots[:, 0].contiguous()
@@ -445,30 +441,30 @@ def run_eager() -> None:
     sc0 = float(scale[0])
     meta1 = build_routing_meta(slot, S)
     A_flat = A.reshape(-1, D)
+    one = stacked_mod.FusedLaunch(A[None], B, scale[None], (0, D))
+    qkv_launch = stacked_mod.FusedLaunch(torch.stack([A] * 3), torch.cat([B] * 3, 1), torch.stack([scale] * 3),
+                                         (0, D, 2 * D, 3 * D))
 
     def peft_like():  # PEFT's unmerged LoRA forward: result + lora_B(lora_A(dropout(x))) * scaling
         out.add_(torch.nn.functional.linear(torch.nn.functional.linear(x, A0), B0) * sc0)
 
+    def jit_launch():  # the one-launch kernel through JITFunction.run (what the first call of a launcher does)
+        one._direct.clear()
+        one(x, slot[:, None], None)
     cases = {
         "base F.linear (context)": lambda: torch.nn.functional.linear(x, W),
         "one small torch.mm (x @ A_cat^T)": lambda: torch.mm(x, A_flat.t()),
         "PEFT-like LoRA delta (4 torch ops)": peft_like,
-        "routed_lora(out=) auto (eager: dense)": lambda: routed_lora(x, A, B, slot, scale, out=out),
-        "routed_lora(out=) dense, meta prebuilt": lambda: routed_lora(x, A, B, slot, scale, out=out, meta=meta1),
-        "routed_lora_topk(out=) k=2 auto (dense)": lambda: routed_lora_topk(x, A, B, slots, w, scale, out=out),
+        "routed_lora(out=) auto (eager: fused)": lambda: routed_lora(x, A, B, slot, scale, out=out),
+        "routed_lora(out=) dense, meta prebuilt": lambda: routed_lora(x, A, B, slot, scale, out=out, meta=meta1,
+                                                                      path="torch"),
         "routed_lora(out=) gather (2 launches)": lambda: routed_lora(x, A, B, slot, scale, out=out, path="gather"),
+        "FusedLaunch, JITFunction.run": jit_launch,
+        "FusedLaunch, direct (kept launcher)": lambda: one(x, slot[:, None], None),
+        "FusedLaunch q/k/v, direct": lambda: qkv_launch(x, slot[:, None], None),
+        "FusedLaunch k=2, direct": lambda: one(x, slots, w),
         "check_inputs alone": lambda: check_inputs(x, A, B, slot[:, None], None, scale, out),
     }
-    try:
-        fused = stacked_mod._stacked_fused_kernel
-        args = (x, A, B, slot[:, None], scale, scale, out, 1, D, D, R, S, 128, x.stride(0), x.stride(1),
-                A.stride(0), A.stride(1), A.stride(2), B.stride(0), B.stride(1), B.stride(2), out.stride(0),
-                out.stride(1))
-        consts = dict(K=1, HAS_W=False, ACCUMULATE=True, DOT_DTYPE=triton.language.bfloat16, PRECISION="tf32",
-                      SR_PAD=64, BLOCK_M=16, BLOCK_K=256, BLOCK_N=64)
-        cases["one Triton launch (JITFunction.run)"] = lambda: fused[(1, 32)](*args, **consts, num_warps=4)
-    except Exception as exc:  # noqa: BLE001
-        print(f"  launch probe failed: {type(exc).__name__}: {str(exc)[:200]}")
     qkv = make_layers([(nm, D) for nm in QKV], D)
     qkv_apart = make_layers([(nm, D) for nm in QKV], D, grouped=False)
     o_proj = make_layers([("o_proj", D)], D)
@@ -487,13 +483,13 @@ def run_eager() -> None:
     cases |= {
         "q, k, v routing off": unrouted(qkv),
         "q, k, v routed, one group call": routed(qkv),
+        "q, k, v routed, one group call, eager dense": eager_path("torch", routed(qkv)),
         "q, k, v routed, one group call, graph paths": in_graph_paths(routed(qkv)),
-        "q, k, v routed, one group call, eager stacked": eager_stacked(routed(qkv)),
         "q, k, v routed, ungrouped": routed(qkv_apart),
         "o_proj routing off": unrouted(o_proj),
         "o_proj routed (group of one)": routed(o_proj),
+        "o_proj routed, eager dense": eager_path("torch", routed(o_proj)),
         "o_proj routed, graph paths": in_graph_paths(routed(o_proj)),
-        "o_proj routed, eager stacked": eager_stacked(routed(o_proj)),
         "routing set/reset only": routed([]),
     }
     res = {}
@@ -506,12 +502,12 @@ def run_eager() -> None:
         print(f"  {name:46s} {res[name]:8.2f}")
     nan = float("nan")
     for name, off, count in (("q, k, v routed, one group call", "q, k, v routing off", 3),
+                             ("q, k, v routed, one group call, eager dense", "q, k, v routing off", 3),
                              ("q, k, v routed, one group call, graph paths", "q, k, v routing off", 3),
                              ("q, k, v routed, ungrouped", "q, k, v routing off", 3),
                              ("o_proj routed (group of one)", "o_proj routing off", 1),
-                             ("q, k, v routed, one group call, eager stacked", "q, k, v routing off", 3),
-                             ("o_proj routed, graph paths", "o_proj routing off", 1),
-                             ("o_proj routed, eager stacked", "o_proj routing off", 1)):
+                             ("o_proj routed, eager dense", "o_proj routing off", 1),
+                             ("o_proj routed, graph paths", "o_proj routing off", 1)):
         added = (res.get(name, nan) - res.get(off, nan)) / count
         res[f"added per layer: {name}"] = added
         print(f"  added per routed layer, {name:44s} {added:8.2f} us (target <= 40)")
@@ -522,8 +518,8 @@ def run_eager() -> None:
 def run_eager_block() -> None:
     """A decode step's routed linears on the Qwen3-1.7B shape (d=2048, q 2048, k/v 1024, MLP 6144; 7 routed
     linears per block, q/k/v and gate/up grouped), 8 blocks, batch 1 and 8 tokens, r=16, 4 slots: host time per
-    step routed (eager dense path; Triton via graph paths) vs the same modules with routing off, and a PEFT-like
-    unmerged LoRA on every linear."""
+    step routed (eager fused path, the default; the dense form, the default before; Triton via graph paths) vs the
+    same modules with routing off, and a PEFT-like unmerged LoRA on every linear; static routing and top-2."""
     from molora.kernels.graphs import graph_paths
     from molora.routing.context import CallRouting, reset_routing, set_routing
     d, kv, ff, blocks = (64, 32, 128, 2) if ARGS.dry_run else (2048, 1024, 6144, 8)
@@ -534,7 +530,7 @@ def run_eager_block() -> None:
         attn = make_layers(shape[:4], d)
         mlp = make_layers(shape[4:6], d) + make_layers(shape[6:], ff)
         for layer in attn + mlp:
-            layer.block = b
+            layer.block = layer.route_key = b
         model.append(attn + mlp)
     linears = sum(len(m) for m in model)
     peft = [[(layer.weight, layer.lora_A[0].contiguous(), layer.lora_B[0].contiguous()) for layer in m]
@@ -548,23 +544,26 @@ def run_eager_block() -> None:
         xf = torch.randn(1, n, ff, device=DEV, dtype=torch.bfloat16)
         slots = torch.randint(0, S, (n,), device=DEV)
 
-        def step(routing_on=True):
-            token = set_routing(CallRouting(1, n, slots, S) if routing_on else None)
+        def run_layers(routing):
+            token = set_routing(routing)
             for m in model:
                 for layer in m:
                     layer(xf if layer.in_features == ff else xa)
             reset_routing(token)
 
+        def step(routing_on=True):
+            run_layers(CallRouting(1, n, slots, S) if routing_on else None)
+
+        def step_top2():  # learned routing's form: [N, 2] slots and weights for every block
+            routing = CallRouting(1, n, slots, S, k=2)
+            routing.learned = [None]  # for_block then reads block_slots
+            top2 = (torch.stack([slots, (slots + 1) % S], 1), torch.full((n, 2), 0.5, device=DEV))
+            routing.block_slots = {b: top2 for b in range(blocks)}
+            run_layers(routing)
+
         def step_graph_paths():
             with graph_paths():
                 step()
-
-        def step_stacked():  # eager decode calls on the stacked kernel (one launch per single projection)
-            dispatch.EAGER_DECODE_PATH = "stacked"
-            try:
-                step()
-            finally:
-                dispatch.EAGER_DECODE_PATH = eager_path
 
         def step_peft():
             for m in peft:
@@ -572,9 +571,11 @@ def run_eager_block() -> None:
                     xin = xf if W.shape[1] == ff else xa
                     y = F.linear(xin, W)
                     y.add_(F.linear(F.linear(xin, A1), B1) * 0.5)
-        eager_path = dispatch.EAGER_DECODE_PATH
-        rows = {"routing off": step_us(lambda: step(False)), "routed (eager dense)": step_us(step),
-                "routed (eager stacked)": step_us(step_stacked),
+        rows = {"routing off": step_us(lambda: step(False)),
+                "routed (eager fused)": step_us(eager_path("fused", step)),
+                "routed (eager dense)": step_us(eager_path("torch", step)),
+                "routed top-2 (eager fused)": step_us(eager_path("fused", step_top2)),
+                "routed top-2 (eager dense)": step_us(eager_path("torch", step_top2)),
                 "routed, graph paths (Triton)": step_us(step_graph_paths), "PEFT-like LoRA": step_us(step_peft)}
         if ARGS.profile and n == 1:  # where the host time goes (cProfile inflates Python; read the shares)
             import cProfile
@@ -586,14 +587,14 @@ def run_eager_block() -> None:
                     step()
                 prof.disable()
             torch.cuda.synchronize()
-            print(f"  cProfile of 20 routed steps (N=1, {linears} routed linears each), top 25 by own time:")
+            print(f"  cProfile of 20 routed steps (N=1, {linears} routed linears each, default path), top 25 by own time:")
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         off = rows["routing off"][0]
         for name, (host, wall) in rows.items():
             added = (host - off) / linears
             res[f"N{n} {name}"] = {"host": host, "wall": wall, "added_per_linear": added}
             print(f"  N={n:2d} {name:30s} host {host:9.1f}  wall {wall:9.1f}  added per linear {added:7.2f} us"
-                  + ("  (target <= 40)" if name.startswith("routed (") else ""))
+                  + ("  (target <= 40)" if name.startswith("routed") else ""))
     RESULTS["eager_block"] = res
 
 
@@ -611,8 +612,8 @@ def run_dense_gpu() -> None:
             A1, B1, sc1 = A[:1], B[:, :D], scale[:1]
             row = {}
             for name, a, b, sc, bd in (("1 proj", A1, B1, sc1, (0, D)), ("q/k/v", A, B, scale, bounds)):
-                for path in ("torch", "gather", "stacked", "grouped"):
-                    if path == "stacked" and S * r > stacked_mod.MAX_WIDTH:
+                for path in ("torch", "fused", "gather", "stacked", "grouped"):
+                    if path in ("stacked", "fused") and S * r > stacked_mod.MAX_WIDTH:
                         continue
                     row[f"{name} {path}"] = bench_us(lambda a=a, b=b, sc=sc, bd=bd, path=path:
                                                      dispatch.routed_lora_group_forward(x, a, b, slots, None, sc, bd,
@@ -654,8 +655,8 @@ def check_group_correctness() -> bool:
             x, A, B, scale, slots, w, bounds = group_inputs(n, outs, k, seed=200 + i, r=r, dtype=dtype)
             slots[::5, 0] = -1
             refs = [t.float() for t in routed_lora_group_reference(x, A, B, slots, w, scale, bounds)]
-            paths = ["gather", "grouped", "auto"] + (["stacked"] if S * r <= stacked_mod.MAX_WIDTH else []) + \
-                (["torch"] if n <= dispatch.DENSE_MAX_TOKENS else [])
+            paths = ["gather", "grouped", "auto"] + (["stacked", "fused"] if S * r <= stacked_mod.MAX_WIDTH else []) + \
+                (["torch"] if n <= dispatch.EAGER_MAX_TOKENS else [])
             for path in paths:
                 try:
                     got = poisoned_call(lambda: routed_lora_group(x, A, B, slots, w, scale, bounds, path=path))
@@ -671,8 +672,36 @@ def check_group_correctness() -> bool:
                 ok &= good
                 print(f"  {str(dtype)[6:]:9s} N={n:5d} outs={outs} r={r:3d} k={k} {path:8s} "
                       f"err={max(errs):.2e} unwritten={nan} {'ok' if good else 'FAIL'}")
+            if S * r <= stacked_mod.MAX_WIDTH and n <= dispatch.EAGER_MAX_TOKENS:
+                ok &= check_fused_direct(x, A, B, scale, slots, w, bounds, tol[dtype])
     RESULTS["group_correct"] = ok
     return ok
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+def check_fused_direct(x, A, B, scale, slots, w, bounds, tol) -> bool:
+    """A kept FusedLaunch (as a projection group keeps it): the first call compiles, the later ones call the
+    compiled kernel's launcher directly; new slot values before each call, output poisoned (NaN) before each."""
+    launch = stacked_mod.FusedLaunch(A, B, scale, bounds)
+    errs, nan = [], 0
+    for i in range(4):
+        slots.copy_(torch.randint(-1, S, slots.shape, device=DEV, generator=torch.Generator(DEV).manual_seed(i)))
+        real = torch.Tensor.new_empty
+        torch.Tensor.new_empty = lambda t, *a, **kw: poison(real(t, *a, **kw))
+        try:
+            got = launch(x, slots, w).float()
+        finally:
+            torch.Tensor.new_empty = real
+        ref = torch.cat([t.float() for t in routed_lora_group_reference(x, A, B, slots, w, scale, bounds)], 1)
+        errs.append(((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item())
+        nan += int(torch.isnan(got).sum())
+    good = max(errs) <= tol and nan == 0 and (bool(launch._direct) or DEV == "cpu")  # (the interpreter: no direct)
+    print(f"  {str(x.dtype)[6:]:9s} N={x.shape[0]:5d} P={A.shape[0]} k={slots.shape[1]} fused, 4 calls of one launcher "
+          f"(3 direct) err={max(errs):.2e} unwritten={nan} direct={bool(launch._direct)} {'ok' if good else 'FAIL'}")
+    return good
 
 
 def run_k3() -> None:
@@ -843,7 +872,8 @@ def main() -> None:
     env = {"device": torch.cuda.get_device_name() if DEV == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
            "dry_run": ARGS.dry_run, "STACKED_MAX_WIDTH": dispatch.STACKED_MAX_WIDTH,
-           "GATHER_MAX_ROWS_STACKED": dispatch.GATHER_MAX_ROWS_STACKED, "FUSED_MAX_TOKENS": stacked_mod.FUSED_MAX_TOKENS}
+           "GATHER_MAX_ROWS_STACKED": dispatch.GATHER_MAX_ROWS_STACKED, "EAGER_MAX_TOKENS": dispatch.EAGER_MAX_TOKENS,
+           "EAGER_DECODE_PATH": dispatch.EAGER_DECODE_PATH, "EAGER_FUSED_MAX_WIDTH": dispatch.EAGER_FUSED_MAX_WIDTH}
     RESULTS["env"] = env
     print("env:", env)
     torch.manual_seed(0)

@@ -3,8 +3,12 @@ or grouped kernel on CUDA otherwise.
 
 The choice depends on shapes (rows M = N*k, rank r, stacked width S*r) and on one explicit mode, never on slot
 values:
-  torch    the CPU; and on CUDA, decode-sized calls (N <= DENSE_MAX_TOKENS) outside graph mode: the dense form of
-           kernels/torch_ops.py, four C++-dispatched launches, the least host time (an eager step is host-bound)
+  fused    on CUDA, decode-sized calls (N <= EAGER_MAX_TOKENS) outside graph mode on narrow hot sets: the stacked
+           kernel's one-launch schedule for all P projections of a group call, launched through the compiled
+           kernel's own launcher (kernels/triton_stacked.py, FusedLaunch): the least host time (an eager step is
+           host-bound)
+  torch    the CPU; and the eager decode calls on wider hot sets: the dense form of kernels/torch_ops.py, four
+           C++-dispatched launches
   gather   few rows (rows * r small): reads only the chosen slots, split-K latency kernel
   stacked  narrow hot sets (S*r small) above that, any k: cost independent of k, no metadata; and top-k on
            hot sets up to S*r = 256 at many rows
@@ -12,14 +16,15 @@ values:
 Graph mode (kernels/graphs.py: on inside capture_graph, for its warm-up and its capture alike) takes the Triton
 paths at every size, the least GPU time, which is all a replayed graph costs; since warm-up and capture see the
 same mode, a warm-up compiles exactly what the capture records. A capture made outside capture_graph records the
-dense form, which is capture-safe too (no host read).
+eager decode path, which is capture-safe too (no host read, the current stream).
 Projections that share x (routed_lora_group_forward) take the same choice, except at k = 1 (choose_group_path):
 the gather kernel only while N*r*P is small, and with prebuilt metadata the grouped kernel replaces the stacked one
-once N*r is large; every path then shrinks once for all of them.
+once N*r is large; every path then shrinks once for all of them (the fused path: in every program, from L2).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -32,7 +37,7 @@ from molora.kernels.triton_common import HAS_TRITON, interpreting
 if HAS_TRITON:
     from molora.kernels.triton_gather import gather_lora, gather_lora_group
     from molora.kernels.triton_grouped import grouped_lora, grouped_lora_group
-    from molora.kernels.triton_stacked import MAX_WIDTH, stacked_lora, stacked_lora_group
+    from molora.kernels.triton_stacked import MAX_WIDTH, FusedLaunch, stacked_lora, stacked_lora_group
 
 log = logging.getLogger(__name__)
 
@@ -72,30 +77,30 @@ GROUP_STACKED_MAX_ROW_RANK = 256
 # 68.6 vs 53.4; N=2048 k=2 59.3 vs 137.6; N=8192 k=2 142.3 vs 658.0. Wider stacks do not fit the stacked tiles.
 STACKED_TOPK_MAX_WIDTH = 256
 STACKED_TOPK_MIN_ROWS_WIDE = 1024
-# Eager decode calls (CUDA, N <= DENSE_MAX_TOKENS, not in graph mode) take the dense torch form: four C++-dispatched
-# launches per group call (9-16 us of host each on the H200's host) against two Triton launches (24-30 us each) plus
-# their Python. Its GPU time is 2-2.4x the gather kernel's (r=16 N=1: 19.0 vs 8.1 us), which only a captured graph
-# would pay, and graph mode takes the Triton kernels there. Host time added per routed linear, decode step of 8
-# Qwen3-1.7B-shaped blocks, dense vs Triton, two runs (H200, 2026-12-01): N=1 60.9 / 82.8 vs 83.2 / 49.9 us; N=8
-# 64.4 / 54.5 vs 128.8 / 55.7 (benchmarks/RESULTS.md, "Kernels: eager decode path (issue 13, third pass)").
-# DENSE_MAX_TOKENS = 0 sends eager calls to the Triton kernels again.
-DENSE_MAX_TOKENS = 16
-# What those eager decode calls take: "torch" (the dense form, four launches whatever P) or "stacked" (narrow hot
-# sets, S*r <= STACKED_MAX_WIDTH: the one-launch stacked kernel for one projection, its two-phase schedule for a
-# group; the dense form for wider hot sets). Same step, run 2: stacked 84.4 us (N=1) and 125.4 (N=8) per linear.
-EAGER_DECODE_PATH = "torch"
+# Eager decode calls (CUDA, N <= EAGER_MAX_TOKENS, not in graph mode): an eager step is host-bound, so these take
+# the path with the least host time. EAGER_DECODE_PATH "fused": one Triton launch per group call through the
+# compiled kernel's launcher (FusedLaunch) on hot sets up to EAGER_FUSED_MAX_WIDTH = S*r, the dense torch form
+# (four C++-dispatched launches per group call, 9-16 us of host each on the H200's host) on wider ones; "torch": the
+# dense form everywhere. Host time added per routed linear, decode step of 8 Qwen3-1.7B-shaped blocks (H200,
+# benchmarks/RESULTS.md, "Kernels: one launch per group call (issue 13, fourth pass)"). Graph mode takes the
+# Triton kernels with the least GPU time instead (the one-launch schedule costs ~2x their GPU time).
+EAGER_MAX_TOKENS = 16
+EAGER_DECODE_PATH = "fused"
+# The one-launch schedule re-reads a projection's stacked A [S*r, in] in every program: measured at S*r = 64 (r=16,
+# 4 slots); wider hot sets take the dense form.
+EAGER_FUSED_MAX_WIDTH = 64
 
 # Rows up to which the CPU uses the dense all-slots form instead of the slot-grouped loop (decode steps: 2-8 rows;
 # 30-39 us vs 57-62 us per layer at hidden 256, measured on the 2-core dev machine, 2026-11-30).
 CPU_DENSE_MAX_ROWS = 16
 
-PATHS = ("auto", "torch", "gather", "stacked", "grouped")
+PATHS = ("auto", "torch", "fused", "gather", "stacked", "grouped")
 
 
 def dense_fits(x: torch.Tensor, k: int) -> bool:
     """Is x [N, in] (k choices per token) small enough for the dense torch form? By tokens on CUDA (its cost there
     is per launch, whatever k), by rows N*k on the CPU (measured so)."""
-    return x.shape[0] <= DENSE_MAX_TOKENS if x.is_cuda else x.shape[0] * k <= CPU_DENSE_MAX_ROWS
+    return x.shape[0] <= EAGER_MAX_TOKENS if x.is_cuda else x.shape[0] * k <= CPU_DENSE_MAX_ROWS
 
 
 def triton_usable(x: torch.Tensor) -> bool:
@@ -110,10 +115,8 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
     if not triton_usable(x):
         return "torch"
     n = x.shape[0]
-    if n <= DENSE_MAX_TOKENS and x.is_cuda and not graph_mode():  # eager decode call: least host time
-        if EAGER_DECODE_PATH == "stacked" and num_slots * rank <= STACKED_MAX_WIDTH:
-            return "stacked"
-        return "torch"
+    if n <= EAGER_MAX_TOKENS and x.is_cuda and not graph_mode():  # eager decode call: least host time
+        return "fused" if EAGER_DECODE_PATH == "fused" and num_slots * rank <= EAGER_FUSED_MAX_WIDTH else "torch"
     rows = n * k
     width = num_slots * rank
     if width <= STACKED_MAX_WIDTH:  # narrow
@@ -139,12 +142,11 @@ def choose_group_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, r
       N=2048 309.7 vs 365.5, N=8192 1284 vs 1354; but N=16 (delta alone) stacked 12.16 vs grouped 15.49.
     Shapes and graph mode only."""
     path = choose_path(x, k, has_meta, num_slots, rank)
-    if proj == 1 or path == "torch":
+    if proj == 1 or path == "torch" or path == "fused":
         return path
     if path == "gather" and k == 1 and x.shape[0] * rank * proj > GROUP_GATHER_MAX_ROW_RANK:  # measured for k = 1
         path = "stacked" if num_slots * rank <= STACKED_MAX_WIDTH else "grouped"
-    if k == 1 and has_meta and path == "stacked" and x.shape[0] * rank > GROUP_STACKED_MAX_ROW_RANK and \
-            (EAGER_DECODE_PATH != "stacked" or graph_mode() or x.shape[0] > DENSE_MAX_TOKENS):
+    if k == 1 and has_meta and path == "stacked" and x.shape[0] * rank > GROUP_STACKED_MAX_ROW_RANK:
         return "grouped"
     return path
 
@@ -175,8 +177,8 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
         return delta.to(x.dtype)
     if path == "gather":
         return gather_lora(x, A, B, slots, weights, scale, out)
-    if path == "stacked":
-        return stacked_lora(x, A, B, slots, weights, scale, out)
+    if path == "stacked" or path == "fused":
+        return stacked_lora(x, A, B, slots, weights, scale, out, fused=path == "fused")
     if path == "grouped":
         return grouped_lora(x, A, B, slots, weights, scale, out, meta)
     raise ValueError(f"unknown path {path!r}; choose one of {PATHS}")
@@ -184,20 +186,23 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
 
 def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
                               weights: torch.Tensor | None, scale: torch.Tensor, bounds: tuple[int, ...],
-                              meta: RoutingMeta | None = None, path: str = "auto") -> list[torch.Tensor]:
+                              meta: RoutingMeta | None = None, path: str = "auto",
+                              launch: FusedLaunch | None = None) -> list[torch.Tensor]:
     """No-autograd forward of P projections sharing x: A [P, S, r, in], B [S, O, r] (projection p's output columns
     bounds[p]:bounds[p+1]), scale [P, S], slots [N, k]. Returns P fresh deltas [N, width_p] in x's dtype.
     Every Triton path shrinks once for all projections (x read once) and expands all of them in one launch; the
-    CPU's grouped loop runs one projection at a time."""
+    CPU's grouped loop runs one projection at a time. `launch`: the caller's FusedLaunch for these A, B, scale and
+    bounds (kept across calls, so the fused path takes its direct launch); made here when None."""
     k = slots.shape[1]
-    if path == "torch" and dense_fits(x, k):  # first: the eager decode path, every microsecond of host time counts
+    if path == "auto":
+        path = choose_group_path(x, k, meta is not None, A.shape[1], A.shape[2], A.shape[0])
+    if path == "fused":  # first: the eager decode path, every microsecond of host time counts
+        delta = (launch or FusedLaunch(A, B, scale, bounds))(x, slots, weights)
+        return [delta] if A.shape[0] == 1 else list(delta.split(_widths(tuple(bounds)), 1))
+    if path == "torch" and dense_fits(x, k):
         deltas = routed_lora_torch_group_dense(x, A, B, slots, weights, scale, bounds, meta)
         return deltas if deltas[0].dtype == x.dtype else [d.to(x.dtype) for d in deltas]
     p_count, s_count, r, _ = A.shape
-    if path == "auto":
-        path = choose_group_path(x, k, meta is not None, s_count, r, p_count)
-        if path == "torch" and dense_fits(x, k):
-            return routed_lora_group_forward(x, A, B, slots, weights, scale, bounds, meta, path)
     n = x.shape[0]
     bounds = tuple(bounds)
     if path == "gather" or path == "grouped" or (path == "stacked" and s_count * r <= MAX_WIDTH):
@@ -209,8 +214,13 @@ def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
             flat = stacked_lora_group(x, A, B, slots, weights, scale, bounds)
         if p_count == 1:
             return [flat.view(n, bounds[1])]
-        widths = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+        widths = _widths(bounds)
         return [block.view(n, wd) for block, wd in zip(flat.split([n * wd for wd in widths]), widths)]
     spans = list(zip(bounds, bounds[1:]))
     return [routed_lora_forward(x, A[p], B[:, lo:hi], slots, weights, scale[p], None, meta, path)
             for p, (lo, hi) in enumerate(spans)]
+
+
+@functools.lru_cache(maxsize=256)
+def _widths(bounds: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in zip(bounds, bounds[1:]))

@@ -13,8 +13,9 @@ kernels/dispatch.py bounds S*r with the width up to which this path was measured
           P[ks, rows, cols] = coef[rows, cols] * x[rows, chunk_ks] @ Af[cols, chunk_ks]^T    (float32 partials)
   expand  grid (cdiv(N, EXPAND_M), OUT_SPLIT):
           out[rows, slice] (+)= (sum_ks P[ks, rows, :]) @ Bf[:, slice]
-  fused   grid (cdiv(N, BLOCK_M), OUT_SPLIT), N <= FUSED_MAX_TOKENS: both phases in one launch, each output
-          slice recomputing the (tiny) shrink, for decode steps, where an eager caller pays per launch
+  fused   grid (cdiv(N, BLOCK_M), P * OUT_SPLIT): both phases in one launch, each program a slice of one
+          projection's columns, recomputing that projection's (tiny) shrink, for eager decode calls, where the
+          caller pays per launch (FusedLaunch: one launch per group call, through the compiled kernel's launcher)
 Projections that read the same x (q/k/v, gate/up) share the shrink: with A [P, S, r, in] the shrink's columns
 are P blocks of S*r_pad (x read once for all), and one expand launch has P * OUT_SPLIT programs per row tile,
 each writing a slice of one projection's delta (stacked_lora_group). A plain call is P = 1.
@@ -141,22 +142,31 @@ if HAS_TRITON:
 
     @triton.jit
     def _stacked_fused_kernel(x_ptr, a_ptr, b_ptr, slot_ptr, w_ptr, scale_ptr, out_ptr,
-                              N, IN, OUT, R, S, OUT_PER,
-                              sx0, sx1, sa0, sa1, sa2, sb0, sb1, sb2, so0, so1,
+                              N, IN, OUT, R, S, O1, O2, O3, OUT_SPLIT,
+                              sx0, sx1, sap, sa0, sa1, sa2, ssp, sb0, sb1, sb2, so0, so1,
                               K: tl.constexpr, HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr,
                               DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SR_PAD: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Both phases in one launch (decode sizes, one projection): every output slice recomputes its row
-        tile's shrink."""
+        """Both phases in one launch for P projections sharing x (decode sizes): grid (row tiles, P * OUT_SPLIT),
+        each program a slice of one projection's columns (bounds 0, O1, O2, O3, OUT as in the expand kernel),
+        recomputing that projection's shrink for its row tile (x and A_p re-read from L2)."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mm = offs_m < N
         offs_m64 = offs_m.to(tl.int64)
-        t = _shrink_tile(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, offs_m64, mm, tl.arange(0, SR_PAD), 0, IN,
-                         R, S, sx0, sx1, 0, sa0, sa1, sa2, 0, K, HAS_W, DOT_DTYPE, PRECISION, SR_PAD, BLOCK_M,
-                         SR_PAD, BLOCK_K)
-        o_lo = tl.program_id(1) * OUT_PER
-        _expand_tile(t.to(DOT_DTYPE), b_ptr, out_ptr, offs_m64, mm, o_lo, tl.minimum(o_lo + OUT_PER, OUT), R, S,
-                     sb0, sb1, sb2, so0, so1, ACCUMULATE, DOT_DTYPE, PRECISION, SR_PAD, BLOCK_N)
+        p = tl.program_id(1) // OUT_SPLIT
+        q = tl.program_id(1) % OUT_SPLIT
+        lo = tl.where(p >= 3, O3, tl.where(p >= 2, O2, tl.where(p >= 1, O1, 0)))
+        hi = tl.where(p >= 3, OUT, tl.where(p >= 2, O3, tl.where(p >= 1, O2, O1)))
+        width = hi - lo
+        out_per = tl.cdiv(tl.cdiv(width, OUT_SPLIT), BLOCK_N) * BLOCK_N
+        o_lo = q * out_per
+        if o_lo < width:  # a narrower projection leaves some of its OUT_SPLIT programs without columns
+            t = _shrink_tile(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, offs_m64, mm, p * SR_PAD + tl.arange(0, SR_PAD),
+                             0, IN, R, S, sx0, sx1, sap, sa0, sa1, sa2, ssp, K, HAS_W, DOT_DTYPE, PRECISION, SR_PAD,
+                             BLOCK_M, SR_PAD, BLOCK_K)
+            _expand_tile(t.to(DOT_DTYPE), b_ptr + lo.to(tl.int64) * sb1, out_ptr + lo.to(tl.int64) * so1, offs_m64,
+                         mm, o_lo, tl.minimum(o_lo + out_per, width), R, S, sb0, sb1, sb2, so0, so1, ACCUMULATE,
+                         DOT_DTYPE, PRECISION, SR_PAD, BLOCK_N)
 
 
 # Widest stack (S*r) the tiles are sized for: at S*r = 512 (r=128) the two-phase top-k expand asked for 272 KB of
@@ -164,30 +174,24 @@ if HAS_TRITON:
 MAX_WIDTH = 256
 # Programs per launch that keep all 132 SMs of an H200 busy (2 per SM), the same aim as triton_grouped.py.
 TARGET_PROGRAMS = 264
-# Tokens up to which one launch does both phases (one row tile; every output slice recomputes the shrink from
-# L2): half the launches of the two-phase schedule, which is what an eager decode step pays for. H200, N=1, r=16:
-# host 61.4 us per call (one launch) vs 110.3 (two phases); GPU 21.7 vs 11.9 us, so kernels/dispatch.py sends
-# only eager decode calls here.
-FUSED_MAX_TOKENS = 16
 
 
 @functools.lru_cache(maxsize=1024)
-def stacked_config(n: int, d_in: int, d_out: int, width: int, proj: int = 1) -> dict:
+def stacked_config(n: int, d_in: int, d_out: int, width: int, proj: int = 1, fused: bool = False) -> dict:
     """Tiles for N tokens, `width` = S*r stacked columns per projection, `proj` projections sharing x (d_out is
-    one projection's width; see the module doc for the grids).
+    the widest projection's width; see the module doc for the grids); `fused`: the one-launch schedule.
 
     SHRINK_M grows with N because every shrink row tile re-reads the whole stacked A (S*r*in*2 bytes, from L2);
     SPLIT_K and OUT_SPLIT then spread each phase over ~TARGET_PROGRAMS programs.
     """
     sr_pad = max(16, next_pow2(width))
     if interpreting():  # tiny tiles so interpreter tests walk every split, column tile and mask
-        return dict(FUSED=n <= FUSED_MAX_TOKENS and proj == 1, SHRINK_M=16, EXPAND_M=16, BLOCK_C=16, BLOCK_K=16,
-                    BLOCK_N=16, SPLIT_K=2 if d_in > 16 else 1, OUT_SPLIT=2 if d_out > 16 else 1, num_warps=1,
-                    SR_PAD=sr_pad)
+        return dict(FUSED=fused, SHRINK_M=16, EXPAND_M=16, BLOCK_C=16, BLOCK_K=16, BLOCK_N=16,
+                    SPLIT_K=2 if d_in > 16 else 1, OUT_SPLIT=2 if d_out > 16 else 1, num_warps=1, SR_PAD=sr_pad)
     # A [BLOCK_K, S*r] and B [S*r, BLOCK_N] tiles stay <= 32 KB each (x3 pipeline stages in 228 KB of smem)
     tile_cols = 128 if sr_pad <= 128 else 64
-    if n <= FUSED_MAX_TOKENS and proj == 1:  # one launch (H200 N=1, r=16: 21.7-25.1 us for OUT_SPLIT 64..8)
-        block_n = min(64, tile_cols)
+    if fused:  # one launch, OUT_SPLIT slices per projection (H200 N=1, r=16, one projection: 21.7-25.1 us GPU time
+        block_n = min(64, tile_cols)  # for OUT_SPLIT 64..8)
         out_split = 1
         while out_split * 2 * block_n <= d_out and out_split < 32:
             out_split *= 2
@@ -219,29 +223,34 @@ def _check_width(s_count: int, r: int) -> None:
                                "use path='grouped' or 'auto' for wider hot sets")
 
 
+def _fused_args(x, A4, B, scale2, out, bounds, k, has_w, accumulate, cfg) -> tuple[tuple, tuple]:
+    """(grid, the one-launch kernel's arguments after its seven pointers and N): fixed for one set of stacked
+    adapters, one token count and one routing form, so FusedLaunch works them out once."""
+    n, d_in = x.shape
+    p_count, s_count, r, _ = A4.shape
+    o1, o2, o3 = (tuple(bounds[1:-1]) + (B.shape[1],) * 3)[:3]
+    dot_dtype, precision = dot_config(x.dtype)
+    grid = (cdiv(n, cfg["SHRINK_M"]), p_count * cfg["OUT_SPLIT"])
+    return grid, (d_in, B.shape[1], r, s_count, o1, o2, o3, cfg["OUT_SPLIT"], x.stride(0), x.stride(1),
+                  A4.stride(0), A4.stride(1), A4.stride(2), A4.stride(3), scale2.stride(0), B.stride(0), B.stride(1),
+                  B.stride(2), out.stride(0), out.stride(1), k, has_w, accumulate, dot_dtype, precision,
+                  cfg["SR_PAD"], cfg["SHRINK_M"], cfg["BLOCK_K"], cfg["BLOCK_N"])
+
+
 def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, cfg) -> None:
-    """Two phases for P = A4.shape[0] projections (or the one-launch schedule when cfg says FUSED, P = 1)."""
+    """Two phases for P = A4.shape[0] projections, or one launch when cfg says FUSED (out [N, O] then, strided)."""
     n, d_in = x.shape
     p_count, s_count, r, _ = A4.shape
     d_out = B.shape[1]
     k = slots.shape[1]
     slots = slots.contiguous()
     w = weights.contiguous() if weights is not None else scale2
-    cfg = cfg or stacked_config(n, d_in, max(b - a for a, b in zip(bounds, bounds[1:])), s_count * r, p_count)
     sr_pad = cfg["SR_PAD"]
-    dot_dtype, precision = dot_config(x.dtype)
     if cfg["FUSED"]:
-        out_per = cdiv(cdiv(d_out, cfg["OUT_SPLIT"]), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
-        A, scale = A4[0], scale2[0]
-        out = out.view(n, d_out)  # P = 1: the flat block layout is the row-major [N, O]
-        grid = (cdiv(n, cfg["SHRINK_M"]), cdiv(d_out, out_per))
-        _stacked_fused_kernel[grid](
-            x, A, B, slots, w, scale, out, n, d_in, d_out, r, s_count, out_per, x.stride(0), x.stride(1),
-            A.stride(0), A.stride(1), A.stride(2), B.stride(0), B.stride(1), B.stride(2), out.stride(0),
-            out.stride(1), K=k, HAS_W=weights is not None, ACCUMULATE=accumulate, DOT_DTYPE=dot_dtype,
-            PRECISION=precision, SR_PAD=sr_pad, BLOCK_M=cfg["SHRINK_M"], BLOCK_K=cfg["BLOCK_K"],
-            BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+        grid, tail = _fused_args(x, A4, B, scale2, out, bounds, k, weights is not None, accumulate, cfg)
+        _stacked_fused_kernel[grid](x, A4, B, slots, w, scale2, out, n, *tail, num_warps=cfg["num_warps"])
         return
+    dot_dtype, precision = dot_config(x.dtype)
     k_per = cdiv(cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split_k = cdiv(d_in, k_per)
     part = torch.empty(split_k, n, p_count * sr_pad, dtype=torch.float32, device=x.device)
@@ -260,16 +269,24 @@ def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, c
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
 
 
+def _config(x, A4, bounds, fused: bool) -> dict:
+    return stacked_config(x.shape[0], x.shape[1], max(b - a for a, b in zip(bounds, bounds[1:])),
+                          A4.shape[1] * A4.shape[2], A4.shape[0], fused)
+
+
 def stacked_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
                  weights: torch.Tensor | None, scale: torch.Tensor, out: torch.Tensor | None = None,
-                 config: dict | None = None) -> torch.Tensor:
-    """delta (x's dtype) for slots [N, k]; with `out` given, out += delta in place and out is returned."""
+                 config: dict | None = None, fused: bool = False) -> torch.Tensor:
+    """delta (x's dtype) for slots [N, k]; with `out` given, out += delta in place and out is returned.
+    `fused`: the one-launch schedule (eager decode calls), else two phases; `config` overrides the tiles."""
     _check_width(A.shape[0], A.shape[1])
     d_out = B.shape[1]
     out, accumulate = delta_target(x, d_out, out)
     if x.shape[0] == 0 or d_out == 0:
         return out
-    _launch(x, A[None], B, slots, weights, scale[None], out, accumulate, (0, d_out), False, config)
+    A4 = A[None]
+    cfg = config or _config(x, A4, (0, d_out), fused)
+    _launch(x, A4, B, slots, weights, scale[None], out, accumulate, (0, d_out), False, cfg)
     return out
 
 
@@ -278,13 +295,79 @@ def stacked_lora_group(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots:
                        config: dict | None = None) -> torch.Tensor:
     """The P deltas of projections sharing x (A [P, S, r, in], B [S, O, r], scale [P, S]) as one flat buffer
     [N * O]: projection p's delta is the contiguous [N, width_p] block starting at N * bounds[p]. One shrink
-    (x read once, all P*S*r columns), one expand launch for all projections."""
+    (x read once, all P*S*r columns), one expand launch for all projections (two-phase schedule; the one-launch
+    schedule for a group is FusedLaunch)."""
     _check_width(A.shape[1], A.shape[2])
     n = x.shape[0]
     d_out = B.shape[1]
     flat = torch.empty(n * d_out, dtype=x.dtype, device=x.device)
     if n and d_out:
-        if config is not None and config["FUSED"] and A.shape[0] > 1:
-            raise KernelInputError("the one-launch stacked schedule takes one projection")
-        _launch(x, A, B, slots, weights, scale, flat, False, bounds, True, config)
+        cfg = config or _config(x, A, bounds, False)
+        if cfg["FUSED"]:
+            raise KernelInputError("stacked_lora_group runs the two-phase schedule; FusedLaunch runs the one-launch one")
+        _launch(x, A, B, slots, weights, scale, flat, False, bounds, True, cfg)
     return flat
+
+
+class FusedLaunch:
+    """The one-launch schedule for one set of stacked adapters (A [P, S, r, in], B [S, O, r], scale [P, S],
+    projection p owning columns bounds[p]:bounds[p+1]): call(x, slots, weights) -> deltas [N, O] in x's dtype
+    (projection p's delta is columns bounds[p]:bounds[p+1]). What an eager decode step runs: one launch per group
+    call, its host cost cut to what the launch needs.
+
+    The first call for each (N, k, dtypes) goes through Triton's JITFunction.run (compiling if needed), which
+    returns the compiled kernel; later calls call that kernel's own launcher (`CompiledKernel.run`, the same
+    call in triton 3.6 and 3.9) with the grid and the arguments after x's worked out once, and device pointers as
+    plain ints (the launcher then skips a data_ptr() call and a cuPointerGetAttribute per tensor). A cached kernel
+    only runs arguments it was compiled for: the key holds what varies between calls (N, k, x's, the slots' and
+    the weights' dtypes), everything else is fixed per instance (the adapters' tensors, their strides and
+    alignment), and calls whose x, slots or weights are not 16-byte aligned (Triton specialises pointers on that)
+    take JITFunction.run every time. Profiler launch hooks (triton.knobs) are not called on the fast path. Under
+    the interpreter every call goes through JITFunction.run. Owners drop the instance when the adapters' tensors
+    are replaced (routing/lora.py: ProjectionGroup)."""
+
+    def __init__(self, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor, bounds: tuple[int, ...]) -> None:
+        _check_width(A.shape[1], A.shape[2])
+        self.A, self.B, self.scale, self.bounds = A, B, scale, tuple(bounds)
+        self.width = B.shape[1]
+        self._aligned = (A.data_ptr() | B.data_ptr() | scale.data_ptr()) % 16 == 0
+        self._ptrs = (A.data_ptr(), B.data_ptr())
+        self._scale_ptr = scale.data_ptr()
+        self._direct: dict[tuple, tuple] = {}
+
+    def __call__(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        n = x.shape[0]
+        x = x.contiguous()
+        slots = slots.contiguous()
+        out = x.new_empty(n, self.width)
+        if n == 0 or self.width == 0:
+            return out
+        key = (n, slots.shape[1], x.dtype, slots.dtype, None if weights is None else weights.dtype)
+        direct = self._direct.get(key)
+        if direct is not None:
+            if weights is None:
+                wp = self._scale_ptr
+            else:
+                weights = weights.contiguous()
+                wp = weights.data_ptr()
+            xp, sp = x.data_ptr(), slots.data_ptr()
+            if (xp | sp | wp) % 16 == 0:
+                run, function, packed, g0, g1, tail, stream = direct
+                run(g0, g1, 1, stream(x.get_device()), function, packed, None, None, None,
+                    xp, *self._ptrs, sp, wp, self._scale_ptr, out.data_ptr(), n, *tail)
+                return out
+        self._launch(x, slots, weights, out, key)
+        return out
+
+    def _launch(self, x, slots, weights, out, key) -> None:
+        """Through JITFunction.run; keeps the compiled kernel for the direct path when every pointer is aligned."""
+        A, B, scale = self.A, self.B, self.scale
+        w = weights.contiguous() if weights is not None else scale
+        cfg = _config(x, A, self.bounds, True)
+        grid, tail = _fused_args(x, A, B, scale, out, self.bounds, slots.shape[1], weights is not None, False, cfg)
+        kernel = _stacked_fused_kernel[grid](x, A, B, slots, w, scale, out, x.shape[0], *tail,
+                                             num_warps=cfg["num_warps"])
+        if not interpreting() and self._aligned and (x.data_ptr() | slots.data_ptr() | w.data_ptr()) % 16 == 0:
+            # the stream as JITFunction.run reads it (torch's raw stream handle), in triton 3.6 and 3.9 alike
+            self._direct[key] = (kernel.run, kernel.function, kernel.packed_metadata, grid[0], grid[1], tail,
+                                 triton.runtime.driver.active.get_current_stream)

@@ -34,6 +34,7 @@ from torch import nn
 from molora.kernels import reads_meta, routed_lora, routed_lora_topk
 from molora.kernels.autograd import needs_autograd
 from molora.kernels.dispatch import choose_group_path, routed_lora_group_forward
+from molora.kernels.triton_stacked import FusedLaunch
 from molora.routing.context import CallRouting, SharedDeltas, current_routing
 from molora.routing.errors import RoutingError
 
@@ -65,37 +66,42 @@ class ProjectionGroup:
             bounds.append(bounds[-1] + layer.out_features)
         self.bounds = tuple(bounds)
         self.size = len(self.members)
-        self._views: list[tuple[torch.Tensor, ...]] = []
-        if len(self.members) > 1:
-            self._stack()
+        self._stack()
 
     def __len__(self) -> int:
         return self.size
 
+    def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: the launcher holds the old tensors' addresses
+        return {**self.__dict__, "_launch": None}
+
     @torch.no_grad()
     def _stack(self) -> None:
+        """Stack the members' buffers into one tensor each and make the buffers views of them (a group of one
+        uses its buffers as they are); forget the launcher made for the previous tensors."""
         first = self.members[0]
-        p_count, out = len(self.members), self.bounds[-1]
-        num_slots, r_max, d_in = first.lora_A.shape
-        kw = {"dtype": first.lora_A.dtype, "device": first.lora_A.device}
-        A = torch.empty(p_count, num_slots, r_max, d_in, **kw)
-        B = torch.empty(num_slots, out, r_max, **kw)
-        scale = torch.empty(p_count, num_slots, dtype=first.lora_scale.dtype, device=kw["device"])
-        for p, layer in enumerate(self.members):
-            lo, hi = self.bounds[p], self.bounds[p + 1]
-            A[p].copy_(layer.lora_A)
-            B[:, lo:hi].copy_(layer.lora_B)
-            scale[p].copy_(layer.lora_scale)
-            layer._buffers["lora_A"], layer._buffers["lora_B"] = A[p], B[:, lo:hi]
-            layer._buffers["lora_scale"] = scale[p]
+        if self.size == 1:
+            buffers = first._buffers
+            A, B, scale = buffers["lora_A"][None], buffers["lora_B"], buffers["lora_scale"][None]
+        else:
+            p_count, out = len(self.members), self.bounds[-1]
+            num_slots, r_max, d_in = first.lora_A.shape
+            kw = {"dtype": first.lora_A.dtype, "device": first.lora_A.device}
+            A = torch.empty(p_count, num_slots, r_max, d_in, **kw)
+            B = torch.empty(num_slots, out, r_max, **kw)
+            scale = torch.empty(p_count, num_slots, dtype=first.lora_scale.dtype, device=kw["device"])
+            for p, layer in enumerate(self.members):
+                lo, hi = self.bounds[p], self.bounds[p + 1]
+                A[p].copy_(layer.lora_A)
+                B[:, lo:hi].copy_(layer.lora_B)
+                scale[p].copy_(layer.lora_scale)
+                layer._buffers["lora_A"], layer._buffers["lora_B"] = A[p], B[:, lo:hi]
+                layer._buffers["lora_scale"] = scale[p]
         self.A, self.B, self.scale = A, B, scale
         self._views = [(layer._buffers, layer.lora_A, layer.lora_B, layer.lora_scale) for layer in self.members]
+        self._launch: Any = None  # kernels' FusedLaunch for these tensors, made on the first eager decode call
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(A [P, S, r, in], B [S, O, r], scale [P, S]) over the members' current buffers."""
-        if self.size == 1:
-            buffers = self.members[0]._buffers
-            return buffers["lora_A"][None], buffers["lora_B"], buffers["lora_scale"][None]
         for buffers, a, b, sc in self._views:  # plain dict reads: this runs on every routed call
             if buffers["lora_A"] is not a or buffers["lora_B"] is not b or buffers["lora_scale"] is not sc:
                 self._stack()  # the model was moved or cast: buffers are separate copies now
@@ -112,8 +118,11 @@ class ProjectionGroup:
             lo, hi = bounds[only], bounds[only + 1]
             A, B, scale, bounds = A[only:only + 1], B[:, lo:hi], scale[only:only + 1], (0, hi - lo)
         # one path decision (by shape) for the call; the grouped kernel and the CPU read per-forward metadata
-        p_count, num_slots, rank = A.shape[:3]
-        path = choose_group_path(x2, slots.shape[1], True, num_slots, rank, p_count)
+        path = choose_group_path(x2, slots.shape[1], True, A.shape[1], A.shape[2], A.shape[0])
+        if path == "fused" and only is None:  # the eager decode path: the launcher kept for these tensors
+            if self._launch is None:
+                self._launch = FusedLaunch(A, B, scale, bounds)
+            return routed_lora_group_forward(x2, A, B, slots, weights, scale, bounds, None, path, self._launch)
         meta = routing.meta(block) if path == "grouped" or path == "torch" else None
         return routed_lora_group_forward(x2, A, B, slots, weights, scale, bounds, meta, path)
 
@@ -170,9 +179,10 @@ class RoutedLoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = current_routing()
-        weight = self.weight
+        params = self._parameters  # (dict reads, not nn.Module.__getattr__: this runs on every routed call)
+        weight = params["weight"]
         if routing is None:
-            return F.linear(x, weight, self.bias)
+            return F.linear(x, weight, params.get("bias"))  # (bias=False: a plain None attribute)
         slots, weights = routing.kernel_slots(self.route_key)
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] != slots.shape[0]:
@@ -185,7 +195,7 @@ class RoutedLoRALinear(nn.Linear):
             return self._forward_add(x, x2, routing, slots, weights)
         delta = self._shared_delta(routing, x, x2, slots, weights)
         y = delta.addmm_(x2, weight.t())  # the base GEMM accumulates onto the delta (cuBLAS beta = 1)
-        bias = self.bias
+        bias = params.get("bias")
         if bias is not None:
             y.add_(bias)
         return y.view(*x.shape[:-1], self.out_features)

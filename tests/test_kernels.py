@@ -360,7 +360,7 @@ def test_mixing_matrix_is_each_tokens_weight_per_slot():
     assert torch.equal(one, torch.tensor([[0, 0, 1], [0, 0, 0], [1, 0, 0]], dtype=torch.float16))
 
 
-def test_eager_decode_calls_take_the_dense_form_and_graph_mode_the_triton_kernels(monkeypatch):
+def test_eager_decode_calls_take_one_fused_launch_and_graph_mode_the_triton_kernels(monkeypatch):
     from types import SimpleNamespace
 
     from molora.kernels.graphs import graph_mode, graph_paths
@@ -369,33 +369,99 @@ def test_eager_decode_calls_take_the_dense_form_and_graph_mode_the_triton_kernel
 
     def cuda_x(n):  # what the dispatcher reads of x: its shape, device and dtype
         return SimpleNamespace(shape=(n, 64), is_cuda=True, dtype=torch.bfloat16)
-    n_max = dispatch.DENSE_MAX_TOKENS
-    assert dispatch.choose_path(cuda_x(1), 1, False, 4, 16) == "torch"
-    assert dispatch.choose_path(cuda_x(n_max), 4, True, 4, 128) == "torch"  # by tokens, any k and rank
+    n_max = dispatch.EAGER_MAX_TOKENS
+    assert dispatch.choose_path(cuda_x(1), 1, False, 4, 16) == "fused"
+    assert dispatch.choose_path(cuda_x(n_max), 4, True, 4, 16) == "fused"  # by tokens, any k
+    assert dispatch.choose_group_path(cuda_x(n_max), 1, True, 4, 16, 3) == "fused"  # one launch for the group
+    assert dispatch.choose_path(cuda_x(1), 1, False, 4, 32) == "torch"  # wider than measured: the dense form
+    assert dispatch.choose_group_path(cuda_x(1), 2, True, 4, 128, 3) == "torch"
     assert dispatch.choose_path(cuda_x(n_max + 1), 1, False, 4, 16) == "gather"
-    assert dispatch.choose_group_path(cuda_x(1), 1, True, 4, 16, 3) == "torch"
-    assert dispatch.reads_meta(cuda_x(1), 1, torch.zeros(3, 4, 16, 8))  # the dense form reads the mixing matrix
+    assert not dispatch.reads_meta(cuda_x(1), 1, torch.zeros(3, 4, 16, 8))  # the fused kernel reads no metadata
+    assert dispatch.reads_meta(cuda_x(1), 1, torch.zeros(3, 4, 32, 8))  # the dense form reads the mixing matrix
     assert not graph_mode()
     with graph_paths():  # capture_graph's warm-up and capture: the kernels with the least GPU time
         assert graph_mode()
         assert dispatch.choose_path(cuda_x(1), 1, False, 4, 16) == "gather"
+        assert dispatch.choose_group_path(cuda_x(1), 1, True, 4, 16, 3) == "gather"
         assert dispatch.choose_group_path(cuda_x(n_max), 1, True, 4, 64, 3) == "grouped"
         assert not dispatch.reads_meta(cuda_x(1), 1, torch.zeros(3, 4, 16, 8))
     assert not graph_mode()
     assert dispatch.dense_fits(torch.zeros(8, 4), 2) and not dispatch.dense_fits(torch.zeros(9, 4), 2)  # CPU: rows
-    # the alternative eager choice: the stacked kernel (one launch for one projection) on narrow hot sets
-    monkeypatch.setattr(dispatch, "EAGER_DECODE_PATH", "stacked")
-    assert dispatch.choose_path(cuda_x(1), 1, True, 4, 16) == "stacked"
-    assert dispatch.choose_group_path(cuda_x(1), 1, True, 4, 16, 3) == "stacked"  # not swapped for grouped
-    assert dispatch.choose_path(cuda_x(1), 1, True, 4, 64) == "torch"  # too wide for its tiles' measurements
-    with graph_paths():
-        assert dispatch.choose_group_path(cuda_x(1), 1, True, 4, 16, 3) == "gather"
+    monkeypatch.setattr(dispatch, "EAGER_DECODE_PATH", "torch")  # the alternative: the dense form everywhere
+    assert dispatch.choose_group_path(cuda_x(1), 1, True, 4, 16, 3) == "torch"
+
+
+def _fused_interpreter_checks() -> list[str]:
+    """The one-launch schedule (FusedLaunch, stacked_lora(fused=True), routed_lora_group_forward(path="fused"))
+    against kernels/reference.py under the interpreter: random inputs, P = 1..3 projections of uneven widths,
+    k = 1, 2, 4 (repeated slots, -1), one and two row tiles, outputs poisoned with NaN before each call.
+    Returns the failures (run by test_fused_one_launch_matches_reference_under_the_interpreter)."""
+    from molora.kernels import routed_lora_group_reference
+    from molora.kernels.dispatch import routed_lora_group_forward
+    from molora.kernels.triton_stacked import FusedLaunch, stacked_lora
+
+    real_new_empty = torch.Tensor.new_empty
+
+    def poisoned_new_empty(self, *args, **kwargs):  # FusedLaunch's output (the interpreter allocates with it too)
+        t = real_new_empty(self, *args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    torch.Tensor.new_empty = poisoned_new_empty
+    fails = []
+    tol = {torch.float32: 1e-4, torch.float16: 5e-3}
+    try:
+        for dtype in (torch.float32, torch.float16):
+            for i, (n, k, bounds, s, r, d_in) in enumerate([
+                    (1, 1, (0, 40), 4, 8, 40), (5, 2, (0, 40, 52, 64), 3, 8, 40), (16, 4, (0, 24, 56), 4, 4, 33),
+                    (17, 1, (0, 20, 36, 52), 2, 16, 24), (3, 2, (0, 9, 18), 3, 5, 16)]):
+                g = torch.Generator().manual_seed(100 + i)
+                p_count, d_out = len(bounds) - 1, bounds[-1]
+                x = torch.randn(n, d_in, generator=g).to(dtype)
+                A = (torch.randn(p_count, s, r, d_in, generator=g) / d_in ** 0.5).to(dtype)
+                B = torch.randn(s, d_out, r, generator=g).to(dtype)
+                scale = (torch.rand(p_count, s, generator=g) + 0.5).to(dtype)
+                slots = torch.randint(-1, s, (n, k), generator=g)
+                if k > 1:
+                    slots[::2, -1] = slots[::2, 0]  # a repeated slot sums its weights
+                weights = torch.rand(n, k, generator=g) if k > 1 else None
+                want = routed_lora_group_reference(x, A, B, slots, weights, scale, bounds)
+                launch = FusedLaunch(A, B, scale, bounds)
+                got = [launch(x, slots, weights) for _ in range(2)]  # a second call as an eager step makes it
+                got.append(torch.cat(routed_lora_group_forward(x, A, B, slots, weights, scale, bounds, None, "fused"),
+                                     1))
+                for j, y in enumerate(got):
+                    err = rel_err(y, torch.cat(want, 1))
+                    if not (y.dtype == dtype and y.shape == (n, d_out) and err <= tol[dtype]):
+                        fails.append(f"{dtype} case {i} call {j}: err {err:.2e} shape {tuple(y.shape)}")
+                base = torch.randn(n, bounds[1], generator=g).to(dtype)  # one projection, added into out in place
+                out = stacked_lora(x, A[0], B[:, :bounds[1]], slots, weights, scale[0], base.clone(), fused=True)
+                err = rel_err(out.double() - base.double(), want[0])
+                if err > 2 * tol[dtype]:
+                    fails.append(f"{dtype} case {i} out+=: err {err:.2e}")
+    finally:
+        torch.Tensor.new_empty = real_new_empty
+    return fails
+
+
+def test_fused_one_launch_matches_reference_under_the_interpreter():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    code = ("import json, tests.test_kernels as t; print('FAILS=' + json.dumps(t._fused_interpreter_checks()))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fails = json.loads(proc.stdout.split("FAILS=")[-1])
+    assert fails == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", [(1, 1), (5, 2), (16, 1), (16, 4)])
-def test_cuda_eager_dense_path_and_captured_triton_path_match_reference(dtype, n, k):
+def test_cuda_eager_fused_path_and_captured_triton_path_match_reference(dtype, n, k):
     from molora.kernels import routed_lora_group, routed_lora_group_reference
     from molora.kernels.graphs import capture_graph
 
@@ -403,10 +469,13 @@ def test_cuda_eager_dense_path_and_captured_triton_path_match_reference(dtype, n
     x, A, B, scale = x.cuda(), A.cuda(), B.cuda(), scale.cuda()
     slots = torch.randint(-1, 4, (n, k), generator=g).cuda()
     weights = torch.rand(n, k, generator=g).cuda()
-    assert dispatch.choose_path(x, k, True, 4, 16) == "torch"  # eager: the dense form
+    assert dispatch.choose_path(x, k, True, 4, 16) == "fused"  # eager: one launch
     want = routed_lora_topk_reference(x, A, B, slots, weights, scale).double()
     eager = routed_lora_topk(x, A, B, slots, weights, scale, meta=build_routing_meta(slots, 4, weights))
     assert eager.dtype == dtype and rel_err(eager, want) <= 2.5e-2
+    dense = dispatch.routed_lora_forward(x, A, B, slots, weights, scale, None, build_routing_meta(slots, 4, weights),
+                                         "torch")
+    assert rel_err(dense, want) <= 2.5e-2
     graph, captured = capture_graph(lambda: routed_lora_topk(x, A, B, slots, weights, scale))  # Triton inside
     slots.copy_(torch.randint(-1, 4, (n, k), generator=g).cuda())  # replays read the new values
     graph.replay()
@@ -417,3 +486,13 @@ def test_cuda_eager_dense_path_and_captured_triton_path_match_reference(dtype, n
     got = routed_lora_group(x, A3, B3, slots, weights, s3, bounds)
     for y, ref in zip(got, routed_lora_group_reference(x, A3, B3, slots, weights, s3, bounds)):
         assert rel_err(y, ref.double()) <= 2.5e-2
+    # the group's launcher: the first call compiles, later calls take the compiled kernel's launcher directly (with
+    # new slot values each time); an x that is not 16-byte aligned takes JITFunction.run again
+    from molora.kernels.triton_stacked import FusedLaunch
+    launch = FusedLaunch(A3, B3, s3, bounds)
+    odd = torch.empty(n * 256 + 1, dtype=dtype, device="cuda")[1:].view(n, 256)
+    for x_in in (x, x, x, odd.copy_(x)):
+        slots.copy_(torch.randint(-1, 4, (n, k), generator=g).cuda())
+        want = torch.cat(routed_lora_group_reference(x, A3, B3, slots, weights, s3, bounds), 1)
+        assert rel_err(launch(x_in, slots, weights), want.double()) <= 2.5e-2
+    assert launch._direct  # the direct path was set up
