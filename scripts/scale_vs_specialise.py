@@ -166,6 +166,16 @@ def report(args: argparse.Namespace) -> dict:
             ("arm 1: 1x + adapters + router, ours top-2", arm1.get("ours_top2")),
             ("arm 1: oracle per span", arm1.get("oracle_span")),
             ("arm 4x: 4x base (domain items in its data), no adapters", big.get("base_4x"))]
+    # the training scripts' own validation, on other held-out items (same split and scoring, other seeds): a
+    # fallback when the eval above was cut short, and a check of it
+    own = {d: m["val_exact_match"] for d, m in adapters.items() if "val_exact_match" in m}
+    rows.append(("arm 1: each adapter on its own spans, train_domain_adapters.py's validation", own or None))
+    for k in ("top1", "top2"):
+        v = router.get("val", {}).get(k)
+        if v:
+            rows.append((f"arm 1: ours {k[:3]}-{k[3:]}, train_router.py's validation",
+                         {**{c: v[f"exact_{c}"] for c in (*DOMAINS, "mixed") if f"exact_{c}" in v},
+                          "all": v.get("exact_all")}))
     lines = ["| row | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
     lines += [f"| {name} | {_cells(r)} |" for name, r in rows if r]
 

@@ -11,13 +11,19 @@
 #   eval    scripts/eval_molora.py --rows base ours oracle_span on arm 1; the same items and scoring on the 4x base
 #           (scale_vs_specialise.py eval-base); then OUT/table.md and OUT/summary.json (scale_vs_specialise.py report)
 #
-#   scripts/scale_vs_specialise.sh [OUT]          # OUT defaults to runs/scale; the GPU run (one H200, ~9 min)
+#   scripts/scale_vs_specialise.sh [OUT]          # OUT defaults to runs/scale; the GPU run (one H200, ~8.5 min)
 #   TINY=1 DEVICE=cpu scripts/scale_vs_specialise.sh /tmp/scale      # a CPU smoke run at toy sizes (~1 min)
 #
 # BASE (default assets/model) lends its tokenizer.json, vocab.json and vq/: only the LMs are trained. Knobs:
-# LM_STEPS, AD_STEPS, RT_STEPS, N_EXAMPLES, N_EVAL, WORKERS (per LM process), DEVICE, BIG_LR, and the time limits
-# LM_MAX_MIN, BIG_MAX_MIN, AD_MAX_MIN, RT_MAX_MIN (0 = none; a limit that cuts a run short makes the budgets unequal:
-# OUT/summary.json records the steps each took). Logs go to OUT/logs/.
+# LM_STEPS, AD_STEPS, RT_STEPS, N_EXAMPLES, N_EVAL, WORKERS (per LM process), DEVICE, BIG_LR, COMPILE (1: both LMs
+# under torch.compile), and the time limits LM_MAX_MIN, BIG_MAX_MIN, AD_MAX_MIN, RT_MAX_MIN (0 = none, the default: a
+# limit that cuts a run short makes the budgets unequal; OUT/summary.json records the steps each took). Logs: OUT/logs/.
+#
+# Timings measured on one H200 (16 cores; 2026-12-01, benchmarks/RESULTS.md "Specialisation vs scale"): plan 14 s;
+# 120,000 examples a LM in 37 s (8 workers each, both LMs at once); the two concurrent torch.compile warm-ups cost
+# ~140 s before step 50; then the 1x ran 18-21 steps/s and the 4x 12-16 steps/s side by side (20 alone); four adapters
+# at once ~5 steps/s each; the router ~5.8 steps/s; eval_molora's three rows ~40 s. Arm 1 is a serial chain, so the
+# defaults (1,000 / 400 / 400 steps) end the whole study in about 500 s; 2,000 / 600 / 600 did not fit in 555 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/scale}
@@ -31,17 +37,18 @@ if [[ "${TINY:-0}" == "1" ]]; then
   BIG_SHAPE=(--n-examples 48 --n-val 8 --tokens-per-batch 4096 --hidden 64 --heads 4 --layers 2 --intermediate 128)
   AD_DATA=(--n-train 64 --n-val 8); RT_DATA=(--n-per-domain 16 --n-val 4); PLAN_DATA=(--n-train 64 --n-per-domain 16
     --tokens-per-batch 4096 --fill-examples 48)
-  COMPILE=()
+  COMPILE_ARGS=()
 else
-  LM_STEPS=${LM_STEPS:-2000}; AD_STEPS=${AD_STEPS:-500}; RT_STEPS=${RT_STEPS:-500}; N_EVAL=${N_EVAL:-200}
+  LM_STEPS=${LM_STEPS:-1000}; AD_STEPS=${AD_STEPS:-400}; RT_STEPS=${RT_STEPS:-400}; N_EVAL=${N_EVAL:-200}
   WORKERS=${WORKERS:-8}
   N_EXAMPLES=${N_EXAMPLES:-120000}
   LM_SHAPE=(--n-examples "$N_EXAMPLES" --tokens-per-batch 65536 --hidden 256 --heads 4 --layers 6 --intermediate 1024)
   BIG_SHAPE=(--n-examples "$N_EXAMPLES" --tokens-per-batch 65536 --hidden 512 --heads 8 --layers 6 --intermediate 2048)
   AD_DATA=(--n-train 12000 --n-val 200); RT_DATA=(--n-per-domain 3000 --n-val 100)
   PLAN_DATA=(--n-train 12000 --n-per-domain 3000 --tokens-per-batch 65536)
-  COMPILE=(--compile)
+  COMPILE_ARGS=(--compile)
 fi
+if [[ "${COMPILE:-1}" == "0" ]]; then COMPILE_ARGS=(); fi
 BIG_LR=${BIG_LR:-1e-3}  # Pythia-70M's (hidden 512, 6 layers); the 1x keeps the shipped 2e-3
 mkdir -p "$OUT/logs" "$OUT/arm1/model" "$OUT/big/model" "$OUT/arm1/adapters"
 for arm in arm1 big; do
@@ -62,7 +69,7 @@ big_arm() {
   stamp "4x: $BIG_STEPS steps, domain share $SHARE (router part $ROUTER_SHARE)"
   $PY scripts/train_lm.py --model-dir "$OUT/big/model" "${BIG_SHAPE[@]}" --steps "$BIG_STEPS" --lr "$BIG_LR" \
     --domain-share "$SHARE" --domain-router-share "$ROUTER_SHARE" --seed 0 --workers "$WORKERS" --device "$DEVICE" \
-    --val-every 0 --ckpt-every 0 --max-minutes "${BIG_MAX_MIN:-0}" "${COMPILE[@]}" > "$OUT/logs/big_lm.log" 2>&1
+    --val-every 0 --ckpt-every 0 --max-minutes "${BIG_MAX_MIN:-0}" "${COMPILE_ARGS[@]}" > "$OUT/logs/big_lm.log" 2>&1
   stamp "4x: eval"
   $PY scripts/scale_vs_specialise.py eval-base --model-dir "$OUT/big/model" --name base_4x --n "$N_EVAL" \
     --device "$DEVICE" --json "$OUT/big/eval.json" > "$OUT/logs/big_eval.log" 2>&1
@@ -73,7 +80,7 @@ arm1() {
   stamp "arm 1: 1x LM, $LM_STEPS steps"
   $PY scripts/train_lm.py --model-dir "$OUT/arm1/model" "${LM_SHAPE[@]}" --steps "$LM_STEPS" --seed 0 \
     --workers "$WORKERS" --device "$DEVICE" --val-every 0 --ckpt-every 0 --max-minutes "${LM_MAX_MIN:-0}" \
-    "${COMPILE[@]}" > "$OUT/logs/arm1_lm.log" 2>&1
+    "${COMPILE_ARGS[@]}" > "$OUT/logs/arm1_lm.log" 2>&1
 
   stamp "arm 1: adapters ${DOMAINS[*]}, $AD_STEPS steps each, one process each"
   local pids=() d pid
