@@ -75,9 +75,9 @@ LEARNED_EXAMPLES: list[tuple[str, int]] = [
     ('A small red star at the bottom, a large red star on the right, a small green triangle at the bottom right '
      'and a small blue diamond at the top right. How many green shapes are there? What is left of the blue '
      'diamond? A:', 0),
-    ('A large pink diamond in the bottom left corner, a large green square at the bottom right, a large pink '
-     'diamond on the right and a large yellow star at the bottom. What size is the green square? What is above the'
-     ' green square? A:', 0),
+    ('A small yellow triangle at the right, a small yellow triangle in the bottom right corner, a small purple '
+     'triangle in the center and a small yellow triangle at the top. What size is the purple triangle? What is above '
+     'the purple triangle? A:', 0),
 ]
 
 # (prompt, seed): a picture whose style the words ask for, for the learned router's image gates (shown when the

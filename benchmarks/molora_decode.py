@@ -1,10 +1,11 @@
-"""Greedy decode speed of learned MoLoRA top-2 against peft Arrow and peft X-LoRA, same prompts, same model.
+"""Greedy decode speed of learned MoLoRA top-2 (and top-1) against peft Arrow and peft X-LoRA, same prompts, same model.
 
 Each row decodes --new-tokens ids after a prefill of the same prompts (mixed held-out requests, cut to the
 shortest prompt so a batch needs no padding), batch 1 and batch 32, and reports decode tokens/s (prefill
 excluded, median of --runs):
 
     ours_top2    RoutedModel + LearnedRouter(top_k=2) over the domain adapters, KV cache (DynamicCache)
+    ours_top1    the same at top_k=1 (not a default row)
     peft_arrow   peft create_arrow_model (top_k=2), KV cache
     peft_xlora   peft X-LoRA: it refuses use_cache=True, so each step runs the whole sequence (scaling pass +
                  real pass), as its generate does; its classifier is untrained here (speed does not depend on it)
@@ -96,12 +97,15 @@ def main(argv: list[str] | None = None) -> dict:
     adapters = gates.adapters
     routed, tok = load_routed(args.model_dir, args.adapters_dir, adapters, args.device)
     routed.eval()
-    router = LearnedRouter(gates, top_k=2, vocab=tok.vocab)
     all_ids = prompts(tok, max(args.batch)).to(args.device)
 
-    def ours(ids, cache):
-        out = routed(ids, routers=router, past_key_values=cache, use_cache=True)
-        return out.logits, out.past_key_values
+    def ours(k: int):
+        router = LearnedRouter(gates, top_k=k, vocab=tok.vocab)  # one object: it carries the routing state
+
+        def step(ids, cache):
+            out = routed(ids, routers=router, past_key_values=cache, use_cache=True)
+            return out.logits, out.past_key_values
+        return step
 
     def hf(model):
         def step(ids, cache):
@@ -112,8 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
     rows: dict[str, tuple] = {}
     if "base" in args.rows:
         rows["base"] = ("cached", hf(fresh_lm(args.model_dir, args.device)))
-    if "ours_top2" in args.rows:
-        rows["ours_top2"] = ("cached", ours)
+    for k in (1, 2):
+        if f"ours_top{k}" in args.rows:
+            rows[f"ours_top{k}"] = ("cached", ours(k))
     if "peft_arrow" in args.rows:
         arrow = arrow_model(argparse.Namespace(model_dir=args.model_dir, adapters_dir=args.adapters_dir,
                                                device=args.device), adapters)

@@ -41,7 +41,8 @@ def xlora_row(args, adapters: list[str], tok, encoded, pad: int, record) -> None
                        adapters={str(i): str(args.adapters_dir / a) for i, a in enumerate(adapters)})
     model = get_peft_model(lm, xcfg)
     params = [p for p in model.parameters() if p.requires_grad]
-    train = shapes_data(tok, adapters, int(cfg["n_per_domain"]), f"router{seed}", "train")
+    train = shapes_data(tok, adapters, int(cfg["n_per_domain"]), f"router{seed}", "train",
+                        int(cfg.get("n_mixed", cfg["n_per_domain"])))
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = Schedule(steps, max(1, steps // 10))
     rng = random.Random(f"{seed}:router-order")  # the same batches as the router
