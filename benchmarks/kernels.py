@@ -371,21 +371,29 @@ def host_us(fn, calls: int = 300) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def step_us(fn, steps: int = 30) -> tuple[float, float]:
-    """(host, wall) median microseconds of one step: host = until fn returns (the queue starts empty: a sync
-    before each step), wall = until the GPU is done too."""
-    hosts, walls = [], []
+def steps_us(fns: dict, steps: int = 60, warmup: int = 5) -> dict[str, tuple[float, float, float]]:
+    """{name: (host, wall, host spread)} of one step of each fn: medians over `steps` rounds that run every fn
+    once in turn (so a drift of the host's speed during the run reaches every variant alike); host = until fn
+    returns (the queue starts empty: a sync before each step), wall = until the GPU is done too; spread = the
+    interquartile range of the host times."""
+    hosts = {name: [] for name in fns}
+    walls = {name: [] for name in fns}
     with torch.no_grad():
-        for i in range(steps + 5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            if i >= 5:
-                hosts.append(t1 - t0)
-                walls.append(time.perf_counter() - t0)
-    return statistics.median(hosts) * 1e6, statistics.median(walls) * 1e6
+        for i in range(steps + warmup):
+            for name, fn in fns.items():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                if i >= warmup:
+                    hosts[name].append(t1 - t0)
+                    walls[name].append(time.perf_counter() - t0)
+    out = {}
+    for name in fns:
+        q = statistics.quantiles(hosts[name], n=4)
+        out[name] = (statistics.median(hosts[name]) * 1e6, statistics.median(walls[name]) * 1e6, (q[2] - q[0]) * 1e6)
+    return out
 
 
 def make_layers(names_outs, d_in, grouped=True, r=R):
@@ -537,7 +545,8 @@ def run_eager_block() -> None:
             for m in model]
     F = torch.nn.functional
     print(f"\n== eager decode step, routed linears only, Qwen3-1.7B shape ({blocks} blocks, {linears} routed linears, "
-          "r=16, 4 slots, bf16; host and wall us per step, median of 30, queue empty at the start) ==")
+          "r=16, 4 slots, bf16; host and wall us per step, median of 60 rounds of every variant in turn, queue empty "
+          "at the start) ==")
     res = {}
     for n in (1, 8):
         xa = torch.randn(1, n, d, device=DEV, dtype=torch.bfloat16)
@@ -571,12 +580,11 @@ def run_eager_block() -> None:
                     xin = xf if W.shape[1] == ff else xa
                     y = F.linear(xin, W)
                     y.add_(F.linear(F.linear(xin, A1), B1) * 0.5)
-        rows = {"routing off": step_us(lambda: step(False)),
-                "routed (eager fused)": step_us(eager_path("fused", step)),
-                "routed (eager dense)": step_us(eager_path("torch", step)),
-                "routed top-2 (eager fused)": step_us(eager_path("fused", step_top2)),
-                "routed top-2 (eager dense)": step_us(eager_path("torch", step_top2)),
-                "routed, graph paths (Triton)": step_us(step_graph_paths), "PEFT-like LoRA": step_us(step_peft)}
+        rows = steps_us({"routing off": lambda: step(False), "routed (eager fused)": eager_path("fused", step),
+                         "routed (eager dense)": eager_path("torch", step),
+                         "routed top-2 (eager fused)": eager_path("fused", step_top2),
+                         "routed top-2 (eager dense)": eager_path("torch", step_top2),
+                         "routed, graph paths (Triton)": step_graph_paths, "PEFT-like LoRA": step_peft})
         if ARGS.profile and n == 1:  # where the host time goes (cProfile inflates Python; read the shares)
             import cProfile
             import pstats
@@ -590,10 +598,11 @@ def run_eager_block() -> None:
             print(f"  cProfile of 20 routed steps (N=1, {linears} routed linears each, default path), top 25 by own time:")
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         off = rows["routing off"][0]
-        for name, (host, wall) in rows.items():
+        for name, (host, wall, iqr) in rows.items():
             added = (host - off) / linears
-            res[f"N{n} {name}"] = {"host": host, "wall": wall, "added_per_linear": added}
-            print(f"  N={n:2d} {name:30s} host {host:9.1f}  wall {wall:9.1f}  added per linear {added:7.2f} us"
+            res[f"N{n} {name}"] = {"host": host, "wall": wall, "host_iqr": iqr, "added_per_linear": added}
+            print(f"  N={n:2d} {name:30s} host {host:9.1f} (IQR {iqr:6.1f})  wall {wall:9.1f}  added per linear "
+                  f"{added:7.2f} us"
                   + ("  (target <= 40)" if name.startswith("routed") else ""))
     RESULTS["eager_block"] = res
 
@@ -647,11 +656,14 @@ def check_group_correctness() -> bool:
     tol = {torch.bfloat16: 2.5e-2, torch.float16: 4e-3}
     cases = [(1, (D, D, D), 1, 16), (7, (D, 1024, 1024), 2, 16), (300, (D, D, D), 1, 16), (2048, (D, 1000), 1, 16),
              (600, (D, D), 2, 16), (40, (D, D, D), 1, 64), (600, (D, D, D), 1, 64), (33, (D, 777), 1, 128)]
+    fp16_cases = cases[1:4]
     if ARGS.dry_run:
-        cases = [(1, (64, 48), 1, 16), (40, (64, 64, 32), 2, 8)]
+        cases = fp16_cases = [(1, (64, 48), 1, 16), (40, (64, 64, 32), 2, 8)]
+    elif ARGS.quick_correct:  # decode sizes (the fused path, its kept launcher), one prefill size, one wide hot set
+        cases, fp16_cases = [cases[0], cases[1], cases[2], cases[5]], cases[1:2]
     ok = True
     for dtype in (torch.bfloat16, torch.float16):
-        for i, (n, outs, k, r) in enumerate(cases if dtype == torch.bfloat16 else cases[1:4]):
+        for i, (n, outs, k, r) in enumerate(cases if dtype == torch.bfloat16 else fp16_cases):
             x, A, B, scale, slots, w, bounds = group_inputs(n, outs, k, seed=200 + i, r=r, dtype=dtype)
             slots[::5, 0] = -1
             refs = [t.float() for t in routed_lora_group_reference(x, A, B, slots, w, scale, bounds)]
