@@ -80,14 +80,17 @@ STACKED_TOPK_MIN_ROWS_WIDE = 1024
 # Eager decode calls (CUDA, N <= EAGER_MAX_TOKENS, not in graph mode): an eager step is host-bound, so these take
 # the path with the least host time. EAGER_DECODE_PATH "fused": one Triton launch per group call through the
 # compiled kernel's launcher (FusedLaunch) on hot sets up to EAGER_FUSED_MAX_WIDTH = S*r, the dense torch form
-# (four C++-dispatched launches per group call, 9-16 us of host each on the H200's host) on wider ones; "torch": the
-# dense form everywhere. Host time added per routed linear, decode step of 8 Qwen3-1.7B-shaped blocks (H200,
-# benchmarks/RESULTS.md, "Kernels: one launch per group call (issue 13, fourth pass)"). Graph mode takes the
-# Triton kernels with the least GPU time instead (the one-launch schedule costs ~2x their GPU time).
+# (four C++-dispatched launches per group call) on wider ones; "torch": the dense form everywhere. Host time added
+# per routed linear, decode step of 8 Qwen3-1.7B-shaped blocks, r=16, 4 slots, H200, two runs (benchmarks/
+# RESULTS.md, "Kernels: one launch per group call (issue 13, fourth pass)"): fused 43.3 / 45.5 us at N=1 and
+# 18.9 / 40.5 at N=8, dense 102.1 / 119.1 and 60.3 / 104.7, PEFT-like unmerged LoRA 35.7 / 78.3 and 72.9 / 76.0.
+# Graph mode takes the Triton kernels with the least GPU time instead (the one-launch kernel: 17.4-18.0 us of GPU
+# time at r=16 N<=16, one projection or q/k/v, vs gather 8.5-14.7).
 EAGER_MAX_TOKENS = 16
 EAGER_DECODE_PATH = "fused"
-# The one-launch schedule re-reads a projection's stacked A [S*r, in] in every program: measured at S*r = 64 (r=16,
-# 4 slots); wider hot sets take the dense form.
+# The one-launch kernel re-reads a projection's stacked A [S*r, in] in every program: at S*r = 64 (r=16, 4 slots)
+# its GPU time is 17.4-18.0 us (d=4096), at S*r = 256 (r=64) 46-48 us; host time measured at S*r = 64 only, so
+# wider hot sets take the dense form.
 EAGER_FUSED_MAX_WIDTH = 64
 
 # Rows up to which the CPU uses the dense all-slots form instead of the slot-grouped loop (decode steps: 2-8 rows;
