@@ -3,10 +3,11 @@ state and the caching allocator settle), then capture one call. Used by the serv
 steps and by the kernel benchmark.
 
 While capture_graph warms up and captures, `graph_mode()` is True, and the dispatcher (kernels/dispatch.py) takes
-the paths that are fastest in GPU time (Triton kernels); outside it, decode-sized calls take the dense torch path,
-which costs the least host time (an eager step is host-bound). Warm-up and capture see the same flag, so what a
-capture records was compiled by the warm-up. A capture made without capture_graph gets the dense path, which is
-also capture-safe (torch ops only, no host read).
+the paths that are fastest in GPU time (Triton kernels); outside it, decode-sized calls take the eager decode path
+(one fused launch per group call, or the dense torch form on wide hot sets), which costs the least host time (an
+eager step is host-bound). Warm-up and capture see the same flag, so what a capture records was compiled by the
+warm-up. A capture made without capture_graph gets the eager decode path, which is also capture-safe (no host
+read; launches on the current stream).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ Two forms:
   counts costs nothing on the CPU. On CUDA that read synchronises: there the loop serves only the backward
   (training, no graph capture) and explicit path="torch" calls.
 - Dense form (routed_lora_torch_dense, _group_dense): every slot at once in four device ops, for a few rows: the
-  CPU's decode steps, and the GPU's eager decode calls, where Triton's Python launcher costs more host time than
-  four C++-dispatched cuBLAS / elementwise launches (kernels/dispatch.py).
+  CPU's decode steps, and the GPU's eager decode calls on hot sets wider than the fused kernel's (kernels/
+  dispatch.py: narrower ones take one fused Triton launch per group call, through a kept launcher).
 Accumulation is float32 (float64 when the inputs are float64, so gradcheck sees exact arithmetic); the dense form
 on the GPU computes in x's dtype with cuBLAS's float32 accumulation inside each product.
 """
@@ -120,9 +120,10 @@ def routed_lora_torch_dense(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s
     Four device ops whatever S and k (x @ all of A; every slot's expand in one bmm; C from the per-forward mixing
     matrix and the scales; the C-weighted sum over slots as one more bmm), no sort and no host read, so it can be
     captured. It does S-fold the arithmetic of a routed kernel, which is nothing at decode sizes, where the time is
-    per-op overhead: on the GPU these are C++-dispatched cuBLAS launches, cheaper on the host than Triton's Python
-    launcher (benchmarks/RESULTS.md, issue 13 third pass). Result in dense_dtype(x); with `out` (same dtype) the
-    last product accumulates into it (out += delta) and `out` is returned.
+    per-op overhead: on the GPU these are C++-dispatched cuBLAS launches, cheaper on the host than a launch through
+    Triton's JITFunction.run (benchmarks/RESULTS.md, issue 13 third pass; the fused path's kept launcher is cheaper
+    still, fourth pass). Result in dense_dtype(x); with `out` (same dtype) the last product accumulates into it
+    (out += delta) and `out` is returned.
     """
     coef, yt = _dense_parts(x, A[None], B, slots, weights, scale[None], meta)
     if out is not None and out.dtype == yt.dtype:
