@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,16 +14,7 @@ from molora.models.shapes.domains import domain_items, mixed_items
 from molora.models.testing import write_tiny_model_dir
 from molora.routing import LabelRouter, LearnedGates, LearnedRouter, RoutingError, SequenceRouter
 from molora.routing.errors import AdapterError, UnknownAdapterError
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def _script(name: str):
-    sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.script_loader import load_script
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +22,10 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("molora")
     model = write_tiny_model_dir(root / "model")
     adapters = root / "adapters"
-    metrics = _script("train_domain_adapters").main(
+    metrics = load_script("train_domain_adapters").main(
         ["--model-dir", str(model), "--out", str(adapters), "--domains", "count", "spatial", "--steps", "3",
          "--n-train", "48", "--n-val", "8", "--batch-size", "8", "--rank", "4", "--alpha", "8"])
-    router = _script("train_router").main(
+    router = load_script("train_router").main(
         ["--model-dir", str(model), "--adapters-dir", str(adapters), "--adapters", "count", "spatial",
          "--out", str(root / "router"), "--steps", "2", "--n-per-domain", "8", "--n-val", "4", "--batch-size", "8"])
     return root, model, adapters, metrics, router
@@ -107,7 +95,7 @@ def test_gates_over_adapters_that_are_not_loaded_are_refused_and_nothing_changes
 
 def test_router_data_jsonl_bad_lines_name_the_line(trained, tmp_path):
     root, model, adapters, _, _ = trained
-    train_router = _script("train_router")
+    train_router = load_script("train_router")
     tok = load_model_dir(model, adapters_dir=adapters).tokenizer
     good = tmp_path / "ok.jsonl"
     good.write_text('{"text": "a red circle"}\n{"prompt": "How many?", "answer": " two.", "domain": "count"}\n')
@@ -128,7 +116,7 @@ def test_router_trains_from_a_users_jsonl(trained, tmp_path):
     items = domain_items("count", 6, seed=0) + domain_items("spatial", 6, seed=0)
     data.write_text("".join(json.dumps({"prompt": i.prompt, "answer": i.answer, "domain": i.kind}) + "\n"
                             for i in items))
-    config = _script("train_router").main(
+    config = load_script("train_router").main(
         ["--model-dir", str(model), "--adapters-dir", str(adapters), "--adapters", "count", "spatial",
          "--out", str(tmp_path / "r"), "--data", str(data), "--steps", "2", "--batch-size", "4",
          "--label-coef", "0.5"])
@@ -140,7 +128,7 @@ def test_span_starts_mark_where_the_gate_must_switch_and_weigh_the_label_loss(tr
     """The first answer position of a mixed request and the first prediction of its second span are span starts;
     `start_weight` scales only their share of the label loss."""
     _, model, _, _, _ = trained
-    train_router = _script("train_router")
+    train_router = load_script("train_router")
     tok = load_model_dir(model).tokenizer
     e = encode_item(tok, mixed_items(1, seed="s", split="train", domains=["count", "spatial"])[0])
     batch = make_batch([e], [0], tok.vocab.pad_id, ["count", "spatial"])
@@ -161,7 +149,7 @@ def test_span_starts_mark_where_the_gate_must_switch_and_weigh_the_label_loss(tr
 
 def test_label_router_routes_each_position_to_its_label_and_checks_shapes(trained):
     root, model, adapters, _, _ = trained
-    train_router = _script("train_router")
+    train_router = load_script("train_router")
     routed, tok = train_router.load_routed(model, adapters, ["count", "spatial"])
     items = [encode_item(tok, it) for it in mixed_items(4, seed=0, domains=["count", "spatial"])]
     batch = make_batch(items, range(4), tok.vocab.pad_id, ["count", "spatial"])
@@ -178,7 +166,7 @@ def test_label_router_routes_each_position_to_its_label_and_checks_shapes(traine
 
 def test_learned_routing_is_hierarchical_in_one_pass(trained):
     root, model, adapters, _, _ = trained
-    train_router = _script("train_router")
+    train_router = load_script("train_router")
     routed, tok = train_router.load_routed(model, adapters, ["count", "spatial"])
     gates = LearnedGates.for_model(routed, ["count"])
     vocab = tok.vocab
@@ -204,8 +192,8 @@ def test_domain_adapters_act_only_on_their_own_answer_span(trained):
     """The composition contract: an adapter trained apart changes nothing before its own span, so any adapter
     meets the prompt as the base model wrote it (scripts/train_domain_adapters.py)."""
     root, model, adapters, _, _ = trained
-    train_domain = _script("train_domain_adapters")
-    routed, tok = _script("train_router").load_routed(model, adapters, ["count", "spatial"])
+    train_domain = load_script("train_domain_adapters")
+    routed, tok = load_script("train_router").load_routed(model, adapters, ["count", "spatial"])
     items = [encode_item(tok, it) for it in mixed_items(3, seed=1, domains=["count", "spatial"])]
     batch = make_batch(items, range(3), tok.vocab.pad_id, ["count"])
     with torch.no_grad():
@@ -220,7 +208,7 @@ def test_domain_adapters_act_only_on_their_own_answer_span(trained):
 
 def test_base_expert_routes_to_no_adapter_and_survives_save_and_load(trained, tmp_path):
     root, model, adapters, _, _ = trained
-    routed, tok = _script("train_router").load_routed(model, adapters, ["count", "spatial"])
+    routed, tok = load_script("train_router").load_routed(model, adapters, ["count", "spatial"])
     gates = LearnedGates.for_model(routed, ["count", "spatial"], base_expert=True)
     assert gates.num_experts == 3 and gates.experts == ["count", "spatial", None]
     assert gates.expert_slots({"count": 0, "spatial": 1}, "cpu").tolist() == [0, 1, -1]
@@ -273,7 +261,7 @@ def test_image_gates_route_each_picture_in_one_pass_text_gates_the_rest(trained)
     """Hierarchical learned routing: the vocabulary decides the modality, the text gates route text positions and
     the image gates pick each picture's adapter (here: the first picture 'spatial', the second the base)."""
     root, model, adapters, _, _ = trained
-    routed, tok = _script("train_router").load_routed(model, adapters, ["count", "spatial"])
+    routed, tok = load_script("train_router").load_routed(model, adapters, ["count", "spatial"])
     v = tok.vocab
     text_gates = LearnedGates.for_model(routed, ["count"])
     image_gates = LearnedGates.for_model(routed, ["spatial"], base_expert=True)
@@ -424,7 +412,7 @@ def test_image_gates_read_a_state_of_the_words_so_a_second_picture_follows_its_o
     hold the first picture instead."""
     from molora.routing.routers import LearnedGroup, routing_state
     root, model, adapters, _, _ = trained
-    routed, tok = _script("train_router").load_routed(model, adapters, ["count", "spatial"])
+    routed, tok = load_script("train_router").load_routed(model, adapters, ["count", "spatial"])
     v = tok.vocab
     text_gates = LearnedGates.for_model(routed, ["count"])
     image_gates = LearnedGates.for_model(routed, ["spatial"], base_expert=True, context_decays=(0.5, 0.97))
@@ -491,7 +479,7 @@ def test_init_from_with_train_new_only_keeps_the_loaded_context_decays_and_old_r
     shape = LearnedGates.load(root / "router" / "gates.safetensors")
     old = LearnedGates(shape.d_model, ["count"], shape.num_blocks, base_expert=True, context_decays=(0.6, 0.9))
     old.save(tmp_path / "old.safetensors")
-    train_router = _script("train_router")
+    train_router = load_script("train_router")
     config = train_router.main(
         ["--model-dir", str(model), "--adapters-dir", str(adapters), "--adapters", "count", "spatial",
          "--out", str(tmp_path / "r"), "--steps", "2", "--n-per-domain", "8", "--n-val", "4", "--batch-size", "8",

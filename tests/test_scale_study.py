@@ -4,7 +4,6 @@ orchestration script runs end to end at toy sizes on the CPU and scores both arm
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,17 +16,11 @@ from molora.models.shapes.domain_batches import encode_item
 from molora.models.shapes.domains import DOMAINS, domain_items, mixed_items
 from molora.models.testing import write_tiny_model_dir
 from molora.models.tokenizer import UnifiedTokenizer
+from tests.script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _script(name: str):
-    path = ROOT / "scripts" / f"{name}.py"
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +33,7 @@ TINY_LM = ["--n-examples", "24", "--n-val", "4", "--tokens-per-batch", "4096", "
 
 
 def test_domain_sequences_are_the_adapters_and_routers_own_train_items(model_dir):
-    train_lm = _script("train_lm")
+    train_lm = load_script("train_lm")
     tok = UnifiedTokenizer.load(model_dir)
     seqs, prompts = train_lm.domain_sequences(tok, 20_000, router_share=0.25, seed=0)
     # the adapters' items come first, domain by domain: a prefix of train_domain_adapters.py's list (--seed 0)
@@ -57,7 +50,7 @@ def test_domain_sequences_are_the_adapters_and_routers_own_train_items(model_dir
 
 
 def test_domain_share_zero_adds_no_domain_items(model_dir, tmp_path):
-    train_lm = _script("train_lm")
+    train_lm = load_script("train_lm")
     out = tmp_path / "m"
     out.mkdir()
     for name in ("tokenizer.json", "vocab.json"):
@@ -69,7 +62,7 @@ def test_domain_share_zero_adds_no_domain_items(model_dir, tmp_path):
 
 
 def test_domain_share_puts_that_share_of_ids_in_the_lms_data(model_dir, tmp_path):
-    train_lm = _script("train_lm")
+    train_lm = load_script("train_lm")
     out = tmp_path / "m"
     out.mkdir()
     for name in ("tokenizer.json", "vocab.json"):

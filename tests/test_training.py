@@ -3,7 +3,6 @@ applies each LoRA only at the positions vocabulary routing gives it; data is det
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -32,17 +31,11 @@ from molora.models.image_tokenizer import ImageTokenizer
 from molora.models.testing import BASE_MODEL_NAME, LORA_TARGETS, llama_config, write_tiny_model_dir
 from molora.models.tokenizer import UnifiedTokenizer, build_tiny_tokenizer
 from molora.models.vocab import IMAGE, TEXT
+from tests.script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _script(name: str):
-    path = ROOT / "scripts" / f"{name}.py"
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +43,10 @@ def trained(tmp_path_factory):
     """VQ -> tokenizer -> LM -> adapters, each a few steps at tiny sizes."""
     root = tmp_path_factory.mktemp("emb")
     model = root / "model"
-    vq_metrics = _script("train_vq").main(["--out", str(model / "vq"), "--tiny", "--steps", "3"])
-    _script("train_tokenizer").main(["--out", str(model), "--vq", str(model / "vq"), "--n-examples", "300"])
-    lm_metrics = _script("train_lm").main(["--model-dir", str(model), "--tiny", "--steps", "3"])
-    ad_metrics = _script("train_adapters").main(["--model-dir", str(model), "--out", str(root / "adapters"),
+    vq_metrics = load_script("train_vq").main(["--out", str(model / "vq"), "--tiny", "--steps", "3"])
+    load_script("train_tokenizer").main(["--out", str(model), "--vq", str(model / "vq"), "--n-examples", "300"])
+    lm_metrics = load_script("train_lm").main(["--model-dir", str(model), "--tiny", "--steps", "3"])
+    ad_metrics = load_script("train_adapters").main(["--model-dir", str(model), "--out", str(root / "adapters"),
                                                   "--tiny", "--steps", "2"])
     return root, vq_metrics, lm_metrics, ad_metrics
 
@@ -91,7 +84,7 @@ def test_adapters_are_peft_files_with_molora_json(trained):
 
 def test_lm_resume_continues_from_checkpoint(tmp_path):
     model = write_tiny_model_dir(tmp_path / "m")
-    train_lm = _script("train_lm")
+    train_lm = load_script("train_lm")
     args = ["--model-dir", str(model), "--tiny", "--ckpt-every", "2"]
     train_lm.main(args + ["--steps", "2"])  # no checkpoint kept at the end of a finished run
     assert not (model / "lm" / "checkpoint.safetensors").exists()
@@ -104,7 +97,7 @@ def test_lm_second_stage_trains_in_train_mode(trained, tmp_path, monkeypatch):
     root = trained[0]
     model = tmp_path / "model"
     shutil.copytree(root / "model", model)
-    train_lm = _script("train_lm")
+    train_lm = load_script("train_lm")
     modes, token_losses = [], train_lm.token_losses
     monkeypatch.setattr(train_lm, "token_losses", lambda m, *a: (modes.append(m.training), token_losses(m, *a))[1])
     train_lm.main(["--model-dir", str(model), "--tiny", "--steps", "2", "--init-from", str(root / "model" / "lm")])
@@ -113,7 +106,7 @@ def test_lm_second_stage_trains_in_train_mode(trained, tmp_path, monkeypatch):
 
 def test_lm_targets_only_takes_prompts_out_of_the_loss(trained, tmp_path, monkeypatch):
     """--targets-only: the same batch, with a prefix of some rows (the prompt or given picture) weighted 0."""
-    train_lm = _script("train_lm")
+    train_lm = load_script("train_lm")
     masks, token_losses = {}, train_lm.token_losses
 
     def spy(model, ids, mask, amp):
@@ -141,7 +134,7 @@ def test_lm_second_stage_starts_from_the_first_stages_weights(trained, tmp_path)
     shutil.copytree(root / "model", model)
     stage1 = tmp_path / "stage1"
     shutil.copytree(model / "lm", stage1)
-    train_lm = _script("train_lm")
+    train_lm = load_script("train_lm")
     # zero steps: the saved model is stage 1's, so the validation losses are stage 1's
     again = train_lm.main(["--model-dir", str(model), "--tiny", "--steps", "0", "--init-from", str(stage1)])
     assert again["init_from"] == str(stage1) and again["sequences"] == lm_metrics["sequences"]
@@ -171,7 +164,7 @@ def test_lm_trains_data_parallel_on_the_same_examples(trained, tmp_path):
 
 
 def test_routed_lora_mask_applies_only_at_routed_positions():
-    train_adapters = _script("train_adapters")
+    train_adapters = load_script("train_adapters")
     tok = build_tiny_tokenizer()
     torch.manual_seed(0)
     lm = LlamaForCausalLM(llama_config(tok.vocab, hidden_size=32, num_layers=2, num_heads=2,
@@ -278,7 +271,7 @@ def test_build_script_runs_every_stage_at_toy_sizes(tmp_path):
 
 
 def test_adapter_data_reads_given_pictures_of_either_style_as_context():
-    train_adapters = _script("train_adapters")
+    train_adapters = load_script("train_adapters")
     tok = build_tiny_tokenizer(row_markers=True)
     spec = ExampleSpec(mix=(("i2t", 1.0), ("t2i_instruction", 1.0)), looks=train_adapters.LOOKS)
     examples = train_adapters.given_pictures_in_either_style(sample_examples(80, seed=2, spec=spec), "s")
