@@ -2,8 +2,10 @@
 
 Per transformer block a gate Linear(d_model, E) on the block input picks the top-k of E adapters per token
 (routing/routers.py LearnedGates / LearnedRouter, hierarchical: image positions never reach the gate); with
---context-decays 0.5 0.8 0.97 (the default) every gate also reads the routing state, causal moving averages of the token
-embeddings, so block 0 sees which question is being answered (benchmarks/RESULTS.md, issue 12). The loss
+--context-decays (default: the shipped router's nine, 0.5 ... 0.99) every gate also reads the routing state, causal moving
+averages of the token embeddings, so block 0 sees which question is being answered (benchmarks/RESULTS.md, issue 12).
+With labels, --start-weight weighs the label loss at span starts, where the gate must switch (the shipped router: 5,
+with --label-coef 1.0 and --n-mixed 3x --n-per-domain; its command is in assets/model/README.md). The loss
 is the next-token loss on the answer ids (the whole text when a record has no prompt) + lb * Switch load-balance
 loss + z * router z-loss (both from RoutedModel.forward, averaged over blocks; computed in training only), and,
 when records carry domain labels and --label-coef > 0, a cross-entropy of every block's gate logits against the
@@ -63,6 +65,7 @@ from molora.routing import LearnedGates, LearnedRouter, MoLoRAError, RoutedModel
 from molora.routing.routers import GATES_FORMAT_VERSION  # noqa: E402
 
 log = logging.getLogger("train_router")
+SHIPPED_DECAYS = (0.5, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.99)  # assets/router: span starts read best (RESULTS.md)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -97,9 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--base-expert", action=argparse.BooleanOptionalAction, default=True,
                    help="one more gate output meaning 'no adapter' (context positions go there)")
-    p.add_argument("--context-decays", type=float, nargs="*", default=[0.5, 0.8, 0.97],
+    p.add_argument("--context-decays", type=float, nargs="*", default=list(SHIPPED_DECAYS),
                    help="gates also read causal moving averages of the token embeddings with these decays (default "
-                        "0.5 0.8 0.97, the shipped router's; --context-decays with no value: the block input only)")
+                        "the shipped router's nine; --context-decays with no value: the block input only)")
     p.add_argument("--max-minutes", type=float, default=0.0)
     p.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: at the end only)")
     p.add_argument("--init-from", type=Path, default=None,
