@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rows", nargs="+", default=["base", "ours_top2", "peft_arrow", "peft_xlora"])
+    p.add_argument("--rows", nargs="+", default=["base", "ours_top2", "peft_arrow", "peft_xlora"],
+                   choices=["base", "ours_top1", "ours_top2", "peft_arrow", "peft_xlora"])
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     args = p.parse_args(argv)

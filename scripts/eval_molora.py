@@ -23,9 +23,10 @@ Mixed requests are scored twice: the whole answer (both spans), and per span giv
 (mixed_spans, teacher forced).
 
 Reports per row: accuracy per domain and on mixed requests; oracle recovery on mixed requests
-(ours - base) / (oracle_span - base); routing agreement of the gates' top-1 with the span labels per block, and
-the share of prompt positions the gates send to their base expert. peft's rows apply adapters to every position
-(peft has no per-position routing besides Arrow's and X-LoRA's own).
+(ours - base) / (oracle_span - base); routing agreement of the gates' top-1 with the span labels per block (and
+at span starts, where a gate must switch: train_router.py's span_starts), and the share of prompt positions the
+gates send to their base expert. peft's rows apply adapters to every position (peft has no per-position routing
+besides Arrow's and X-LoRA's own).
 
     python scripts/eval_molora.py --json benchmarks/molora_eval.json
     python scripts/eval_molora.py --rows base ours oracle_span --n 50     # a quick look
@@ -47,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_router import load_routed, span_starts  # noqa: E402
+from train_router import answer_positions, context_positions, load_routed, span_starts  # noqa: E402
 
 from molora.models.runtime import device_name  # noqa: E402
 from molora.models.shapes.domain_batches import EncodedItem, encode_item, exact_matches, make_batch  # noqa: E402
@@ -230,12 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
             counted = [0, 0, 0]
 
             def on_output(batch, out, agree=agree, agree_starts=agree_starts, to_base=to_base, counted=counted):
-                sel = torch.zeros_like(batch.target)
-                sel[:, :-1] = batch.target[:, 1:]
-                sel &= batch.labels >= 0
-                flat = sel.reshape(-1)
+                flat = answer_positions(batch).reshape(-1)
                 starts = span_starts(batch).reshape(-1)
-                context = (batch.valid & (batch.labels < 0)).reshape(-1)
+                context = context_positions(batch).reshape(-1)
                 for block, ds in out.decisions.items():
                     top1 = ds[0].topk[:, 0]
                     right = top1 == batch.labels.reshape(-1)

@@ -3,7 +3,9 @@
 #
 #   arm 1   a fresh 1x LM (hidden 256, 6 layers, MLP 1024: the embedded base's shape and data mixture) for LM_STEPS
 #           steps of 65,536 ids, then the four domain adapters on it (train_domain_adapters.py, AD_STEPS steps each,
-#           four processes at once), then a router over them (train_router.py, the shipped router's flags, RT_STEPS)
+#           four processes at once), then a router over them (train_router.py, RT_STEPS steps, the
+#           previous shipped router's flags: three decays, --label-coef 1.0, no --start-weight, as many mixed
+#           requests as items a domain, which the plan and train_lm.py --domain-share assume)
 #   arm 4x  an LM of about 4x the parameters (hidden 512, 8 heads of 64, 6 layers, MLP 2048), no adapters, trained
 #           from scratch for as many ids as the whole of arm 1: LM_STEPS + the adapters' and router's ids in LM steps,
 #           with those very train items mixed into its data in the same share of ids (train_lm.py --domain-share;

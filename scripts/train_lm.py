@@ -155,9 +155,9 @@ def domain_sequences(tok: UnifiedTokenizer, n_ids: int, *, router_share: float, 
     index), encoded as train_domain_adapters.py and train_router.py read them ([<bos>] prompt answer [<eos>]).
 
     A share `router_share` of the ids are train_router.py's items with --seed `seed` (per domain, and as many mixed
-    requests of two domains), the rest train_domain_adapters.py's (per domain, 40% also asking another domain's
-    question): prefixes of the same seeded generators, so these are the items those scripts train on, up to the
-    count that fills the budget. The counts come from the mean length of the first 64 items of each kind."""
+    requests of two domains: its default --n-mixed), the rest train_domain_adapters.py's (per domain, 40% also
+    asking another domain's question): prefixes of the same seeded generators, so these are the items those scripts
+    train on, up to the count that fills the budget. The counts come from the mean length of the first 64 items of each kind."""
     from molora.models.shapes.domain_batches import encode_item
     from molora.models.shapes.domains import DOMAINS, domain_items, mixed_items
 
@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             break
         seen += len(batches)
     t_train, step, losses, val_curve, loss = time.time(), start, [], [], None
-    seen = {"ids": 0, "domain_ids": 0}  # real (non-padding) ids of the batches trained on, by this process
+    # real (non-padding) ids this process trains on from here (a resumed run: not those before its checkpoint)
+    trained_ids = {"ids": 0, "domain_ids": 0}
     sched = Schedule(args.steps, min(200, args.steps // 10), args.max_minutes)
     bar = tqdm(total=args.steps, initial=start, desc="lm", mininterval=10, disable=rank > 0)
     while True:
@@ -350,8 +351,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             epoch += 1
             batches = length_batches(lengths, args.tokens_per_batch, seed=args.seed, epoch=epoch)
         batch = batches.pop()
-        seen["ids"] += sum(lengths[i] for i in batch)  # on the host, from the lengths: no device sync
-        seen["domain_ids"] += sum(lengths[i] for i in batch if i >= n_base)
+        trained_ids["ids"] += sum(lengths[i] for i in batch)  # on the host, from the lengths: no device sync
+        trained_ids["domain_ids"] += sum(lengths[i] for i in batch if i >= n_base)
         ids, mask = collate([train[i] for i in batch], tok.vocab.pad_id,
                             context=[prompts[i] for i in batch] if args.targets_only else None)
         ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
@@ -382,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         if rank == 0 and args.ckpt_every and step % args.ckpt_every == 0 and step < args.steps:
             save_checkpoint(ckpt, model, opt, {"step": step})
     bar.close()
-    seen_all = torch.tensor([seen["ids"], seen["domain_ids"]], dtype=torch.float64)
+    seen_all = torch.tensor([trained_ids["ids"], trained_ids["domain_ids"]], dtype=torch.float64)
     if world_size > 1:
         dist.all_reduce(seen_all, group=sched_group)
         check_ranks_agree(model, sched_group)

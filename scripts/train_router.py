@@ -2,8 +2,9 @@
 
 Per transformer block a gate Linear(d_model, E) on the block input picks the top-k of E adapters per token
 (routing/routers.py LearnedGates / LearnedRouter, hierarchical: image positions never reach the gate); with
---context-decays (default: the shipped router's nine, 0.5 ... 0.99) every gate also reads the routing state, causal moving
-averages of the token embeddings, so block 0 sees which question is being answered (benchmarks/RESULTS.md, issue 12).
+--context-decays (default: the shipped router's nine, 0.5 ... 0.99) every gate also reads the routing state,
+causal moving averages of the token embeddings, so block 0 sees which question is being answered
+(benchmarks/RESULTS.md, issue 12).
 With labels, --start-weight weighs the label loss at span starts, where the gate must switch (the shipped router: 5,
 with --label-coef 1.0 and --n-mixed 3x --n-per-domain; its command is in assets/model/README.md). The loss
 is the next-token loss on the answer ids (the whole text when a record has no prompt) + lb * Switch load-balance
@@ -15,7 +16,7 @@ Top-k is the k of training; the gates are trained at k = 2 (softmax over the two
 weight is always 1 and the next-token loss gives the gate no gradient) and serve at k = 1 or 2.
 
 Data: by default the shapes question domains (models/shapes/domains.py, train split): --n-per-domain items of each
-adapter's domain and as many mixed requests; validation on held-out items. Or your own adapters and texts:
+adapter's domain and --n-mixed mixed requests (default as many); validation on held-out items. Or your own adapters and texts:
 
     --data my.jsonl  one JSON object a line: {"text": "..."} (loss on every id), or {"prompt": "...",
                      "answer": "..."} (loss on the answer), optional "domain": "<adapter name>" (routing
@@ -109,7 +110,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="start from these gates (adding an adapter: its rows start at zero, the others kept)")
     p.add_argument("--train-new-only", action="store_true",
                    help="with --init-from: train only the gate rows of adapters those gates did not have")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.start_weight <= 0:
+        p.error(f"--start-weight must be > 0 (got {args.start_weight}): it weighs the label loss at span starts")
+    return args
 
 
 # --- model and adapters ------------------------------------------------------------------------------------
@@ -340,10 +344,11 @@ def main(argv: list[str] | None = None) -> dict:
             val, train = [data[i] for i in order[:cut]], [data[i] for i in order[cut:]] or [data[order[0]]]
         source = {"data": str(args.data), "val_data": str(args.val_data) if args.val_data else "10% of data"}
     else:
-        train = shapes_data(tok, adapters, args.n_per_domain, f"router{args.seed}", "train", args.n_mixed)
+        n_mixed = args.n_per_domain if args.n_mixed is None else args.n_mixed
+        train = shapes_data(tok, adapters, args.n_per_domain, f"router{args.seed}", "train", n_mixed)
         val = shapes_data(tok, adapters, args.n_val, f"router-val{args.seed}", "heldout")
-        source = {"data": "models/shapes/domains.py", "n_per_domain": args.n_per_domain,
-                  "n_mixed": args.n_per_domain if args.n_mixed is None else args.n_mixed, "n_val": args.n_val}
+        source = {"data": "models/shapes/domains.py", "n_per_domain": args.n_per_domain, "n_mixed": n_mixed,
+                  "n_val": args.n_val}
     log.info("router over %s: %d train, %d val records", adapters, len(train), len(val))
     gates, result = train_gates(routed, tok, adapters, train, val, args)
     args.out.mkdir(parents=True, exist_ok=True)

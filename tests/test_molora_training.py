@@ -147,6 +147,14 @@ def test_span_starts_mark_where_the_gate_must_switch_and_weigh_the_label_loss(tr
     assert not torch.allclose(plain, heavy[0]) and torch.allclose(heavy[0], heavy[1], atol=1e-3)
 
 
+def test_start_weight_must_be_positive(capsys):
+    train_router = load_script("train_router")
+    for bad in ("0", "-1"):
+        with pytest.raises(SystemExit):
+            train_router.parse_args(["--out", "r", "--start-weight", bad])
+        assert "--start-weight must be > 0" in capsys.readouterr().err
+
+
 def test_label_router_routes_each_position_to_its_label_and_checks_shapes(trained):
     root, model, adapters, _, _ = trained
     train_router = load_script("train_router")

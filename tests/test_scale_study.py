@@ -21,11 +21,19 @@ from tests.script_loader import load_script
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return write_tiny_model_dir(tmp_path_factory.mktemp("scale") / "model")
+
+
+def lm_dir(model_dir: Path, tmp_path: Path) -> Path:
+    """A model folder holding the tiny model's tokenizer and VQ but no LM, for train_lm.py to train into."""
+    out = tmp_path / "m"
+    out.mkdir()
+    for name in ("tokenizer.json", "vocab.json"):
+        (out / name).write_bytes((model_dir / name).read_bytes())
+    (out / "vq").symlink_to(model_dir / "vq")
+    return out
 
 
 TINY_LM = ["--n-examples", "24", "--n-val", "4", "--tokens-per-batch", "4096", "--hidden", "32", "--heads", "2",
@@ -51,11 +59,7 @@ def test_domain_sequences_are_the_adapters_and_routers_own_train_items(model_dir
 
 def test_domain_share_zero_adds_no_domain_items(model_dir, tmp_path):
     train_lm = load_script("train_lm")
-    out = tmp_path / "m"
-    out.mkdir()
-    for name in ("tokenizer.json", "vocab.json"):
-        (out / name).write_bytes((model_dir / name).read_bytes())
-    (out / "vq").symlink_to(model_dir / "vq")
+    out = lm_dir(model_dir, tmp_path)
     metrics = train_lm.main(["--model-dir", str(out), *TINY_LM, "--steps", "2"])
     assert metrics["domain_ids_seen"] == 0 and "domain_share" not in metrics
     assert metrics["ids_seen"] > 0 and metrics["sequences"] <= 24
@@ -63,11 +67,7 @@ def test_domain_share_zero_adds_no_domain_items(model_dir, tmp_path):
 
 def test_domain_share_puts_that_share_of_ids_in_the_lms_data(model_dir, tmp_path):
     train_lm = load_script("train_lm")
-    out = tmp_path / "m"
-    out.mkdir()
-    for name in ("tokenizer.json", "vocab.json"):
-        (out / name).write_bytes((model_dir / name).read_bytes())
-    (out / "vq").symlink_to(model_dir / "vq")
+    out = lm_dir(model_dir, tmp_path)
     metrics = train_lm.main(["--model-dir", str(out), *TINY_LM, "--steps", "3", "--domain-share", "0.3",
                              "--targets-only"])
     assert abs(metrics["domain_share_actual"] - 0.3) < 0.05

@@ -36,8 +36,6 @@ from tests.script_loader import load_script
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """VQ -> tokenizer -> LM -> adapters, each a few steps at tiny sizes."""
