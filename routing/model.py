@@ -191,8 +191,9 @@ def execution_device(model: nn.Module, name: str, default: torch.device | None =
 
 
 def input_device(model: nn.Module, default: torch.device | None = None) -> torch.device:
-    """Where a (possibly dispatched) model takes its input ids: its input embedding's execution device, else
-    (a model without one: transformers raises NotImplementedError there) the whole model's."""
+    """Where a (possibly dispatched) model takes its input ids: its input embedding's execution device. A model
+    without an input embedding (`get_input_embeddings` missing, or raising NotImplementedError as transformers'
+    base class does) takes them on the whole model's device."""
     try:
         embed = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):

@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_router import answer_positions, context_positions, load_routed, span_starts  # noqa: E402
+from train_router import GateAgreement, load_routed  # noqa: E402
 
 from molora.models.runtime import device_name  # noqa: E402
 from molora.models.shapes.domain_batches import EncodedItem, encode_item, exact_matches, make_batch  # noqa: E402
@@ -225,31 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
         if gates.adapters != adapters:
             raise SystemExit(f"{args.router} routes over {gates.adapters}, not the evaluated adapters {adapters}")
         for k in (1, 2):
-            agree = torch.zeros(routed.num_blocks)
-            agree_starts = torch.zeros(routed.num_blocks)
-            to_base = torch.zeros(routed.num_blocks)
-            counted = [0, 0, 0]
-
-            def on_output(batch, out, agree=agree, agree_starts=agree_starts, to_base=to_base, counted=counted):
-                flat = answer_positions(batch).reshape(-1)
-                starts = span_starts(batch).reshape(-1)
-                context = context_positions(batch).reshape(-1)
-                for block, ds in out.decisions.items():
-                    top1 = ds[0].topk[:, 0]
-                    right = top1 == batch.labels.reshape(-1)
-                    agree[block] += float(right[flat].sum())
-                    agree_starts[block] += float(right[starts].sum())
-                    to_base[block] += float((top1[context] == len(adapters)).sum())
-                counted[0] += int(flat.sum())
-                counted[1] += int(context.sum())
-                counted[2] += int(starts.sum())
-            routed_row(f"ours_top{k}", lambda b, k=k: LearnedRouter(gates, top_k=k, vocab=tok.vocab), on_output)
-            per_block = (agree / max(1, counted[0])).tolist()
-            rows[f"ours_top{k}"]["agreement_per_block"] = [round(a, 4) for a in per_block]
-            rows[f"ours_top{k}"]["agreement"] = round(sum(per_block) / len(per_block), 4)
-            rows[f"ours_top{k}"]["agreement_span_starts"] = round(float(agree_starts.mean()) / max(1, counted[2]), 4)
-            if gates.base_expert:
-                rows[f"ours_top{k}"]["context_to_base"] = round(float(to_base.mean()) / max(1, counted[1]), 4)
+            agreement = GateAgreement(routed.num_blocks, len(adapters) if gates.base_expert else None)
+            routed_row(f"ours_top{k}", lambda b, k=k: LearnedRouter(gates, top_k=k, vocab=tok.vocab),
+                       lambda batch, out, agreement=agreement: agreement.add(batch, out.decisions))
+            rows[f"ours_top{k}"].update(agreement.metrics())
     for kind in ("cat", "ties", "dare_ties"):
         if f"peft_{kind}" in want:
             merges = peft_merges(args, adapters)

@@ -180,17 +180,52 @@ def shapes_data(tok: UnifiedTokenizer, adapters: list[str], n: int, seed: str, s
 
 # --- validation --------------------------------------------------------------------------------------------
 
+class GateAgreement:
+    """Routing agreement of every block's top-1 with the labels, added up over batches: on the positions that
+    predict an answer id, at the span starts among them (`span_starts`), and the share of prompt positions sent to
+    the base expert (index `base_expert`, None when the gates have none)."""
+
+    def __init__(self, num_blocks: int, base_expert: int | None) -> None:
+        self.agree, self.agree_starts, self.to_base = (torch.zeros(num_blocks) for _ in range(3))
+        self.answers = self.starts = self.context = 0
+        self.base_expert = base_expert
+
+    def add(self, batch, decisions: dict) -> None:
+        answers = answer_positions(batch).reshape(-1)
+        starts = span_starts(batch).reshape(-1)
+        context = context_positions(batch).reshape(-1)
+        for block, ds in decisions.items():
+            top1 = ds[0].topk[:, 0]
+            right = top1 == batch.labels.reshape(-1)
+            self.agree[block] += float(right[answers].sum())
+            self.agree_starts[block] += float(right[starts].sum())
+            if self.base_expert is not None:
+                self.to_base[block] += float((top1[context] == self.base_expert).sum())
+        self.answers += int(answers.sum())
+        self.starts += int(starts.sum())
+        self.context += int(context.sum())
+
+    def metrics(self) -> dict:
+        """agreement_per_block, agreement (their mean), agreement_span_starts, context_to_base (with a base
+        expert); empty before any answer position was counted."""
+        if not self.answers:
+            return {}
+        per_block = (self.agree / self.answers).tolist()
+        out = {"agreement_per_block": [round(a, 4) for a in per_block],
+               "agreement": round(sum(per_block) / len(per_block), 4),
+               "agreement_span_starts": round(float(self.agree_starts.mean()) / max(1, self.starts), 4)}
+        if self.base_expert is not None and self.context:
+            out["context_to_base"] = round(float(self.to_base.mean()) / self.context, 4)
+        return out
+
+
 @torch.no_grad()
 def validate(routed: RoutedModel, router: LearnedRouter | None, data: list[EncodedItem], pad: int,
              adapters: list[str], batch_size: int = 64) -> dict:
-    """Exact match per kind (domain / mixed) and routing agreement of every block's top-1 with the labels on the
-    positions that predict an answer id, and at the span starts among them (`span_starts`), and, with a base
-    expert, the share of prompt positions sent to it."""
+    """Exact match per kind (domain / mixed) and, with learned gates, their routing agreement (`GateAgreement`)."""
     hits: dict[str, list[bool]] = {}
-    agree = torch.zeros(routed.num_blocks)
-    agree_starts = torch.zeros(routed.num_blocks)
-    to_base = torch.zeros(routed.num_blocks)
-    counted = counted_starts = counted_context = 0
+    base = len(adapters) if router is not None and router.gates.base_expert else None
+    agreement = GateAgreement(routed.num_blocks, base)
     device = routed.device
     for i in range(0, len(data), batch_size):
         batch = make_batch(data, range(i, min(i + batch_size, len(data))), pad, adapters, device)
@@ -199,28 +234,11 @@ def validate(routed: RoutedModel, router: LearnedRouter | None, data: list[Encod
         for r, ok in zip(batch.rows, whole):
             hits.setdefault(data[r].kind, []).append(ok)
         if out.decisions:
-            flat = answer_positions(batch).reshape(-1)
-            starts = span_starts(batch).reshape(-1)
-            context = context_positions(batch).reshape(-1)
-            for block, ds in out.decisions.items():
-                right = ds[0].topk[:, 0] == batch.labels.reshape(-1)
-                agree[block] += float(right[flat].sum())
-                agree_starts[block] += float(right[starts].sum())
-                to_base[block] += float((ds[0].topk[context, 0] == len(adapters)).sum())
-            counted += int(flat.sum())
-            counted_starts += int(starts.sum())
-            counted_context += int(context.sum())
+            agreement.add(batch, out.decisions)
     metrics = {f"exact_{k}": round(sum(v) / len(v), 4) for k, v in sorted(hits.items())}
     every = [x for v in hits.values() for x in v]
     metrics["exact_all"] = round(sum(every) / max(1, len(every)), 4)
-    if counted:
-        per_block = (agree / counted).tolist()
-        metrics["agreement_per_block"] = [round(a, 4) for a in per_block]
-        metrics["agreement"] = round(sum(per_block) / len(per_block), 4)
-        metrics["agreement_span_starts"] = round(float(agree_starts.mean()) / max(1, counted_starts), 4)
-    if counted_context and router is not None and router.gates.base_expert:
-        metrics["context_to_base"] = round(float(to_base.mean()) / counted_context, 4)
-    return metrics
+    return {**metrics, **agreement.metrics()}
 
 
 # --- training ----------------------------------------------------------------------------------------------
