@@ -13,7 +13,7 @@
 #   eval    scripts/eval_molora.py --rows base ours oracle_span on arm 1; the same items and scoring on the 4x base
 #           (scale_vs_specialise.py eval-base); then OUT/table.md and OUT/summary.json (scale_vs_specialise.py report)
 #
-#   scripts/scale_vs_specialise.sh [OUT]          # OUT defaults to runs/scale; the GPU run (one H200, ~8.5 min)
+#   scripts/scale_vs_specialise.sh [OUT]          # OUT defaults to runs/scale; the GPU run (one H200, 9 min)
 #   TINY=1 DEVICE=cpu scripts/scale_vs_specialise.sh /tmp/scale      # a CPU smoke run at toy sizes (~1 min)
 #
 # BASE (default assets/model) lends its tokenizer.json, vocab.json and vq/: only the LMs are trained. Knobs:
@@ -25,7 +25,8 @@
 # 120,000 examples a LM in 37 s (8 workers each, both LMs at once); the two concurrent torch.compile warm-ups cost
 # ~140 s before step 50; then the 1x ran 18-21 steps/s and the 4x 12-16 steps/s side by side (20 alone); four adapters
 # at once ~5 steps/s each; the router ~5.8 steps/s; eval_molora's three rows ~40 s. Arm 1 is a serial chain, so the
-# defaults (1,000 / 400 / 400 steps) end the whole study in about 500 s; 2,000 / 600 / 600 did not fit in 555 s.
+# defaults (1,000 / 400 / 400 steps) ended the whole study in 538 s (tenth session's run); 2,000 / 600 / 600 did not
+# fit in 555 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/scale}
