@@ -32,7 +32,7 @@ import torch
 from molora.kernels.graphs import graph_mode
 from molora.kernels.metadata import RoutingMeta
 from molora.kernels.torch_ops import routed_lora_torch, routed_lora_torch_dense, routed_lora_torch_group_dense
-from molora.kernels.triton_common import HAS_TRITON, interpreting
+from molora.kernels.triton_common import HAS_TRITON, check_triton_device, interpreting
 
 if HAS_TRITON:
     from molora.kernels.triton_gather import gather_lora, gather_lora_group
@@ -170,6 +170,8 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
     """No-autograd forward for slots [N, k]: the delta in x's dtype, or `out` after out += delta."""
     if path == "auto":
         path = choose_path(x, slots.shape[1], meta is not None, A.shape[0], A.shape[1])
+    elif path != "torch":
+        _check_path(x, path)
     if path == "torch":
         if dense_fits(x, slots.shape[1]):
             delta = routed_lora_torch_dense(x, A, B, slots, weights, scale, meta, out)
@@ -182,25 +184,24 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
         return gather_lora(x, A, B, slots, weights, scale, out)
     if path == "stacked" or path == "fused":
         return stacked_lora(x, A, B, slots, weights, scale, out, fused=path == "fused")
-    if path == "grouped":
-        return grouped_lora(x, A, B, slots, weights, scale, out, meta)
-    raise ValueError(f"unknown path {path!r}; choose one of {PATHS}")
+    return grouped_lora(x, A, B, slots, weights, scale, out, meta)  # (_check_path refused unknown paths)
 
 
 def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
                               weights: torch.Tensor | None, scale: torch.Tensor, bounds: tuple[int, ...],
-                              meta: RoutingMeta | None = None, path: str = "auto",
-                              launch: FusedLaunch | None = None) -> list[torch.Tensor]:
+                              meta: RoutingMeta | None = None, path: str = "auto") -> list[torch.Tensor]:
     """No-autograd forward of P projections sharing x: A [P, S, r, in], B [S, O, r] (projection p's output columns
     bounds[p]:bounds[p+1]), scale [P, S], slots [N, k]. Returns P fresh deltas [N, width_p] in x's dtype.
     Every Triton path shrinks once for all projections (x read once) and expands all of them in one launch; the
-    CPU's grouped loop runs one projection at a time. `launch`: the caller's FusedLaunch for these A, B, scale and
-    bounds (kept across calls, so the fused path takes its direct launch); made here when None."""
+    CPU's grouped loop runs one projection at a time. The fused path here makes a FusedLaunch per call (through
+    JITFunction.run); a caller calling often keeps one (routing/lora.py: ProjectionGroup)."""
     k = slots.shape[1]
     if path == "auto":
         path = choose_group_path(x, k, meta is not None, A.shape[1], A.shape[2], A.shape[0])
-    if path == "fused":  # first: the eager decode path, every microsecond of host time counts
-        delta = (launch or FusedLaunch(A, B, scale, bounds))(x, slots, weights)
+    elif path != "torch":
+        _check_path(x, path)
+    if path == "fused":
+        delta = FusedLaunch(A, B, scale, bounds)(x, slots, weights)
         return [delta] if A.shape[0] == 1 else list(delta.split(_widths(tuple(bounds)), 1))
     if path == "torch" and dense_fits(x, k):
         deltas = routed_lora_torch_group_dense(x, A, B, slots, weights, scale, bounds, meta)
@@ -222,6 +223,13 @@ def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     spans = list(zip(bounds, bounds[1:]))
     return [routed_lora_forward(x, A[p], B[:, lo:hi], slots, weights, scale[p], None, meta, path)
             for p, (lo, hi) in enumerate(spans)]
+
+
+def _check_path(x: torch.Tensor, path: str) -> None:
+    """An explicit path other than "torch": a known one, on tensors Triton can run."""
+    if path not in PATHS:
+        raise ValueError(f"unknown path {path!r}; choose one of {PATHS}")
+    check_triton_device(x, path)
 
 
 @functools.lru_cache(maxsize=256)

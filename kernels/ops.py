@@ -20,9 +20,7 @@ from molora.kernels.checks import check_inputs
 from molora.kernels.dispatch import routed_lora_forward, routed_lora_group_forward
 from molora.kernels.errors import KernelInputError
 from molora.kernels.metadata import RoutingMeta
-
-# The expand kernels read a group's column boundaries as three scalars (kernels/triton_gather.py)
-MAX_PROJECTIONS = 4
+from molora.kernels.triton_common import MAX_PROJECTIONS
 
 
 def _check_meta(meta: RoutingMeta | None, slots: torch.Tensor, num_slots: int) -> None:

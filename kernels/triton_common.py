@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from molora.kernels.errors import KernelInputError
+
 try:
     import triton
     import triton.language as tl
@@ -21,9 +23,26 @@ except ImportError:  # CPU-only installs (e.g. a Space without triton) run the t
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# The Triton expand kernels read a group's column boundaries as three scalars (O1, O2, O3): at most four projections
+# share one call.
+MAX_PROJECTIONS = 4
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1 when triton was imported)."""
     return _INTERPRETING
+
+
+def check_triton_device(x: torch.Tensor, path: str) -> None:
+    """Refuse a Triton path that cannot run x (no triton; CPU tensors outside the interpreter) with an error naming
+    the path and the device, instead of Triton's own ("0 active drivers")."""
+    if not HAS_TRITON:
+        raise KernelInputError(f"path={path!r} runs Triton kernels but triton is not installed; use path='auto' or "
+                               "'torch'")
+    if not (x.is_cuda or _INTERPRETING):
+        raise KernelInputError(f"path={path!r} runs Triton kernels, which need CUDA tensors, but x is on {x.device}; "
+                               "use path='auto' or 'torch' there, or set TRITON_INTERPRET=1 before importing molora "
+                               "to run them in Triton's CPU interpreter")
 
 
 def dot_config(dtype: torch.dtype) -> tuple[object, str]:

@@ -31,7 +31,9 @@ import torch
 from molora.kernels.errors import KernelInputError
 from molora.kernels.triton_common import (
     HAS_TRITON,
+    MAX_PROJECTIONS,
     cdiv,
+    check_triton_device,
     delta_target,
     dot_config,
     interpreting,
@@ -93,6 +95,19 @@ if HAS_TRITON:
             tl.store(ptrs, y, mask=m2)
 
     @triton.jit
+    def _program_columns(OUT, O1, O2, O3, OUT_SPLIT, BLOCK_N: tl.constexpr):
+        """This program's columns, for grids (row tiles, P * OUT_SPLIT) over P <= 4 projections with bounds
+        0, O1, O2, O3, OUT: (projection p, its first column lo, its width, the program's first column o_lo within
+        it, columns per program out_per)."""
+        p = tl.program_id(1) // OUT_SPLIT
+        q = tl.program_id(1) % OUT_SPLIT
+        lo = tl.where(p >= 3, O3, tl.where(p >= 2, O2, tl.where(p >= 1, O1, 0)))
+        hi = tl.where(p >= 3, OUT, tl.where(p >= 2, O3, tl.where(p >= 1, O2, O1)))
+        width = hi - lo
+        out_per = tl.cdiv(tl.cdiv(width, OUT_SPLIT), BLOCK_N) * BLOCK_N
+        return p, lo, width, q * out_per, out_per
+
+    @triton.jit
     def _stacked_shrink_kernel(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, part_ptr,
                                N, IN, R, S, K_PER,
                                sx0, sx1, sap, sa0, sa1, sa2, ssp,
@@ -120,13 +135,7 @@ if HAS_TRITON:
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mm = offs_m < N
         offs_m64 = offs_m.to(tl.int64)
-        p = tl.program_id(1) // OUT_SPLIT
-        q = tl.program_id(1) % OUT_SPLIT
-        lo = tl.where(p >= 3, O3, tl.where(p >= 2, O2, tl.where(p >= 1, O1, 0)))
-        hi = tl.where(p >= 3, OUT, tl.where(p >= 2, O3, tl.where(p >= 1, O2, O1)))
-        width = hi - lo
-        out_per = tl.cdiv(tl.cdiv(width, OUT_SPLIT), BLOCK_N) * BLOCK_N
-        o_lo = q * out_per
+        p, lo, width, o_lo, out_per = _program_columns(OUT, O1, O2, O3, OUT_SPLIT, BLOCK_N)
         offs_c = p * SR_PAD + tl.arange(0, SR_PAD)
         t = tl.zeros([BLOCK_M, SR_PAD], dtype=tl.float32)
         for ks in range(0, SPLIT_K):
@@ -153,13 +162,7 @@ if HAS_TRITON:
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mm = offs_m < N
         offs_m64 = offs_m.to(tl.int64)
-        p = tl.program_id(1) // OUT_SPLIT
-        q = tl.program_id(1) % OUT_SPLIT
-        lo = tl.where(p >= 3, O3, tl.where(p >= 2, O2, tl.where(p >= 1, O1, 0)))
-        hi = tl.where(p >= 3, OUT, tl.where(p >= 2, O3, tl.where(p >= 1, O2, O1)))
-        width = hi - lo
-        out_per = tl.cdiv(tl.cdiv(width, OUT_SPLIT), BLOCK_N) * BLOCK_N
-        o_lo = q * out_per
+        p, lo, width, o_lo, out_per = _program_columns(OUT, O1, O2, O3, OUT_SPLIT, BLOCK_N)
         if o_lo < width:  # a narrower projection leaves some of its OUT_SPLIT programs without columns
             t = _shrink_tile(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, offs_m64, mm, p * SR_PAD + tl.arange(0, SR_PAD),
                              0, IN, R, S, sx0, sx1, sap, sa0, sa1, sa2, ssp, K, HAS_W, DOT_DTYPE, PRECISION, SR_PAD,
@@ -313,23 +316,26 @@ def stacked_lora_group(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots:
 
 class FusedLaunch:
     """The one-launch schedule for one set of stacked adapters (A [P, S, r, in], B [S, O, r], scale [P, S],
-    projection p owning columns bounds[p]:bounds[p+1]): call(x, slots, weights) -> deltas [N, O] in x's dtype
-    (projection p's delta is columns bounds[p]:bounds[p+1]). What an eager decode step runs: one launch per group
-    call, its host cost cut to what the launch needs.
+    projection p owning columns bounds[p]:bounds[p+1], P <= MAX_PROJECTIONS): call(x, slots, weights) -> deltas
+    [N, O] in x's dtype (projection p's delta is columns bounds[p]:bounds[p+1]); call(x, slots, weights, out) adds
+    them into a contiguous out [N, O] (the projections' base outputs) and returns it. What an eager decode step
+    runs: one launch per group call, its host cost cut to what the launch needs.
 
-    The first call for each (N, k, dtypes) goes through Triton's JITFunction.run (compiling if needed), which
-    returns the compiled kernel; later calls call that kernel's own launcher (`CompiledKernel.run`, the same
-    call in triton 3.6 and 3.9) with the grid and the arguments after x's worked out once, and device pointers as
-    plain ints (the launcher then skips a data_ptr() call and a cuPointerGetAttribute per tensor). H200, triton
-    3.6, two runs: 45.6 / 80.1 us of host time per call through JITFunction.run, 13.8 / 20.4 direct. A cached kernel
-    only runs arguments it was compiled for: the key holds what varies between calls (N, k, x's, the slots' and
-    the weights' dtypes), everything else is fixed per instance (the adapters' tensors, their strides and
-    alignment), and calls whose x, slots or weights are not 16-byte aligned (Triton specialises pointers on that)
-    take JITFunction.run every time. Profiler launch hooks (triton.knobs) are not called on the fast path. Under
-    the interpreter every call goes through JITFunction.run. Owners drop the instance when the adapters' tensors
-    are replaced (routing/lora.py: ProjectionGroup)."""
+    The first call for each (N, k, dtypes, accumulate or not) goes through Triton's JITFunction.run (compiling if
+    needed), which returns the compiled kernel; later calls call that kernel's own launcher (`CompiledKernel.run`,
+    the same call in triton 3.6 and 3.9) with the grid and the arguments after x's worked out once, and device
+    pointers as plain ints (the launcher then skips a data_ptr() call and a cuPointerGetAttribute per tensor). H200,
+    triton 3.6, two runs: 45.6 / 80.1 us of host time per call through JITFunction.run, 13.8 / 20.4 direct. A cached
+    kernel only runs arguments it was compiled for: the key holds what varies between calls (N, k, x's, the slots',
+    the weights' and out's dtypes), everything else is fixed per instance (the adapters' tensors, their strides and
+    alignment; out's strides, contiguous [N, O]), and calls whose x, slots, weights or out are not 16-byte aligned
+    (Triton specialises pointers on that) take JITFunction.run every time. Profiler launch hooks (triton.knobs) are
+    not called on the fast path. Under the interpreter every call goes through JITFunction.run. Owners drop the
+    instance when the adapters' tensors are replaced (routing/lora.py: ProjectionGroup)."""
 
     def __init__(self, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor, bounds: tuple[int, ...]) -> None:
+        if A.shape[0] > MAX_PROJECTIONS:
+            raise KernelInputError(f"at most {MAX_PROJECTIONS} projections share one launch, got P={A.shape[0]}")
         _check_width(A.shape[1], A.shape[2])
         self.A, self.B, self.scale, self.bounds = A, B, scale, tuple(bounds)
         self.width = B.shape[1]
@@ -338,14 +344,21 @@ class FusedLaunch:
         self._scale_ptr = scale.data_ptr()
         self._direct: dict[tuple, tuple] = {}
 
-    def __call__(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         n = x.shape[0]
         x = x.contiguous()
         slots = slots.contiguous()
-        out = x.new_empty(n, self.width)
+        if out is None:
+            out = x.new_empty(n, self.width)
+            key = (n, slots.shape[1], x.dtype, slots.dtype, None if weights is None else weights.dtype, None)
+        elif not out.is_contiguous() or out.shape != (n, self.width):
+            raise KernelInputError(f"out must be a contiguous [N={n}, O={self.width}], got {tuple(out.shape)} "
+                                   f"strides {out.stride()}")
+        else:
+            key = (n, slots.shape[1], x.dtype, slots.dtype, None if weights is None else weights.dtype, out.dtype)
         if n == 0 or self.width == 0:
             return out
-        key = (n, slots.shape[1], x.dtype, slots.dtype, None if weights is None else weights.dtype)
         direct = self._direct.get(key)
         if direct is not None:
             if weights is None:
@@ -353,24 +366,27 @@ class FusedLaunch:
             else:
                 weights = weights.contiguous()
                 wp = weights.data_ptr()
-            xp, sp = x.data_ptr(), slots.data_ptr()
-            if (xp | sp | wp) % 16 == 0:
+            xp, sp, op = x.data_ptr(), slots.data_ptr(), out.data_ptr()
+            if (xp | sp | wp | op) % 16 == 0:
                 run, function, packed, g0, g1, tail, stream = direct
                 run(g0, g1, 1, stream(x.get_device()), function, packed, None, None, None,
-                    xp, *self._ptrs, sp, wp, self._scale_ptr, out.data_ptr(), n, *tail)
+                    xp, *self._ptrs, sp, wp, self._scale_ptr, op, n, *tail)
                 return out
         self._launch(x, slots, weights, out, key)
         return out
 
     def _launch(self, x, slots, weights, out, key) -> None:
         """Through JITFunction.run; keeps the compiled kernel for the direct path when every pointer is aligned."""
+        check_triton_device(x, "fused")
         A, B, scale = self.A, self.B, self.scale
         w = weights.contiguous() if weights is not None else scale
         cfg = _config(x, A, self.bounds, True)
-        grid, tail = _fused_args(x, A, B, scale, out, self.bounds, slots.shape[1], weights is not None, False, cfg)
+        grid, tail = _fused_args(x, A, B, scale, out, self.bounds, slots.shape[1], weights is not None,
+                                 key[-1] is not None, cfg)
         kernel = _stacked_fused_kernel[grid](x, A, B, slots, w, scale, out, x.shape[0], *tail,
                                              num_warps=cfg["num_warps"])
-        if not interpreting() and self._aligned and (x.data_ptr() | slots.data_ptr() | w.data_ptr()) % 16 == 0:
+        if not interpreting() and self._aligned and \
+                (x.data_ptr() | slots.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 == 0:
             # the stream as JITFunction.run reads it (torch's raw stream handle), in triton 3.6 and 3.9 alike
             self._direct[key] = (kernel.run, kernel.function, kernel.packed_metadata, grid[0], grid[1], tail,
                                  triton.runtime.driver.active.get_current_stream)

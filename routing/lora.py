@@ -7,10 +7,12 @@ their addresses stay fixed (CUDA-graph friendly).  Buffers follow `model.to(devi
 
 Projections that read the same input (q/k/v of an attention block, gate/up of an MLP) form a ProjectionGroup:
 their A, B and scale buffers are views into one stacked tensor each (A [P, S, r, in], B [S, sum(out), r],
-scale [P, S]), so the first member called in a forward computes every member's delta with one shrink (x read
-once) and one expand launch (kernels.routed_lora_group), and the other members pick theirs up from the call's
-CallRouting.  Each layer then runs its base GEMM *onto* its delta (addmm_, beta = 1): the delta costs no extra
-read and write of the output, which an add after the GEMM would.
+scale [P, S]), so the first member called in a forward computes every member's output in one group call (one
+kernel call for all the deltas, x read once, and the members' base GEMMs next to it), and the other members pick
+theirs up from the call's CallRouting with no work of their own (an eager decode step is host-bound: each layer's
+reshape, checks and GEMM call cost host time).  The base GEMMs and the deltas meet without an extra pass over the
+output: on the eager decode path the GEMMs write one [N, O] buffer and the one-launch kernel adds the deltas into
+it; on the others each GEMM runs *onto* its member's fresh delta (addmm_, beta = 1).
 
 The layer builds no routing metadata: it reads the per-call `CallRouting` (routing/context.py) that
 RoutedModel.forward set up once for the whole pass.  No routing active -> exactly the base linear.
@@ -43,10 +45,9 @@ log = logging.getLogger(__name__)
 # Sibling linear layers that read the same input tensor in the model families we know (Llama, Qwen, Mistral,
 # Emu3, Chameleon, Janus's LM: q/k/v and gate/up; Mixtral-style MLPs: w1/w3).
 SHARED_INPUT_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
-# True: the base GEMM runs onto the freshly computed delta (addmm_, beta = 1; needed for a group to compute every
-# member's delta before the members' GEMMs). False: every layer runs the base linear, then adds its own delta
-# (no sharing); kept for comparisons.
-BASE_ONTO_DELTA = True
+# True: a group call computes its members' outputs, base GEMMs and deltas together (see the module doc). False:
+# every layer runs the base linear, then adds its own delta (no sharing); kept for comparisons.
+GROUP_OUTPUTS = True
 
 
 class ProjectionGroup:
@@ -65,19 +66,20 @@ class ProjectionGroup:
             layer.group, layer.group_index = self, p
             bounds.append(bounds[-1] + layer.out_features)
         self.bounds = tuple(bounds)
+        self.widths = tuple(layer.out_features for layer in self.members)
         self.size = len(self.members)
         self._stack()
 
     def __len__(self) -> int:
         return self.size
 
-    def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: the launcher holds the old tensors' addresses
-        return {**self.__dict__, "_launch": None}
+    def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: the launchers hold the old tensors' addresses
+        return {**self.__dict__, "_launches": {}}
 
     @torch.no_grad()
     def _stack(self) -> None:
         """Stack the members' buffers into one tensor each and make the buffers views of them (a group of one
-        uses its buffers as they are); forget the launcher made for the previous tensors."""
+        uses its buffers as they are); forget the launchers made for the previous tensors."""
         first = self.members[0]
         if self.size == 1:
             buffers = first._buffers
@@ -98,7 +100,9 @@ class ProjectionGroup:
                 layer._buffers["lora_scale"] = scale[p]
         self.A, self.B, self.scale = A, B, scale
         self._views = [(layer._buffers, layer.lora_A, layer.lora_B, layer.lora_scale) for layer in self.members]
-        self._launch: Any = None  # kernels' FusedLaunch for these tensors, made on the first eager decode call
+        # kernels' FusedLaunch for these tensors, made on the first eager decode call: key None for the whole
+        # group, p for member p called on its own input (the group's members turned out not to share x)
+        self._launches: dict[int | None, FusedLaunch] = {}
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(A [P, S, r, in], B [S, O, r], scale [P, S]) over the members' current buffers."""
@@ -108,28 +112,64 @@ class ProjectionGroup:
                 break
         return self.A, self.B, self.scale
 
-    def deltas(self, routing: CallRouting, block: Any, x2: torch.Tensor, slots: torch.Tensor,
-               weights: torch.Tensor | None, only: int | None = None) -> list[torch.Tensor]:
-        """Fresh deltas [N, out_p] of every member (or of member `only`), in x's dtype; slots [N, k]; `block`: the
-        members' route_key."""
+    def needs_autograd(self, x2: torch.Tensor, weights: torch.Tensor | None) -> bool:
+        """Does a gradient flow through the group call's deltas (x, the weights, any member's adapters)? Then each
+        member takes the autograd path (its siblings take their outputs from a group call unchecked)."""
+        return torch.is_grad_enabled() and (needs_autograd(x2, weights) or any(
+            buffers["lora_A"].requires_grad or buffers["lora_B"].requires_grad for buffers, *_ in self._views))
+
+    def outputs(self, routing: CallRouting, block: Any, x: torch.Tensor, x2: torch.Tensor, slots: torch.Tensor,
+                weights: torch.Tensor | None, only: int | None = None) -> list[torch.Tensor]:
+        """Outputs (base linear + routed delta, x's dtype, x's shape with each member's width) of every member, or
+        of member `only`; x2: x as [N, in]; slots [N, k]; `block`: the members' route_key."""
         A, B, scale = self.stacked()
-        bounds = self.bounds
-        if only is not None and self.size > 1:
+        members, bounds, widths = self.members, self.bounds, self.widths
+        if only is not None:
             lo, hi = bounds[only], bounds[only + 1]
-            A, B, scale, bounds = A[only:only + 1], B[:, lo:hi], scale[only:only + 1], (0, hi - lo)
+            A, B, scale = A[only:only + 1], B[:, lo:hi], scale[only:only + 1]
+            members, bounds, widths = (members[only],), (0, hi - lo), (hi - lo,)
+        lead = x.shape[:-1]
         # one path decision (by shape) for the call; the grouped kernel and the CPU read per-forward metadata
         path = choose_group_path(x2, slots.shape[1], True, A.shape[1], A.shape[2], A.shape[0])
-        if path == "fused" and only is None:  # the eager decode path: the launcher kept for these tensors
-            if self._launch is None:
-                self._launch = FusedLaunch(A, B, scale, bounds)
-            return routed_lora_group_forward(x2, A, B, slots, weights, scale, bounds, None, path, self._launch)
-        meta = routing.meta(block) if path == "grouped" or path == "torch" else None
-        return routed_lora_group_forward(x2, A, B, slots, weights, scale, bounds, meta, path)
+        if path == "fused":  # the eager decode path: one launch through the launcher kept for these tensors
+            launch = self._launches.get(only)
+            if launch is None:
+                launch = self._launches[only] = FusedLaunch(A, B, scale, bounds)
+            if not torch.is_grad_enabled():  # (GEMMs with out= record no autograd)
+                # the members' GEMMs write column blocks of one [N, O] buffer, the launch adds every delta into it
+                out = x2.new_empty(x2.shape[0], bounds[-1])
+                for layer, y in zip(members, out.split(widths, 1) if len(members) > 1 else (out,)):
+                    params = layer._parameters
+                    bias = params.get("bias")  # (bias=False: a plain None attribute)
+                    if bias is None:
+                        torch.mm(x2, params["weight"].t(), out=y)
+                    else:
+                        torch.addmm(bias, x2, params["weight"].t(), out=y)
+                out = launch(x2, slots, weights, out).view(*lead, bounds[-1])
+                return out.split(widths, -1) if len(members) > 1 else [out]
+            delta = launch(x2, slots, weights)
+            deltas = delta.split(widths, 1) if len(members) > 1 else [delta]
+        else:
+            meta = routing.meta(block) if path == "grouped" or path == "torch" else None
+            deltas = routed_lora_group_forward(x2, A, B, slots, weights, scale, bounds, meta, path)
+        outs = []
+        grad = torch.is_grad_enabled()
+        for layer, delta, width in zip(members, deltas, widths):
+            params = layer._parameters
+            weight_t = params["weight"].t()
+            # the base GEMM accumulates onto the delta (cuBLAS beta = 1); in place unless grad is enabled (the deltas
+            # can be views of one buffer, which autograd does not let an in-place op modify)
+            y = torch.addmm(delta, x2, weight_t) if grad else delta.addmm_(x2, weight_t)
+            bias = params.get("bias")
+            if bias is not None:
+                y.add_(bias)
+            outs.append(y.view(*lead, width))
+        return outs
 
 
 def group_projections(layers: Iterable[RoutedLoRALinear]) -> list[ProjectionGroup]:
     """Group sibling routed layers that read the same input (SHARED_INPUT_SETS, same module, same shapes and
-    dtype); call once after wrapping. Layers left out stay groups of one."""
+    dtypes: a group call checks the first member's only); call once after wrapping. Layers left out stay groups of one."""
     by_parent: dict[str, dict[str, RoutedLoRALinear]] = {}
     for layer in layers:
         parent, _, child = layer.name.rpartition(".")
@@ -140,8 +180,9 @@ def group_projections(layers: Iterable[RoutedLoRALinear]) -> list[ProjectionGrou
             members = [children[n] for n in names if n in children]
             first = members[0] if members else None
             if len(members) < 2 or any(
-                    (m.in_features, m.num_slots, m.r_max, m.lora_A.dtype, m.lora_A.device)
-                    != (first.in_features, first.num_slots, first.r_max, first.lora_A.dtype, first.lora_A.device)
+                    (m.in_features, m.num_slots, m.r_max, m.lora_A.dtype, m.lora_A.device, m.weight.dtype)
+                    != (first.in_features, first.num_slots, first.r_max, first.lora_A.dtype, first.lora_A.device,
+                        first.weight.dtype)
                     for m in members):
                 continue
             groups.append(ProjectionGroup(members))
@@ -180,45 +221,35 @@ class RoutedLoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = current_routing()
         params = self._parameters  # (dict reads, not nn.Module.__getattr__: this runs on every routed call)
-        weight = params["weight"]
         if routing is None:
-            return F.linear(x, weight, params.get("bias"))  # (bias=False: a plain None attribute)
+            return F.linear(x, params["weight"], params.get("bias"))  # (bias=False: a plain None attribute)
+        group = self.group
+        shared = routing.shared.get(group)
+        if shared is not None and shared.x is x and shared.deltas[self.group_index] is not None:
+            return shared.take(self.group_index, routing, group)  # a sibling's group call made this layer's output
         slots, weights = routing.kernel_slots(self.route_key)
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] != slots.shape[0]:
             raise RoutingError(f"routed layer '{self.name}' got {x2.shape[0]} tokens but the routing covers "
                                f"{slots.shape[0]}; call the model through RoutedModel.forward with the same input_ids")
-        # (the cheap flags first: this runs on every routed call of an eager decode step)
-        if not BASE_ONTO_DELTA or x2.dtype != weight.dtype or \
-                torch.is_autocast_enabled("cuda" if x2.is_cuda else "cpu") or \
-                (torch.is_grad_enabled() and needs_autograd(x2, self.lora_A, self.lora_B, weights)):
+        # (the cheap flags first: this runs on every routed group call of an eager decode step)
+        if not GROUP_OUTPUTS or x2.dtype != params["weight"].dtype or \
+                torch.is_autocast_enabled("cuda" if x2.is_cuda else "cpu") or group.needs_autograd(x2, weights):
             return self._forward_add(x, x2, routing, slots, weights)
-        delta = self._shared_delta(routing, x, x2, slots, weights)
-        y = delta.addmm_(x2, weight.t())  # the base GEMM accumulates onto the delta (cuBLAS beta = 1)
-        bias = params.get("bias")
-        if bias is not None:
-            y.add_(bias)
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def _shared_delta(self, routing: CallRouting, x: torch.Tensor, x2: torch.Tensor, slots: torch.Tensor,
-                      weights: torch.Tensor | None) -> torch.Tensor:
-        """This layer's delta: computed with its group's in one call, or taken from that call's results."""
-        group, index = self.group, self.group_index
         if group.size == 1:
-            return group.deltas(routing, self.route_key, x2, slots, weights)[0]
-        shared = routing.shared.get(group)
-        if shared is not None and shared.x is x and shared.deltas[index] is not None:
-            return shared.take(index, routing, group)
-        if shared is not None and shared.x is not x and shared.deltas[index] is not None and group.shares_input:
-            # a sibling computed this layer's delta from another input: these members do not share x
+            return group.outputs(routing, self.route_key, x, x2, slots, weights)[0]
+        index = self.group_index
+        if shared is not None and shared.deltas[index] is not None and group.shares_input:
+            # a sibling computed this layer's output from another input: these members do not share x
             group.shares_input = False
-            log.info("routed layers %s are called on different inputs; computing their deltas separately",
+            log.info("routed layers %s are called on different inputs; computing their outputs separately",
                      [m.name for m in group.members])
         if not group.shares_input:
-            return group.deltas(routing, self.route_key, x2, slots, weights, only=index)[0]
-        deltas = group.deltas(routing, self.route_key, x2, slots, weights)
-        routing.shared[group] = SharedDeltas(x, list(deltas), len(deltas))
-        return routing.shared[group].take(index, routing, group)
+            return group.outputs(routing, self.route_key, x, x2, slots, weights, only=index)[0]
+        outputs = list(group.outputs(routing, self.route_key, x, x2, slots, weights))
+        mine, outputs[index] = outputs[index], None
+        routing.shared[group] = SharedDeltas(x, outputs, group.size - 1)  # the siblings take theirs
+        return mine
 
     def _forward_add(self, x: torch.Tensor, x2: torch.Tensor, routing: CallRouting, slots: torch.Tensor,
                      weights: torch.Tensor | None) -> torch.Tensor:

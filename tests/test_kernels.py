@@ -247,6 +247,34 @@ def test_stacked_kernel_refuses_stacks_wider_than_its_tiles():
         stacked_lora(x, A, B, torch.zeros(2, 1, dtype=torch.int32), None, scale)
 
 
+
+def test_fused_launcher_refuses_more_projections_than_its_kernel_reads():
+    pytest.importorskip("triton")
+    from molora.kernels.triton_common import MAX_PROJECTIONS
+    from molora.kernels.triton_stacked import FusedLaunch
+    p_count = MAX_PROJECTIONS + 1
+    A, B, scale = torch.zeros(p_count, 2, 4, 8), torch.zeros(2, 4 * p_count, 4), torch.zeros(p_count, 2)
+    with pytest.raises(KernelInputError, match=f"at most {MAX_PROJECTIONS} projections"):
+        FusedLaunch(A, B, scale, tuple(range(0, 4 * p_count + 1, 4)))
+
+
+@pytest.mark.skipif(dispatch.interpreting(), reason="the interpreter runs Triton paths on CPU tensors")
+@pytest.mark.parametrize("path", ["fused", "stacked", "gather", "grouped"])
+def test_explicit_triton_path_on_cpu_tensors_names_the_path_and_the_device(path):
+    from molora.kernels import routed_lora_group
+    x, A, B, scale, _ = make(3, 16, 8, 2, 4)
+    slot = torch.tensor([0, 1, -1])
+    with pytest.raises(KernelInputError, match=f"path='{path}'.*x is on cpu"):
+        routed_lora(x, A, B, slot, scale, path=path)
+    with pytest.raises(KernelInputError, match=f"path='{path}'.*x is on cpu"):
+        routed_lora_group(x, A[None], B, slot, None, scale[None], (0, 8), path=path)
+    with pytest.raises(ValueError, match="unknown path"):
+        routed_lora(x, A, B, slot, scale, path="fast")
+    if path == "fused" and dispatch.HAS_TRITON:  # the group's launcher, called directly
+        from molora.kernels.triton_stacked import FusedLaunch
+        with pytest.raises(KernelInputError, match="path='fused'.*x is on cpu"):
+            FusedLaunch(A[None], B, scale[None], (0, 8))(x, slot[:, None], None)
+
 # --- projections sharing x (routed_lora_group) -----------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -154,3 +154,75 @@ def test_cuda_group_matches_cpu():
         routed.model.to("cuda")
         got = routed(IDS.cuda(), routers=router).logits.cpu()
     assert torch.allclose(got, want, atol=1e-3, rtol=1e-3)
+
+
+def _group_errors(layers, xs, slots, dtype, tol, grad=False) -> list[str]:
+    """Run the layers on inputs xs under one static routing (slots for 2x3 tokens); their outputs' problems."""
+    token = set_routing(CallRouting(2, 3, slots, 3))
+    try:
+        with torch.set_grad_enabled(grad):
+            ys = [layer(x) for layer, x in zip(layers, xs)]
+    finally:
+        reset_routing(token)
+    errors = []
+    for layer, x, y in zip(layers, xs, ys):
+        with torch.no_grad():
+            want = F.linear(x, layer.weight, layer.bias).double().reshape(6, -1) + routed_lora_reference(
+                x.reshape(6, 24), layer.lora_A, layer.lora_B, slots, layer.lora_scale).double()
+        err = ((y.detach().double().reshape(6, -1) - want).abs().max() / want.abs().max()).item()
+        if not (y.shape == (2, 3, layer.out_features) and y.dtype == dtype and err <= tol):
+            errors.append(f"{layer.name}: err {err:.2e} shape {tuple(y.shape)} {y.dtype}")
+    return errors
+
+
+def _fused_group_interpreter_checks() -> list[str]:
+    """The eager decode path of a group (routing/lora.py on the "fused" path: the members' base GEMMs into one
+    buffer, the kept launcher adding every delta) against base + reference under the interpreter, fp32 / fp16,
+    biases on some members: shared x; with grad enabled (deltas first, GEMMs onto them); members on different inputs
+    (one kept launcher per member, reused by the next forward). Returns the failures (run by
+    test_fused_group_outputs_and_kept_launchers_under_the_interpreter)."""
+    lora_mod.choose_group_path = lambda *a: "fused"  # what a CUDA decode call picks; the interpreter runs it
+    fails = []
+    for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 5e-3)):
+        gen = torch.Generator().manual_seed(5)
+        layers = [RoutedLoRALinear(torch.nn.Linear(24, o, bias=bias).to(dtype), 3, 8, name=f"blk.{n}")
+                  for n, o, bias in (("q_proj", 24, True), ("k_proj", 12, False), ("v_proj", 12, True))]
+        group = group_projections(layers)[0]
+        with torch.no_grad():
+            for layer in layers:
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) / 5)
+                layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=gen) / 5)
+                layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen))
+                layer.lora_scale.copy_(torch.rand(3, generator=gen) + 0.5)
+        slots = torch.tensor([0, 2, -1, 1, 1, 0])
+        x = torch.randn(2, 3, 24, generator=gen).to(dtype)
+        fails += [f"{dtype} shared: {e}" for e in _group_errors(layers, [x] * 3, slots, dtype, tol)]
+        kept = group._launches.get(None)
+        fails += [f"{dtype} shared again: {e}" for e in _group_errors(layers, [x] * 3, slots, dtype, tol)]
+        fails += [f"{dtype} grad enabled: {e}" for e in _group_errors(layers, [x] * 3, slots, dtype, tol, grad=True)]
+        if kept is None or group._launches.get(None) is not kept:
+            fails.append(f"{dtype}: the group's launcher was not kept")
+        apart = [torch.randn(2, 3, 24, generator=gen).to(dtype) for _ in layers]
+        for i in range(3):  # the first forward finds out (q's call still ran the whole group), the next ones reuse
+            fails += [f"{dtype} apart {i}: {e}" for e in _group_errors(layers, apart, slots, dtype, tol)]
+            if i == 1:
+                kept = dict(group._launches)
+        if group.shares_input or set(kept) != {None, 0, 1, 2} or any(group._launches[p] is not kept[p] for p in kept):
+            fails.append(f"{dtype}: members apart keep one launcher each: {sorted(map(str, kept))}")
+    return fails
+
+
+def test_fused_group_outputs_and_kept_launchers_under_the_interpreter():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    code = "import json, tests.test_projection_groups as t; print('FAILS=' + json.dumps(t._fused_group_interpreter_checks()))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.split("FAILS=")[-1]) == []
