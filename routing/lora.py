@@ -137,18 +137,15 @@ class ProjectionGroup:
                 launch = self._launches[only] = FusedLaunch(A, B, scale, bounds)
             if not torch.is_grad_enabled():  # (GEMMs with out= record no autograd)
                 # the members' GEMMs write column blocks of one [N, O] buffer, the launch adds every delta into it
+                # (split_with_sizes, not Tensor.split: its Python wrapper cost more host time than the split)
                 out = x2.new_empty(x2.shape[0], bounds[-1])
-                for layer, y in zip(members, out.split(widths, 1) if len(members) > 1 else (out,)):
+                for layer, y in zip(members, out.split_with_sizes(widths, 1) if len(members) > 1 else (out,)):
                     params = layer._parameters
-                    bias = params.get("bias")  # (bias=False: a plain None attribute)
-                    if bias is None:
-                        torch.mm(x2, params["weight"].t(), out=y)
-                    else:
-                        torch.addmm(bias, x2, params["weight"].t(), out=y)
+                    F.linear(x2, params["weight"], params.get("bias"), out=y)  # (bias=False: a None attribute)
                 out = launch(x2, slots, weights, out).view(*lead, bounds[-1])
-                return out.split(widths, -1) if len(members) > 1 else [out]
+                return out.split_with_sizes(widths, -1) if len(members) > 1 else [out]
             delta = launch(x2, slots, weights)
-            deltas = delta.split(widths, 1) if len(members) > 1 else [delta]
+            deltas = delta.split_with_sizes(widths, 1) if len(members) > 1 else [delta]
         else:
             meta = routing.meta(block) if path == "grouped" or path == "torch" else None
             deltas = routed_lora_group_forward(x2, A, B, slots, weights, scale, bounds, meta, path)
@@ -169,7 +166,9 @@ class ProjectionGroup:
 
 def group_projections(layers: Iterable[RoutedLoRALinear]) -> list[ProjectionGroup]:
     """Group sibling routed layers that read the same input (SHARED_INPUT_SETS, same module, same shapes and
-    dtypes: a group call checks the first member's only); call once after wrapping. Layers left out stay groups of one."""
+    dtypes: a group call checks the first member's only); call once after wrapping. Layers left out stay groups of
+    one, offloaded ones too (weights on "meta" until their own accelerate hook brings them in for their own call: a
+    group call runs its members' GEMMs)."""
     by_parent: dict[str, dict[str, RoutedLoRALinear]] = {}
     for layer in layers:
         parent, _, child = layer.name.rpartition(".")
@@ -179,7 +178,7 @@ def group_projections(layers: Iterable[RoutedLoRALinear]) -> list[ProjectionGrou
         for names in SHARED_INPUT_SETS:
             members = [children[n] for n in names if n in children]
             first = members[0] if members else None
-            if len(members) < 2 or any(
+            if len(members) < 2 or any(m.weight.is_meta for m in members) or any(
                     (m.in_features, m.num_slots, m.r_max, m.lora_A.dtype, m.lora_A.device, m.weight.dtype)
                     != (first.in_features, first.num_slots, first.r_max, first.lora_A.dtype, first.lora_A.device,
                         first.weight.dtype)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import molora.routing.lora as lora_mod
-from molora.kernels.reference import routed_lora_reference
+from molora.kernels.reference import routed_lora_reference, routed_lora_topk_reference
 from molora.routing import LoraAdapter, RoutedLoRALinear, SequenceRouter, attach_routed_lora
 from molora.routing.context import CallRouting, reset_routing, set_routing
 from molora.routing.lora import ProjectionGroup, group_projections
@@ -155,6 +155,68 @@ def test_cuda_group_matches_cpu():
         got = routed(IDS.cuda(), routers=router).logits.cpu()
     assert torch.allclose(got, want, atol=1e-3, rtol=1e-3)
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("n,k", [(1, 0), (1, 2), (5, 1), (16, 2)])  # k = 0: static routing ([N] slots, no weights)
+def test_cuda_eager_group_outputs_match_base_plus_reference_and_capture(n, k):
+    """The eager decode path on CUDA (N <= 16): the members' GEMMs into one buffer and the kept launcher adding the
+    deltas (direct launches after the first call), then a plain torch.cuda.graph capture of it replayed with new
+    slot values."""
+    import molora.kernels.dispatch as dispatch
+    gen = torch.Generator().manual_seed(10 * n + k)
+    layers = [RoutedLoRALinear(torch.nn.Linear(256, o, bias=bias), 4, 16, name=f"blk.{nm}", block=0)
+              for nm, o, bias in (("q_proj", 256, True), ("k_proj", 64, False), ("v_proj", 64, True))]
+    group = group_projections(layers)[0]
+    with torch.no_grad():
+        for layer in layers:
+            layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=gen) / 16)
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen))
+            layer.lora_scale.copy_(torch.rand(4, generator=gen) + 0.5)
+            layer.to("cuda", torch.bfloat16)
+    x = torch.randn(1, n, 256, generator=gen).to("cuda", torch.bfloat16)
+    slots = torch.randint(-1, 4, (n, max(k, 1)), generator=gen).cuda()
+    weights = torch.rand(n, max(k, 1), generator=gen).cuda()
+    assert dispatch.choose_group_path(x.view(n, 256), max(k, 1), True, 4, 16, 3) == "fused"
+
+    def forward():
+        routing = CallRouting(1, n, slots[:, 0], 4, k=max(k, 1))
+        if k:  # learned routing's form: [N, k] slots and weights for the block
+            routing.learned = [None]
+            routing.block_slots = {0: (slots, weights)}
+        token = set_routing(routing)
+        try:
+            return [layer(x) for layer in layers]
+        finally:
+            reset_routing(token)
+
+    def errors(ys):
+        out = []
+        for layer, y in zip(layers, ys):
+            want = F.linear(x, layer.weight, layer.bias).double().reshape(n, -1) + routed_lora_topk_reference(
+                x.view(n, 256), layer.lora_A, layer.lora_B, slots, weights if k else torch.ones_like(weights),
+                layer.lora_scale).double()
+            err = ((y.double().reshape(n, -1) - want).abs().max() / want.abs().max()).item()
+            if not (y.shape == (1, n, layer.out_features) and err <= 2e-2):
+                out.append(f"{layer.name}: err {err:.2e} shape {tuple(y.shape)}")
+        return out
+    with torch.no_grad():
+        for _ in range(3):  # the first call compiles, the next ones take the kept launcher's direct launch
+            assert errors(forward()) == []
+            slots.copy_(torch.randint(-1, 4, slots.shape, generator=gen).cuda())
+        assert group._launches[None]._direct
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = forward()
+        slots.copy_(torch.randint(-1, 4, slots.shape, generator=gen).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert errors(captured) == []
 
 def _group_errors(layers, xs, slots, dtype, tol, grad=False) -> list[str]:
     """Run the layers on inputs xs under one static routing (slots for 2x3 tokens); their outputs' problems."""
