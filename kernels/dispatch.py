@@ -81,9 +81,10 @@ STACKED_TOPK_MIN_ROWS_WIDE = 1024
 # the path with the least host time. EAGER_DECODE_PATH "fused": one Triton launch per group call through the
 # compiled kernel's launcher (FusedLaunch) on hot sets up to EAGER_FUSED_MAX_WIDTH = S*r, the dense torch form
 # (four C++-dispatched launches per group call) on wider ones; "torch": the dense form everywhere. Host time added
-# per routed linear, decode step of 8 Qwen3-1.7B-shaped blocks, r=16, 4 slots, H200, two runs (benchmarks/
-# RESULTS.md, "Kernels: one launch per group call (issue 13, fourth pass)"): fused 43.3 / 45.5 us at N=1 and
-# 18.9 / 40.5 at N=8, dense 102.1 / 119.1 and 60.3 / 104.7, PEFT-like unmerged LoRA 35.7 / 78.3 and 72.9 / 76.0.
+# per routed linear, decode step of 8 Qwen3-1.7B-shaped blocks, r=16, 4 slots, H200 (benchmarks/RESULTS.md,
+# "Kernels: a group call computes its members' outputs (issue 13, fifth pass)", the group call running its
+# members' GEMMs): fused 17.07 us at N=1 and 16.91 at N=8, dense 62.13 and 58.05, PEFT-like unmerged LoRA 50.86
+# and 51.41 (fourth pass, each layer its own GEMM: fused 43.3 / 45.5 and 18.9 / 40.5 over two runs).
 # Graph mode takes the Triton kernels with the least GPU time instead (the one-launch kernel: 17.4-18.0 us of GPU
 # time at r=16 N<=16, one projection or q/k/v, vs gather 8.5-14.7).
 EAGER_MAX_TOKENS = 16

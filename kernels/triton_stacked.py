@@ -325,7 +325,8 @@ class FusedLaunch:
     needed), which returns the compiled kernel; later calls call that kernel's own launcher (`CompiledKernel.run`,
     the same call in triton 3.6 and 3.9) with the grid and the arguments after x's worked out once, and device
     pointers as plain ints (the launcher then skips a data_ptr() call and a cuPointerGetAttribute per tensor). H200,
-    triton 3.6, two runs: 45.6 / 80.1 us of host time per call through JITFunction.run, 13.8 / 20.4 direct. A cached
+    triton 3.6, three runs: 45.6 / 80.1 / 51.9 us of host time per call through JITFunction.run, 13.8 / 20.4 / 17.3
+    direct. A cached
     kernel only runs arguments it was compiled for: the key holds what varies between calls (N, k, x's, the slots',
     the weights' and out's dtypes), everything else is fixed per instance (the adapters' tensors, their strides and
     alignment; out's strides, contiguous [N, O]), and calls whose x, slots, weights or out are not 16-byte aligned
