@@ -7,8 +7,9 @@ accumulate path). With `out=` the delta is added into `out` in place (out += del
 routed layer can add straight into its base output. `meta=` takes a RoutingMeta from build_routing_meta(slots, S),
 built once per forward and shared by every layer with the same routing (only the grouped kernel reads it).
 routed_lora_group computes the deltas of several projections that read the same x (q/k/v, gate/up) with one
-shrink and one expand for all of them; a routed layer then adds its base GEMM into its delta (addmm_, beta = 1),
-so the delta costs no extra pass over the output.
+shrink and one expand for all of them; routed layers then run their base GEMMs onto those deltas (addmm_,
+beta = 1), so a delta costs no extra pass over the output (on eager decode calls they instead add the deltas into
+their GEMMs' outputs: routing/lora.py with kernels/triton_stacked.py's FusedLaunch).
 """
 
 from __future__ import annotations
