@@ -160,6 +160,14 @@ class SessionRegistry:
         # the folder goes when the registry does, and at the latest when the interpreter exits (Ctrl-C included)
         self._remove_root = weakref.finalize(self, shutil.rmtree, str(self.root), True)
 
+    def __deepcopy__(self, memo: dict) -> SessionRegistry:
+        """The registry is the app's one shared service, not a value: a copy of it is itself.
+
+        Gradio deep-copies the page config on every page load (`/config`), and the State's delete_callback, our
+        bound `forget`, is in it. Were the copy to fail (at the lock), Gradio's fallback copies the config piece by
+        piece, ~0.4 s of held GIL per page load: eight visitors opening the page at once waited over 5 s."""
+        return self
+
     def new_state(self) -> SessionState:
         return SessionState(root=self.root)
 

@@ -7,6 +7,7 @@ followed by <boi>), which makes the first 256 generated tokens an image whatever
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import socket
@@ -167,6 +168,18 @@ def test_eight_concurrent_clients_get_exactly_what_they_get_alone(url, upload_zi
     assert len(alone[0]["images"]) == 1
     assert {label for _, label in alone[4]["tokens"]} <= {"mine", "image_style"}
     assert len({a["text"] for a in alone}) > 1  # different seeds/adapters really differ
+
+
+def test_the_page_config_copies_whole_so_page_loads_stay_cheap(pipe):
+    """Gradio deep-copies the page config on every /config request. A part it cannot copy (the State's
+    delete_callback, bound to the session registry and its lock) sends it down a piece-by-piece fallback that held
+    the GIL ~0.4 s per page load, and eight visitors opening the page at once timed out."""
+    app = MoLoRAApp(pipe)
+    demo = app.build()
+    copied = copy.deepcopy(demo.config)  # raises if any part cannot be copied
+    callbacks = [c["props"]["delete_callback"] for c in copied["components"] if "delete_callback" in c["props"]]
+    assert callbacks and all(cb.__self__ is app.sessions for cb in callbacks)  # one registry, never a copy
+    app.close()
 
 
 def test_uploaded_adapter_is_private_to_its_session(url, pipe, upload_zip):
