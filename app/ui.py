@@ -81,11 +81,13 @@ LEARNED_EXAMPLES: list[tuple[str, int]] = [
 ]
 
 # (prompt, seed): a picture whose style the words ask for, for the learned router's image gates (shown when the
-# router ships them): "outlined" / "hollow" -> the outline LoRA, "filled" / "solid" -> the base model's own style
-# (tests/test_app_examples.py checks each picture's style at the page's defaults).
+# router ships them): "outlined" / "hollow" -> the outline LoRA, "negative" / "inverted" -> the negative LoRA
+# (the shape in its colour's complement), "filled" / "solid" -> the base model's own style. Held-out requests of
+# models/shapes/styles.py; tests/test_app_examples.py checks each picture's style at the page's defaults.
 LEARNED_PICTURE_EXAMPLES: list[tuple[str, int]] = [
-    ("Here is an outlined small purple circle at the top right:", 0),
-    ("Here is a filled large brown triangle at the top:", 0),
+    ("Here is a hollow large blue diamond at the bottom:", 0),
+    ("Here is a solid small purple star at the bottom:", 0),
+    ("Here is an inverted small orange square in the center:", 0),
 ]
 
 # The pickers start on the shipped model's style adapters (its domain adapters, also "text", are for the learned

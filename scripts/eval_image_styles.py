@@ -1,11 +1,13 @@
 """Per-picture learned routing among image adapters: does each picture come out in the style its words asked for?
 
-Held-out requests (models/shapes/styles.py, split "heldout"), half "outlined"/"hollow", half "filled"/"solid".
-Each row generates the pictures with the model's defaults and a fixed seed, and ShapesEval's exact reader
-(models/shapes/eval.is_outline) judges the style; `content` also checks the picture shows what the words named.
+Held-out requests (models/shapes/styles.py, split "heldout"), a third "outlined"/"hollow", a third
+"filled"/"solid", a third "negative"/"inverted". Each row generates the pictures with the model's defaults and a
+fixed seed, and ShapesEval's exact reader judges the style (models/shapes/styles.drawn_style); `content` also checks
+the picture shows what the style draws for the words (shape, size, cell; the named colour, or its complement for
+"negative").
 
     one picture        the sentence -> one picture
-    second picture     a document that already holds a picture in the OTHER style, then the sentence -> the
+    second picture     a document that already holds a picture in ANOTHER style, then the sentence -> the
                        second picture (per-picture routing inside one document)
 
 Rows: base (no adapter: filled), outline everywhere (vocabulary routing to the outline LoRA: what a per-request
@@ -31,21 +33,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from molora.models.pipeline import InterleavedPipeline  # noqa: E402
 from molora.models.runtime import device_name  # noqa: E402
 from molora.models.shapes import world  # noqa: E402
-from molora.models.shapes.eval import is_outline, score_text_to_image  # noqa: E402
+from molora.models.shapes.analyse import analyse_image  # noqa: E402
+from molora.models.shapes.eval import score_text_to_image  # noqa: E402
 from molora.models.shapes.prompts import EvalPrompt  # noqa: E402
-from molora.models.shapes.styles import StyleItem, style_items  # noqa: E402
+from molora.models.shapes.styles import STYLES, StyleItem, drawn_style, style_items  # noqa: E402
 
 log = logging.getLogger("eval_image_styles")
 ROWS = ("base", "outline everywhere", "oracle (requested style's expert)", "learned image gates")
 
 
 def prompts(items: list[StyleItem], second: bool) -> list[list]:
-    """One prompt per item: its sentence, or (second) another request's sentence and picture in the other style,
-    then its sentence (style_items alternates styles, so the request after item i asks for the other one)."""
+    """One prompt per item: its sentence, or (second) another request's sentence and picture in another style,
+    then its sentence (style_items cycles the styles, so the request after item i asks for another one)."""
     if not second:
         return [[it.prompt] for it in items]
     firsts = style_items(len(items) + 1, seed="eval-first", split="heldout")
-    return [[first.prompt, world.render(first.scene), it.prompt] for it, first in zip(items, firsts[1:])]
+    return [[first.prompt, world.render(first.drawn), it.prompt] for it, first in zip(items, firsts[1:])]
 
 
 def run_row(pipe: InterleavedPipeline, items: list[StyleItem], batch: list[list], routing: str,
@@ -59,19 +62,21 @@ def run_row(pipe: InterleavedPipeline, items: list[StyleItem], batch: list[list]
     for item, doc in zip(items, docs):
         pictures = doc.images
         picture = pictures[0] if pictures else None
-        style_ok.append(picture is not None and is_outline(picture) == (item.style == "outline"))
-        content_ok.append(score_text_to_image(EvalPrompt("text_to_image", item.prompt, item.scene), picture))
+        style_ok.append(picture is not None and drawn_style(analyse_image(picture), item) == item.style)
+        content_ok.append(score_text_to_image(EvalPrompt("text_to_image", item.prompt, item.drawn), picture))
     n = len(items)
-    return {"style": round(sum(style_ok) / n, 4), "content": round(sum(content_ok) / n, 4),
-            "style_outline": round(sum(ok for ok, it in zip(style_ok, items) if it.style == "outline") / (n / 2), 4),
-            "style_filled": round(sum(ok for ok, it in zip(style_ok, items) if it.style == "filled") / (n / 2), 4),
+    per_style = {}
+    for style in STYLES:
+        asked = [ok for ok, it in zip(style_ok, items) if it.style == style]
+        per_style[f"style_{style}"] = round(sum(asked) / max(1, len(asked)), 4)
+    return {"style": round(sum(style_ok) / n, 4), "content": round(sum(content_ok) / n, 4), **per_style,
             "seconds": round(time.time() - t0, 1)}
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="model directory (default: the repo's assets)")
-    p.add_argument("--n", type=int, default=100, help="held-out requests (half of each style)")
+    p.add_argument("--n", type=int, default=99, help="held-out requests (a third of each style)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", type=Path, default=None)
@@ -101,12 +106,12 @@ def main(argv: list[str] | None = None) -> dict:
                                        "threads": torch.get_num_threads()}}
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
-    lines = ["| row | one picture: style | outlined asked | filled asked | content | second picture: style "
-             "(outlined / filled asked) | content |", "|---|---|---|---|---|---|---|"]
+    lines = ["| row | one picture: style | outlined / filled / negative asked | content | second picture: style "
+             "| outlined / filled / negative asked | content |", "|---|---|---|---|---|---|---|"]
     for name in rows["one picture"]:
         a, b = rows["one picture"][name], rows["second picture"][name]
-        lines.append(f"| {name} | {a['style']:.3f} | {a['style_outline']:.3f} | {a['style_filled']:.3f} | "
-                     f"{a['content']:.3f} | {b['style']:.3f} ({b['style_outline']:.3f} / {b['style_filled']:.3f}) | "
+        asked = [" / ".join(f"{r[f'style_{s}']:.3f}" for s in STYLES) for r in (a, b)]
+        lines.append(f"| {name} | {a['style']:.3f} | {asked[0]} | {a['content']:.3f} | {b['style']:.3f} | {asked[1]} | "
                      f"{b['content']:.3f} |")
     print("\n".join(lines))
     return results

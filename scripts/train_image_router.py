@@ -3,8 +3,8 @@ text positions among the domain adapters, and these gates route image positions 
 base expert, per picture, from what the words before it asked for. Base, adapters and text gates stay frozen.
 
 Data (models/shapes/styles.py): "Here is an outlined small red circle at the top left:" + the picture in that
-style; the shipped `outline` LoRA draws outlined shapes, the base model filled ones (the base expert). Per block a
-gate Linear(d_model, 2) on the block input of image positions (`<boi>`, codes, row markers, `<eoi>`), and with
+style; the shipped `outline` LoRA draws outlined shapes, the `negative` LoRA shapes in the complementary colour, the
+base model filled ones (the base expert). Per block a gate Linear(d_model, 3) on the block input of image positions (`<boi>`, codes, row markers, `<eoi>`), and with
 --context-decays also on a routing state updated by the text positions (the words before the picture); loss =
 next-token loss on the picture's ids + lb * load-balance + z * z-loss + label * cross-entropy of every block's gate
 against the requested style's expert on the picture's positions. The gates train at k = 2 (with k = 1 the kept
@@ -14,8 +14,8 @@ Writes OUT/image_gates.safetensors and an "image_gates" section in OUT/config.js
 the text router's own entries are kept). InterleavedPipeline.from_pretrained loads the image gates beside the text
 gates; routing="learned" then draws each picture in the style its words ask for.
 
-    python scripts/train_image_router.py --out assets/router --steps 80 --n 1000 --n-val 60 --lr 2e-2 --threads 2
-                                         # the shipped image gates (CPU, 594 s; benchmarks/RESULTS.md)
+    python scripts/train_image_router.py --out assets/router --device cuda --n 3000 --n-val 99 --steps 300 \
+        --lr 2e-2 --threads 8 --max-minutes 1.8   # the shipped image gates (H200, 153 s; benchmarks/RESULTS.md)
     python scripts/train_image_router.py --out /tmp/r --steps 2 --n 16 --n-val 4     # a smoke run
 """
 
@@ -36,11 +36,13 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from molora.models.data import Schedule  # noqa: E402
+from molora.models.image_tokenizer import ImageTokenizer  # noqa: E402
 from molora.models.loading import adapter_weights_hash  # noqa: E402
 from molora.models.pipeline import InterleavedPipeline  # noqa: E402
 from molora.models.runtime import device_name  # noqa: E402
 from molora.models.shapes import world  # noqa: E402
 from molora.models.shapes.styles import STYLE_ADAPTERS, StyleItem, style_items  # noqa: E402
+from molora.models.tokenizer import UnifiedTokenizer  # noqa: E402
 from molora.routing import LearnedGates, LearnedRouter  # noqa: E402
 
 log = logging.getLogger("train_image_router")
@@ -53,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adapters-dir", type=Path, default=REPO / "assets" / "adapters",
                    help="where the image adapters' files are (their hashes go in the config)")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--n", type=int, default=2000, help="training requests (half of each style)")
+    p.add_argument("--n", type=int, default=2000, help="training requests (a third of each style)")
     p.add_argument("--n-val", type=int, default=100, help="held-out requests scored at the end")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--second", type=float, default=0.5,
@@ -74,24 +76,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def encode(pipe: InterleavedPipeline, items: list[StyleItem], experts: list[str | None], *, seed: int | str,
-           split: str, second: float) -> list[tuple[list[int], int, int]]:
+def encode(tok: UnifiedTokenizer, vq: ImageTokenizer, items: list[StyleItem], experts: list[str | None], *,
+           seed: int | str, split: str, second: float) -> list[tuple[list[int], int, int]]:
     """(ids, index of the scored picture's <boi>, the requested style's expert index) of each item: <bos> +
-    sentence + picture; a `second` share of them first hold another request's sentence and picture in the other
+    sentence + picture; a `second` share of them first hold another request's sentence and picture in another
     style (context, not scored), so the gates learn to follow the words, not the document's last picture."""
-    firsts = style_items(len(items) + 1, seed=f"first:{seed}", split=split)[1:]  # firsts[i]: the other style
+    firsts = style_items(len(items) + 1, seed=f"first:{seed}", split=split)[1:]  # firsts[i]: another style
     rng = random.Random(f"second:{seed}")
     lead = [rng.random() < second for _ in items]
-    scenes = [it.scene for it in items] + [f.scene for f, use in zip(firsts, lead) if use]
-    codes = iter(pipe.image_tokenizer.encode([world.render(scene) for scene in scenes]))
+    scenes = [it.drawn for it in items] + [f.drawn for f, use in zip(firsts, lead) if use]
+    codes = iter(vq.encode([world.render(scene) for scene in scenes]))
     pictures = [next(codes) for _ in items]
     out = []
     for item, first, use, picture in zip(items, firsts, lead, pictures):
-        head = [pipe.vocab.bos_id]
+        head = [tok.vocab.bos_id]
         if use:
-            head += [*pipe.tokenizer.encode_text(first.prompt), *pipe.tokenizer.image_span(next(codes))]
-        head += pipe.tokenizer.encode_text(item.prompt)
-        out.append((head + pipe.tokenizer.image_span(picture), len(head), experts.index(item.adapter)))
+            head += [*tok.encode_text(first.prompt), *tok.image_span(next(codes))]
+        head += tok.encode_text(item.prompt)
+        out.append((head + tok.image_span(picture), len(head), experts.index(item.adapter)))
     return out
 
 
@@ -168,11 +170,12 @@ def main(argv: list[str] | None = None) -> dict:
     gates = LearnedGates.for_model(routed, image_adapters, base_expert=True, context_decays=args.context_decays)
     train_router = LearnedRouter(pipe.gates, top_k=pipe.learned_top_k, vocab=pipe.vocab, image_gates=gates,
                                  image_top_k=gates.num_experts)
-    train = encode(pipe, style_items(args.n, seed=args.seed, split="train"), gates.experts, seed=args.seed,
+    tok, vq = pipe.tokenizer, pipe.image_tokenizer
+    train = encode(tok, vq, style_items(args.n, seed=args.seed, split="train"), gates.experts, seed=args.seed,
                    split="train", second=args.second)
     val_items = style_items(args.n_val, seed=f"val{args.seed}", split="heldout")
-    val = encode(pipe, val_items, gates.experts, seed=f"val{args.seed}", split="heldout", second=0.0)
-    val_second = encode(pipe, val_items, gates.experts, seed=f"val{args.seed}", split="heldout", second=1.0)
+    val = encode(tok, vq, val_items, gates.experts, seed=f"val{args.seed}", split="heldout", second=0.0)
+    val_second = encode(tok, vq, val_items, gates.experts, seed=f"val{args.seed}", split="heldout", second=1.0)
     opt = torch.optim.AdamW(gates.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = Schedule(args.steps, max(1, args.steps // 10), args.max_minutes)
     rng = random.Random(f"{args.seed}:image-router-order")

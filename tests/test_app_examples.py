@@ -16,7 +16,9 @@ import pytest
 from molora.app.ui import EXAMPLES, LEARNED_EXAMPLES, LEARNED_PICTURE_EXAMPLES, MoLoRAApp
 from molora.models import InterleavedPipeline
 from molora.models.document import Document
+from molora.models.shapes.analyse import analyse_image
 from molora.models.shapes.eval import document_consistency, is_outline, is_pirate
+from molora.models.shapes.styles import STYLES, drawn_style, style_items
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -73,9 +75,16 @@ def test_each_learned_example_answers_both_questions_with_two_domain_adapters(ap
     assert len(used & set(DOMAINS)) >= 2, f"one domain adapter per answer span: {used}"
 
 
+def picture_request(prompt: str):
+    """The held-out style request an example is (its asked style and colour are known), or None."""
+    return next((it for it in style_items(60, seed="app", split="heldout") if it.prompt == prompt), None)
+
+
 @pytest.mark.parametrize("prompt, seed", LEARNED_PICTURE_EXAMPLES)
 def test_each_learned_picture_example_is_drawn_in_the_style_its_words_ask_for(app, prompt, seed):
     """Learned mode with the shipped image gates: the image picker is not used, the words pick the adapter."""
+    item = picture_request(prompt)
+    assert item is not None, "the example is a held-out style request (its style and colour are known)"
     d = app.defaults
     state = app.sessions.new_state()
     outputs = list(app.generate(prompt, app.default_adapter("text"), app.default_adapter("image"), "learned", True,
@@ -83,12 +92,10 @@ def test_each_learned_picture_example_is_drawn_in_the_style_its_words_ask_for(ap
                                 min(d.image.top_k, app.codebook_size), d.cfg_scale, seed, app.image_tokens + 1, 1,
                                 state, SimpleNamespace(session_hash=f"learned-picture-{seed}")))
     doc = Document.load(outputs[-1][2])
-    asked_outline = any(word in prompt for word in ("outlined", "hollow"))
-    assert doc.images and is_outline(doc.images[0]) == asked_outline
+    assert doc.images and drawn_style(analyse_image(doc.images[0]), item) == item.style
     drawn_by = {r.adapter for r in doc.routing if r.modality == "image"}
-    assert drawn_by == ({"outline"} if asked_outline else {None})
+    assert drawn_by == {item.adapter}
 
 
-def test_the_picture_examples_ask_for_both_styles():
-    outlined = [any(w in p for w in ("outlined", "hollow")) for p, _ in LEARNED_PICTURE_EXAMPLES]
-    assert True in outlined and False in outlined
+def test_the_picture_examples_ask_for_every_style():
+    assert sorted(picture_request(p).style for p, _ in LEARNED_PICTURE_EXAMPLES) == sorted(STYLES)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import replace
 
 import pytest
+from PIL import Image
 
 from molora.models.shapes import world
 from molora.models.shapes.domains import (
@@ -178,16 +180,39 @@ def test_foreign_items_ask_one_question_of_another_domain_and_train_only_the_own
         assert scored == [d == "count" for d in e.span_domain] and any(scored) and not all(scored)
 
 
-def test_style_requests_alternate_name_their_style_and_render_in_it():
-    from molora.models.shapes.eval import is_outline
-    from molora.models.shapes.styles import STYLE_WORDS, style_items
+def test_style_requests_cycle_name_their_style_and_render_in_it():
+    from molora.models.shapes.analyse import analyse_image
+    from molora.models.shapes.styles import NEGATIVE_COLOUR, STYLE_WORDS, STYLES, drawn_style, style_items
     from molora.models.shapes.world import render
-    items = style_items(8, seed=0, split="heldout")
-    assert [it.style for it in items] == ["outline", "filled"] * 4
-    assert items == style_items(8, seed=0, split="heldout")  # seeded
+    items = style_items(9, seed=0, split="heldout")
+    assert [it.style for it in items] == list(STYLES) * 3 == ["outline", "filled", "negative"] * 3
+    assert items == style_items(9, seed=0, split="heldout")  # seeded
     for it in items:
         words = it.prompt.split()
-        assert sum(w in words for w in STYLE_WORDS[it.style]) == 1
+        asked = it.scene.objects[0]
+        assert sum(w in words for w in STYLE_WORDS[it.style]) == 1 and asked.colour in words
         assert not any(w in words for other in STYLE_WORDS if other != it.style for w in STYLE_WORDS[other])
-        assert it.scene.style == it.style and is_outline(render(it.scene)) == (it.style == "outline")
-        assert it.adapter == ("outline" if it.style == "outline" else None)
+        drawn = it.drawn.objects[0]
+        assert (drawn.shape, drawn.size, drawn.cell) == (asked.shape, asked.size, asked.cell)
+        assert drawn.colour == (NEGATIVE_COLOUR[asked.colour] if it.style == "negative" else asked.colour)
+        assert drawn_style(analyse_image(render(it.drawn)), it) == it.style  # the exact reader tells all three apart
+        assert it.adapter == {"outline": "outline", "filled": None, "negative": "negative"}[it.style]
+
+
+def test_negative_colours_pair_every_colour_with_another():
+    from molora.models.shapes.styles import NEGATIVE_COLOUR
+    from molora.models.shapes.world import COLOURS
+    assert sorted(NEGATIVE_COLOUR) == sorted(COLOURS)
+    assert all(NEGATIVE_COLOUR[NEGATIVE_COLOUR[c]] == c != NEGATIVE_COLOUR[c] for c in COLOURS)
+
+
+def test_drawn_style_says_none_for_an_empty_picture_or_a_third_colour():
+    from molora.models.shapes.analyse import analyse_image
+    from molora.models.shapes.styles import NEGATIVE_COLOUR, drawn_style, style_items
+    from molora.models.shapes.world import BACKGROUND_RGB, COLOURS, Scene, render
+    item = style_items(3, seed=1, split="heldout")[2]
+    asked = item.scene.objects[0]
+    third = next(c for c in COLOURS if c not in (asked.colour, NEGATIVE_COLOUR[asked.colour]))
+    blank = Image.new("RGB", (64, 64), BACKGROUND_RGB["white"])
+    assert drawn_style(analyse_image(blank), item) is None
+    assert drawn_style(analyse_image(render(Scene((replace(asked, colour=third),)))), item) is None

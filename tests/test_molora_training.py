@@ -501,3 +501,27 @@ def test_init_from_with_train_new_only_keeps_the_loaded_context_decays_and_old_r
         assert after.weight[1].any()  # the new row trained from zero
     with pytest.raises(SystemExit, match="needs --init-from"):
         train_router.main(["--out", str(tmp_path / "x"), "--train-new-only"])
+
+
+def test_image_adapter_trains_on_its_pictures_only_and_loads_as_an_image_adapter(tmp_path):
+    """scripts/train_image_adapter.py: a PEFT folder of modality "image" that the pipeline loads as one, trained
+    through the routed path with the adapter on the picture's positions and the base model on the words."""
+    script = load_script("train_image_adapter")
+    model = write_tiny_model_dir(tmp_path / "model")
+    metrics = script.main(["--model-dir", str(model), "--out", str(tmp_path / "adapters"), "--style", "negative",
+                           "--steps", "2", "--n-train", "8", "--n-val", "4", "--batch-size", "4"])
+    folder = tmp_path / "adapters" / "negative"
+    assert json.loads((folder / "molora.json").read_text())["modality"] == "image"
+    assert json.loads((folder / "metrics.json").read_text())["steps"] == metrics["steps"] == 2
+    assert set(metrics["val_adapter"]) == {"picture_loss", "picture_code_accuracy"}
+    assert metrics["val_adapter"]["picture_loss"] != metrics["val_base"]["picture_loss"]  # it trained
+    loaded = load_model_dir(model, adapters_dir=tmp_path / "adapters")
+    assert [(a.name, a.modality) for a in loaded.adapters] == [("negative", "image")]
+    picture = torch.tensor([[False, False, True, True]])
+    router = script.picture_router("negative", picture)
+    assert router.labels.tolist() == [[-1, -1, 0, 0]]
+
+
+def test_image_adapter_refuses_a_style_no_adapter_draws():
+    with pytest.raises(SystemExit):
+        load_script("train_image_adapter").parse_args(["--out", "/tmp/x", "--style", "filled"])
