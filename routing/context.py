@@ -48,8 +48,8 @@ class CallRouting:
     _static_k: tuple[torch.Tensor, torch.Tensor] | None = None
     _meta: dict[int | None, Any] = field(default_factory=dict)
     _slots2d: torch.Tensor | None = None
-    # projection group -> its members' deltas computed by the first member called (routing/lora.py)
-    shared: dict[Any, SharedDeltas] = field(default_factory=dict)
+    # projection group -> its members' outputs computed by the first member called (routing/lora.py)
+    shared: dict[Any, SharedOutputs] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -170,20 +170,21 @@ class PlacedRouting(CallRouting):
 
 
 @dataclass
-class SharedDeltas:
-    """Deltas a projection group computed in one call for all its members, waiting for the members that have not
-    run yet in this forward (routing/lora.py). Holds x, so `x is` identifies the input they were computed from."""
+class SharedOutputs:
+    """Outputs (base linear + routed delta) a projection group computed in one call for all its members, waiting
+    for the members that have not run yet in this forward (routing/lora.py). Holds x, so `x is` identifies the
+    input they were computed from."""
 
     x: torch.Tensor
-    deltas: list[torch.Tensor | None]
+    outputs: list[torch.Tensor | None]
     left: int
 
     def take(self, index: int, routing: CallRouting, group: Any) -> torch.Tensor:
-        delta, self.deltas[index] = self.deltas[index], None
+        output, self.outputs[index] = self.outputs[index], None
         self.left -= 1
-        if self.left == 0:  # every member has its delta: drop the entry (and the reference to x)
+        if self.left == 0:  # every member has its output: drop the entry (and the reference to x)
             del routing.shared[group]
-        return delta
+        return output
 
 
 _ROUTING: ContextVar[CallRouting | None] = ContextVar("molora_routing", default=None)

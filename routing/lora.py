@@ -37,7 +37,7 @@ from molora.kernels import reads_meta, routed_lora, routed_lora_topk
 from molora.kernels.autograd import needs_autograd
 from molora.kernels.dispatch import choose_group_path, routed_lora_group_forward
 from molora.kernels.triton_stacked import FusedLaunch
-from molora.routing.context import CallRouting, SharedDeltas, current_routing
+from molora.routing.context import CallRouting, SharedOutputs, current_routing
 from molora.routing.errors import RoutingError
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class RoutedLoRALinear(nn.Linear):
             return F.linear(x, params["weight"], params.get("bias"))  # (bias=False: a plain None attribute)
         group = self.group
         shared = routing.shared.get(group)
-        if shared is not None and shared.x is x and shared.deltas[self.group_index] is not None:
+        if shared is not None and shared.x is x and shared.outputs[self.group_index] is not None:
             return shared.take(self.group_index, routing, group)  # a sibling's group call made this layer's output
         slots, weights = routing.kernel_slots(self.route_key)
         x2 = x.reshape(-1, self.in_features)
@@ -238,7 +238,7 @@ class RoutedLoRALinear(nn.Linear):
         if group.size == 1:
             return group.outputs(routing, self.route_key, x, x2, slots, weights)[0]
         index = self.group_index
-        if shared is not None and shared.deltas[index] is not None and group.shares_input:
+        if shared is not None and shared.outputs[index] is not None and group.shares_input:
             # a sibling computed this layer's output from another input: these members do not share x
             group.shares_input = False
             log.info("routed layers %s are called on different inputs; computing their outputs separately",
@@ -247,7 +247,7 @@ class RoutedLoRALinear(nn.Linear):
             return group.outputs(routing, self.route_key, x, x2, slots, weights, only=index)[0]
         outputs = list(group.outputs(routing, self.route_key, x, x2, slots, weights))
         mine, outputs[index] = outputs[index], None
-        routing.shared[group] = SharedDeltas(x, outputs, group.size - 1)  # the siblings take theirs
+        routing.shared[group] = SharedOutputs(x, outputs, group.size - 1)  # the siblings take theirs
         return mine
 
     def _forward_add(self, x: torch.Tensor, x2: torch.Tensor, routing: CallRouting, slots: torch.Tensor,
