@@ -122,6 +122,40 @@ def accuracy(routed: RoutedModel, domain: str | None, encoded, pad_id: int, devi
     return sum(hits) / max(1, len(hits))
 
 
+def train_slot(params: list[torch.Tensor], n_items: int, loss_of, args: argparse.Namespace, *, adapter: str,
+               desc: str) -> tuple[int, list[tuple[int, float]]]:
+    """Train one slot's LoRA tensors: AdamW, warmup + cosine (`Schedule`, bounded by args.max_minutes), gradient
+    clipping 1.0, batches of args.batch_size drawn from shuffled passes over the n_items training items;
+    `loss_of(rows)` is the loss of those items; the order is seeded by args.seed and the adapter's name. Returns the steps taken and the loss every 10 steps; the tensors
+    are frozen again at the end."""
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = Schedule(args.steps, max(1, args.steps // 10), args.max_minutes)
+    rng = random.Random(f"{args.seed}:{adapter}:order")
+    order: list[int] = []
+    step, curve = 0, []
+    bar = tqdm(total=args.steps, desc=desc, mininterval=5)
+    while not sched.done(step):
+        if len(order) < args.batch_size:
+            order += rng.sample(range(n_items), n_items)
+        rows, order = order[:args.batch_size], order[args.batch_size:]
+        for group in opt.param_groups:
+            group["lr"] = args.lr * sched.factor(step)
+        loss = loss_of(rows)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        bar.update(1)
+        if step % 10 == 0 or step == args.steps:
+            curve.append((step, round(loss.item(), 4)))
+            bar.set_postfix(loss=f"{curve[-1][1]:.3f}")
+    bar.close()
+    for p in params:
+        p.requires_grad_(False)
+    return step, curve
+
+
 def train_domain(args: argparse.Namespace, tok: UnifiedTokenizer, domain: str) -> dict:
     t0 = time.time()
     torch.manual_seed(args.seed)
@@ -139,33 +173,12 @@ def train_domain(args: argparse.Namespace, tok: UnifiedTokenizer, domain: str) -
     train = [encode_item(tok, it) for it in items]
     val = [encode_item(tok, it) for it in domain_items(domain, args.n_val, seed=f"val{args.seed}", split="heldout")]
     base_acc = accuracy(routed, None, val, pad, args.device)
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = Schedule(args.steps, max(1, args.steps // 10), args.max_minutes)
-    rng = random.Random(f"{args.seed}:{domain}:order")
-    order: list[int] = []
-    step, curve = 0, []
-    bar = tqdm(total=args.steps, desc=f"adapter {domain}", mininterval=5)
-    while not sched.done(step):
-        if len(order) < args.batch_size:
-            order += rng.sample(range(len(train)), len(train))
-        rows, order = order[:args.batch_size], order[args.batch_size:]
+
+    def loss_of(rows: list[int]) -> torch.Tensor:
         batch = make_batch(train, rows, pad, [domain], args.device, only=domain)
-        for group in opt.param_groups:
-            group["lr"] = args.lr * sched.factor(step)
-        logits = routed(batch.ids, routers=own_span_router(domain, batch), use_cache=False).logits
-        loss = answer_loss(logits, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        bar.update(1)
-        if step % 10 == 0 or step == args.steps:
-            curve.append((step, round(loss.item(), 4)))
-            bar.set_postfix(loss=f"{curve[-1][1]:.3f}")
-    bar.close()
-    for p in params:
-        p.requires_grad_(False)
+        return answer_loss(routed(batch.ids, routers=own_span_router(domain, batch), use_cache=False).logits, batch)
+
+    step, curve = train_slot(params, len(train), loss_of, args, adapter=domain, desc=f"adapter {domain}")
     acc = accuracy(routed, domain, val, pad, args.device)
     trained = read_slot(routed, adapter, slot)
     folder = args.out / domain

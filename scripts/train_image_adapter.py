@@ -20,22 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
 import sys
 import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_domain_adapters import fresh_adapter, read_slot, trainable_slot  # noqa: E402
+from train_domain_adapters import fresh_adapter, read_slot, train_slot, trainable_slot  # noqa: E402
 from train_image_router import batch_of, encode, picture_loss  # noqa: E402
 
-from molora.models.data import Schedule  # noqa: E402
 from molora.models.image_tokenizer import ImageTokenizer  # noqa: E402
 from molora.models.runtime import device_name  # noqa: E402
 from molora.models.shapes.styles import STYLE_ADAPTERS, style_items  # noqa: E402
@@ -121,32 +118,12 @@ def main(argv: list[str] | None = None) -> dict:
     val = encode(tok, vq, requests(args.style, args.n_val, seed=f"val{args.seed}", split="heldout"), experts,
                  seed=f"val{args.seed}", split="heldout", second=args.second)
     base = picture_metrics(routed, None, val, args.device)
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = Schedule(args.steps, max(1, args.steps // 10), args.max_minutes)
-    rng = random.Random(f"{args.seed}:{name}:order")
-    order: list[int] = []
-    step, curve = 0, []
-    bar = tqdm(total=args.steps, desc=f"image adapter {name}", mininterval=5)
-    while not sched.done(step):
-        if len(order) < args.batch_size:
-            order += rng.sample(range(len(train)), len(train))
-        rows, order = order[:args.batch_size], order[args.batch_size:]
+
+    def loss_of(rows: list[int]) -> torch.Tensor:
         ids, picture, _, _ = batch_of([train[r] for r in rows], args.device)
-        for group in opt.param_groups:
-            group["lr"] = args.lr * sched.factor(step)
-        loss = picture_loss(routed(ids, routers=picture_router(name, picture), use_cache=False).logits, ids, picture)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        bar.update(1)
-        if step % 10 == 0 or step == args.steps:
-            curve.append((step, round(loss.item(), 4)))
-            bar.set_postfix(loss=f"{curve[-1][1]:.3f}")
-    bar.close()
-    for p in params:
-        p.requires_grad_(False)
+        return picture_loss(routed(ids, routers=picture_router(name, picture), use_cache=False).logits, ids, picture)
+
+    step, curve = train_slot(params, len(train), loss_of, args, adapter=name, desc=f"image adapter {name}")
     trained = picture_metrics(routed, name, val, args.device)
     folder = args.out / name
     save_peft_adapter(read_slot(routed, adapter, slot), folder)
