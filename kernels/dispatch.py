@@ -1,8 +1,8 @@
 """One dispatcher for every routed-LoRA call: torch paths on CPU and for eager decode calls, Triton gather, stacked
 or grouped kernel on CUDA otherwise.
 
-The choice depends on shapes (rows M = N*k, rank r, stacked width S*r) and on one explicit mode, never on slot
-values:
+The choice depends on shapes (rows M = N*k, rank r, stacked width S*r: triton_common.stacked_width, S times r
+padded to a power of two) and on one explicit mode, never on slot values:
   fused    on CUDA, decode-sized calls (N <= EAGER_MAX_TOKENS) outside graph mode on narrow hot sets: the stacked
            kernel's one-launch schedule for all P projections of a group call, launched through the compiled
            kernel's own launcher (kernels/triton_stacked.py, FusedLaunch): the least host time (an eager step is
@@ -12,7 +12,8 @@ values:
   gather   few rows (rows * r small): reads only the chosen slots, split-K latency kernel
   stacked  narrow hot sets (S*r small) above that, any k: cost independent of k, no metadata; and top-k on
            hot sets up to S*r = 256 at many rows
-  grouped  wide hot sets, and k=1 with prebuilt metadata once N*r is large (two phases, slot-sorted tiles)
+  grouped  wide hot sets, and k=1 with prebuilt metadata once N*r is large (two phases, slot-sorted tiles; top-k
+           on up to SETS_MAX_SLOTS slots: tiles of tokens that chose the same set of slots)
 Graph mode (kernels/graphs.py: on inside capture_graph, for its warm-up and its capture alike) takes the Triton
 paths at every size, the least GPU time, which is all a replayed graph costs; since warm-up and capture see the
 same mode, a warm-up compiles exactly what the capture records. A capture made outside capture_graph records the
@@ -30,9 +31,9 @@ import logging
 import torch
 
 from molora.kernels.graphs import graph_mode
-from molora.kernels.metadata import RoutingMeta
+from molora.kernels.metadata import RoutingMeta, uses_slot_sets
 from molora.kernels.torch_ops import routed_lora_torch, routed_lora_torch_dense, routed_lora_torch_group_dense
-from molora.kernels.triton_common import HAS_TRITON, check_triton_device, interpreting
+from molora.kernels.triton_common import HAS_TRITON, check_triton_device, interpreting, stacked_width
 
 if HAS_TRITON:
     from molora.kernels.triton_gather import gather_lora, gather_lora_group
@@ -71,10 +72,12 @@ GROUP_GATHER_MAX_ROW_RANK = 256
 # ... and with prebuilt metadata (k = 1) the stacked kernel only while N * r <= GROUP_STACKED_MAX_ROW_RANK, then the
 # grouped one (r=16: N=16 stacked 12.16 vs grouped 15.49; N=256 q/k/v with their GEMMs grouped 75.2 vs stacked 80.5)
 GROUP_STACKED_MAX_ROW_RANK = 256
-# Top-k (k > 1) on wide hot sets up to STACKED_TOPK_MAX_WIDTH: the stacked kernel (cost independent of k, S/k times
-# the arithmetic) above STACKED_TOPK_MIN_ROWS_WIDE rows, the grouped kernel (float32 atomics) below. r=64 (S*r=256),
-# metadata built in the call: N=64 k=2 stacked 36.4 vs grouped 30.0, k=4 36.2 vs 31.6; N=256 k=2 68.6 vs 39.3, k=4
-# 68.6 vs 53.4; N=2048 k=2 59.3 vs 137.6; N=8192 k=2 142.3 vs 658.0. Wider stacks do not fit the stacked tiles.
+# Top-k (k > 1) on wide hot sets of at most SETS_MAX_SLOTS slots: the grouped kernel's slot-set tiles (tokens sorted
+# by the set of slots they chose; each output element written once), as k = 1 takes it. On wider hot sets (the
+# grouped kernel then adds flat rows with float32 atomics) up to STACKED_TOPK_MAX_WIDTH stacked columns: the stacked
+# kernel (cost independent of k, S/k times the arithmetic) above STACKED_TOPK_MIN_ROWS_WIDE rows, the grouped kernel
+# below. r=64 (S*r=256), metadata built in the call, before slot sets: N=64 k=2 stacked 36.4 vs grouped 30.0, k=4
+# 36.2 vs 31.6; N=256 k=2 68.6 vs 39.3, k=4 68.6 vs 53.4; N=2048 k=2 59.3 vs 137.6; N=8192 k=2 142.3 vs 658.0.
 STACKED_TOPK_MAX_WIDTH = 256
 STACKED_TOPK_MIN_ROWS_WIDE = 1024
 # Eager decode calls (CUDA, N <= EAGER_MAX_TOKENS, not in graph mode): an eager step is host-bound, so these take
@@ -120,9 +123,10 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
         return "torch"
     n = x.shape[0]
     if n <= EAGER_MAX_TOKENS and x.is_cuda and not graph_mode():  # eager decode call: least host time
-        return "fused" if EAGER_DECODE_PATH == "fused" and num_slots * rank <= EAGER_FUSED_MAX_WIDTH else "torch"
+        fits = stacked_width(num_slots, rank) <= EAGER_FUSED_MAX_WIDTH
+        return "fused" if EAGER_DECODE_PATH == "fused" and fits else "torch"
     rows = n * k
-    width = num_slots * rank
+    width = stacked_width(num_slots, rank)
     if width <= STACKED_MAX_WIDTH:  # narrow
         if rows <= GATHER_MAX_ROWS_STACKED:
             return "gather"
@@ -131,7 +135,8 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
         return "grouped"
     if rows * rank <= (GATHER_MAX_ROW_RANK_WITH_META if has_meta and k == 1 else GATHER_MAX_ROW_RANK):
         return "gather"
-    if k > 1 and width <= STACKED_TOPK_MAX_WIDTH and rows > STACKED_TOPK_MIN_ROWS_WIDE:
+    if k > 1 and not uses_slot_sets(k, num_slots) and width <= STACKED_TOPK_MAX_WIDTH and \
+            rows > STACKED_TOPK_MIN_ROWS_WIDE:
         return "stacked"
     return "grouped"
 
@@ -149,7 +154,7 @@ def choose_group_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, r
     if proj == 1 or path == "torch" or path == "fused":
         return path
     if path == "gather" and k == 1 and x.shape[0] * rank * proj > GROUP_GATHER_MAX_ROW_RANK:  # measured for k = 1
-        path = "stacked" if num_slots * rank <= STACKED_MAX_WIDTH else "grouped"
+        path = "stacked" if stacked_width(num_slots, rank) <= STACKED_MAX_WIDTH else "grouped"
     if k == 1 and has_meta and path == "stacked" and x.shape[0] * rank > GROUP_STACKED_MAX_ROW_RANK:
         return "grouped"
     return path
@@ -210,7 +215,7 @@ def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     p_count, s_count, r, _ = A.shape
     n = x.shape[0]
     bounds = tuple(bounds)
-    if path == "gather" or path == "grouped" or (path == "stacked" and s_count * r <= MAX_WIDTH):
+    if path == "gather" or path == "grouped" or (path == "stacked" and stacked_width(s_count, r) <= MAX_WIDTH):
         if path == "gather":
             flat = gather_lora_group(x, A, B, slots, weights, scale, bounds)
         elif path == "grouped":

@@ -7,6 +7,12 @@ that reads neither costs nothing):
   adapter" segment; `offsets[s]:offsets[s+1]` is slot s's segment and `offsets[S]:offsets[S+1]` the no-adapter
   one. On CUDA one single-program Triton launch does a counting sort: output sizes fixed by M and S alone, so the
   builder can be captured in a CUDA graph.
+- `set_rows` / `set_offsets` (the grouped kernel's top-k form, k > 1, S <= SETS_MAX_SLOTS): the N tokens grouped by
+  the SET of slots they chose, a bitmask code (bit s set when some choice is slot s; repeats and -1 choices add
+  nothing). Segment c - 1 holds the tokens of code c (1 <= c < 2^S), the last segment those with no valid choice.
+  A tile of one segment then reads the same k slots for every row: all their A rows as one stacked tile, one
+  expand per output tile, each output element written once (no atomics, no float32 buffer). Same counting sort,
+  the code computed in the kernel.
 - `mixing(dtype)` (the dense torch path, kernels/torch_ops.py): [N, S], the summed weight each token gives each
   slot (one-hot of its slot for static routing, the gate weights for top-k), in the dtype the layer computes in.
 Build it with build_routing_meta(slots, S, weights) and pass it as `meta=` to every routed layer of the forward.
@@ -32,21 +38,40 @@ class RoutingMeta:
         self._sort = sort  # "auto": Triton on CUDA (or under the interpreter), torch otherwise; "torch": torch
         self._rows: torch.Tensor | None = None
         self._offsets: torch.Tensor | None = None
+        self._sets: tuple[torch.Tensor, torch.Tensor] | None = None
         self._mixing: dict[torch.dtype, torch.Tensor] = {}
 
     @property
     def rows(self) -> torch.Tensor:
         """int32 [M]: flat row ids n*k + j grouped by slot, the no-adapter rows last."""
         if self._rows is None:
-            self._rows, self._offsets = _sorted_rows(self.slots, self.num_slots, self._sort)
+            self._rows, self._offsets = _sorted_keys(self.slots, self.num_slots, self._sort, sets=False)
         return self._rows
 
     @property
     def offsets(self) -> torch.Tensor:
         """int32 [S + 2]: slot s's rows are rows[offsets[s]:offsets[s + 1]]; the no-adapter rows come last."""
         if self._offsets is None:
-            self._rows, self._offsets = _sorted_rows(self.slots, self.num_slots, self._sort)
+            self._rows, self._offsets = _sorted_keys(self.slots, self.num_slots, self._sort, sets=False)
         return self._offsets
+
+    @property
+    def set_rows(self) -> torch.Tensor:
+        """int32 [N]: token ids grouped by the set of slots each chose (see the module doc)."""
+        return self._slot_sets()[0]
+
+    @property
+    def set_offsets(self) -> torch.Tensor:
+        """int32 [2^S + 1]: the tokens whose slot-set code is c are set_rows[set_offsets[c - 1]:set_offsets[c]];
+        the tokens with no valid choice come last."""
+        return self._slot_sets()[1]
+
+    def _slot_sets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.num_slots > SETS_MAX_SLOTS:
+            raise ValueError(f"slot sets are built for hot sets of at most {SETS_MAX_SLOTS} slots, not {self.num_slots}")
+        if self._sets is None:
+            self._sets = _sorted_keys(self.slots, self.num_slots, self._sort, sets=True)
+        return self._sets
 
     @property
     def selection(self) -> torch.Tensor:
@@ -65,27 +90,53 @@ class RoutingMeta:
         return got
 
 
+# Widest hot set the slot-set sort serves: 2^S - 1 set codes are its segments (the counting sort's one-hot is
+# [BLOCK, next_pow2(2^S + 1)] wide).
+SETS_MAX_SLOTS = 6
+
+
+def uses_slot_sets(k: int, num_slots: int) -> bool:
+    """Top-k calls on hot sets of at most SETS_MAX_SLOTS slots sort tokens by slot set: one tile's rows share
+    their k slots, so every output element is written once. Wider hot sets sort the N*k flat rows by slot and add
+    each row's delta with float32 atomics (kernels/triton_grouped.py, MODE_ATOMIC)."""
+    return k > 1 and num_slots <= SETS_MAX_SLOTS
+
+
 if HAS_TRITON:
     @triton.jit
-    def _sort_rows_kernel(slot_ptr, rows_ptr, offsets_ptr, M, S,
-                          BLOCK: tl.constexpr, S_PAD: tl.constexpr):
+    def _sort_key(slot_ptr, idx, valid, S, SETS_K: tl.constexpr):
+        """Segment key of rows idx: its slot (SETS_K = 0; S for none) or, for SETS_K = k, the bitmask of token
+        idx's k slots minus one (2^S - 1 for none)."""
+        if SETS_K == 0:
+            key = tl.load(slot_ptr + idx, mask=valid, other=-1).to(tl.int32)
+            key = tl.where((key >= 0) & (key < S), key, S)
+        else:
+            code = tl.zeros(idx.shape, dtype=tl.int32)
+            for j in tl.static_range(SETS_K):
+                s = tl.load(slot_ptr + idx * SETS_K + j, mask=valid, other=-1).to(tl.int32)
+                code = code | tl.where((s >= 0) & (s < S), 1 << tl.maximum(s, 0), 0)
+            key = tl.where(code == 0, (1 << S) - 1, code - 1)
+        return key
+
+    @triton.jit
+    def _sort_rows_kernel(slot_ptr, rows_ptr, offsets_ptr, M, S, NKEYS,
+                          SETS_K: tl.constexpr, BLOCK: tl.constexpr, S_PAD: tl.constexpr):
+        """Counting sort of M rows into NKEYS + 1 segments (the last: no adapter)."""
         seg = tl.arange(0, S_PAD)
         counts = tl.zeros([S_PAD], dtype=tl.int32)
         for start in range(0, M, BLOCK):
             idx = start + tl.arange(0, BLOCK)
             valid = idx < M
-            key = tl.load(slot_ptr + idx, mask=valid, other=-1).to(tl.int32)
-            key = tl.where((key >= 0) & (key < S), key, S)
+            key = _sort_key(slot_ptr, idx, valid, S, SETS_K)
             key = tl.where(valid, key, S_PAD)  # padding lanes match no segment
             counts += tl.sum((key[:, None] == seg[None, :]).to(tl.int32), axis=0)
-        starts = tl.cumsum(counts, axis=0) - counts  # exclusive scan; starts[S + 1] == M
-        tl.store(offsets_ptr + seg, starts, mask=seg <= S + 1)
+        starts = tl.cumsum(counts, axis=0) - counts  # exclusive scan; starts[NKEYS + 1] == M
+        tl.store(offsets_ptr + seg, starts, mask=seg <= NKEYS + 1)
         running = starts
         for start in range(0, M, BLOCK):
             idx = start + tl.arange(0, BLOCK)
             valid = idx < M
-            key = tl.load(slot_ptr + idx, mask=valid, other=-1).to(tl.int32)
-            key = tl.where((key >= 0) & (key < S), key, S)
+            key = _sort_key(slot_ptr, idx, valid, S, SETS_K)
             key = tl.where(valid, key, S_PAD)
             onehot = (key[:, None] == seg[None, :]).to(tl.int32)
             rank = tl.cumsum(onehot, axis=0)  # 1-based rank of each row inside its segment, this chunk
@@ -106,32 +157,48 @@ def selection_matrix(slots: torch.Tensor, num_slots: int, weights: torch.Tensor 
     return (onehot * weights.detach().reshape(slots2d.shape)[:, :, None].to(dtype)).sum(1)
 
 
-def _sort_rows_torch(slots2d: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    flat = slots2d.reshape(-1).long()
-    key = torch.where((flat >= 0) & (flat < num_slots), flat, torch.full_like(flat, num_slots))
-    rows = torch.argsort(key, stable=True).to(torch.int32)
-    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    offsets = torch.zeros(num_slots + 2, dtype=torch.int64, device=flat.device)
+def _sort_keys_torch(keys: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, offsets) of a stable counting sort of keys [M] in [0, num_keys] (num_keys: no adapter)."""
+    rows = torch.argsort(keys, stable=True).to(torch.int32)
+    counts = torch.zeros(num_keys + 1, dtype=torch.int64, device=keys.device)
+    counts.scatter_add_(0, keys, torch.ones_like(keys))
+    offsets = torch.zeros(num_keys + 2, dtype=torch.int64, device=keys.device)
     offsets[1:] = torch.cumsum(counts, 0)
     return rows, offsets.to(torch.int32)
 
 
-def _sorted_rows(slots2d: torch.Tensor, num_slots: int, sort: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, offsets) for slots [N, k]: one Triton launch on CUDA (or under the interpreter), torch ops else."""
+def slot_set_codes(slots2d: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """int64 [N]: each token's bitmask of valid slots chosen (the torch form of the sort kernel's set keys)."""
+    valid = (slots2d >= 0) & (slots2d < num_slots)
+    onehot = (slots2d.long().clamp(min=0)[:, :, None] == torch.arange(num_slots, device=slots2d.device)) & valid[..., None]
+    return (onehot.any(1).long() << torch.arange(num_slots, device=slots2d.device)).sum(1)
+
+
+def _sorted_keys(slots2d: torch.Tensor, num_slots: int, sort: str, sets: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, offsets) for slots [N, k]: flat rows by slot, or (sets) tokens by slot-set code; one Triton launch on
+    CUDA (or under the interpreter), torch ops else."""
+    num_keys = (1 << num_slots) - 1 if sets else num_slots
     if sort != "auto" or not (HAS_TRITON and (slots2d.is_cuda or interpreting())):
-        return _sort_rows_torch(slots2d, num_slots)
-    flat = slots2d.reshape(-1).contiguous()
-    m = flat.numel()
-    rows = torch.empty(m, dtype=torch.int32, device=flat.device)
-    offsets = torch.empty(num_slots + 2, dtype=torch.int32, device=flat.device)
+        if sets:
+            keys = slot_set_codes(slots2d, num_slots) - 1
+            keys = torch.where(keys < 0, num_keys, keys)
+        else:
+            flat = slots2d.reshape(-1).long()
+            keys = torch.where((flat >= 0) & (flat < num_slots), flat, torch.full_like(flat, num_slots))
+        return _sort_keys_torch(keys, num_keys)
+    src = slots2d.contiguous()
+    m = src.shape[0] if sets else src.numel()
+    rows = torch.empty(m, dtype=torch.int32, device=src.device)
+    offsets = torch.empty(num_keys + 2, dtype=torch.int32, device=src.device)
     if m == 0:
         offsets.zero_()
     else:
-        block = 1024 if m > 256 else max(16, next_pow2(m))
-        _sort_rows_kernel[(1,)](
-            flat, rows, offsets, m, num_slots, BLOCK=block, S_PAD=next_pow2(num_slots + 2), num_warps=4)
+        s_pad = next_pow2(num_keys + 2)
+        block = min(1024 if m > 256 else max(16, next_pow2(m)), max(16, 32768 // s_pad))
+        _sort_rows_kernel[(1,)](src, rows, offsets, m, num_slots, num_keys, SETS_K=src.shape[1] if sets else 0,
+                                BLOCK=block, S_PAD=s_pad, num_warps=4)
     return rows, offsets
+
 
 
 def build_routing_meta_torch(slots: torch.Tensor, num_slots: int, weights: torch.Tensor | None = None
@@ -139,6 +206,8 @@ def build_routing_meta_torch(slots: torch.Tensor, num_slots: int, weights: torch
     """Same result with torch ops only, sorted right away (the reference for the Triton builder)."""
     meta = RoutingMeta(slots, num_slots, weights, sort="torch")
     meta.rows  # noqa: B018  (sort now)
+    if meta.k > 1 and num_slots <= SETS_MAX_SLOTS:
+        meta.set_rows  # noqa: B018
     return meta
 
 

@@ -68,6 +68,13 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def stacked_width(num_slots: int, rank: int) -> int:
+    """Columns the stacked kernels (kernels/triton_stacked.py) lay a hot set out in: each slot's rank rows padded to
+    a power of two, so a slot's rows sit at constexpr offsets the compiler sees as contiguous, and the whole padded
+    to a power of two (at least 16, tl.dot's smallest tile). Equal to S*r for power-of-two S and r."""
+    return max(16, next_pow2(num_slots * next_pow2(rank)))
+
+
 def delta_target(x: torch.Tensor, d_out: int, out: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
     """Where a kernel writes the delta [N, d_out]: into `out` (accumulate: out += delta) or a new tensor in x's
     dtype; and whether it accumulates."""

@@ -1,8 +1,10 @@
 """Stacked-slots Triton kernels: top-k at the cost of k = 1, with no sort, no metadata and no atomics.
 
-Every slot's A is read as one stacked matrix Af[S*r, in] (row c = s*r + i is A[s, i, :]) and every slot's B as
-Bf[S*r, out] (row c is B[s, :, i]). For slots [N, k] and weights [N, k]:
-    coef[n, c] = scale[s] * sum_j weights[n, j] * [slots[n, j] == s]          (s = c // r; -1 matches nothing)
+Every slot's A is read as one stacked matrix Af[S*r_pad, in] (row c = s*r_pad + i is A[s, i, :], r_pad the
+rank padded to a power of two, a constexpr: the compiler then sees each slot's rows as contiguous and loads B's
+[S*r_pad, columns] tiles along r, where B [S, out, r] is contiguous) and every slot's B as Bf[S*r_pad, out] (row c
+is B[s, :, i]). For slots [N, k] and weights [N, k]:
+    coef[n, c] = scale[s] * sum_j weights[n, j] * [slots[n, j] == s]          (s = c // r_pad; -1 matches nothing)
     delta[n]   = sum_c (coef[n, c] * (Af[c] . x[n])) * Bf[c]
 so x is read once, the k choices only change the coefficients folded into the [N, S*r] intermediate, and one
 expand writes each output element once, straight into `out` (no float32 buffer). The arithmetic is S/k times
@@ -38,6 +40,7 @@ from molora.kernels.triton_common import (
     dot_config,
     interpreting,
     next_pow2,
+    stacked_width,
     tl,
     triton,
 )
@@ -47,14 +50,16 @@ if HAS_TRITON:
     def _shrink_tile(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, offs_m64, mm, offs_c, k_lo, k_hi, R, S,
                      sx0, sx1, sap, sa0, sa1, sa2, ssp,
                      K: tl.constexpr, HAS_W: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                     SR_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+                     SR_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
         """coef * (x[rows, k_lo:k_hi] @ Af[cols, k_lo:k_hi]^T), float32 [BLOCK_M, BLOCK_C]; column c is
-        projection c // SR_PAD, slot (c % SR_PAD) // R, rank row c % R."""
+        projection c // SR_PAD, slot (c % SR_PAD) // R_PAD, rank row c % R_PAD."""
         cp = offs_c // SR_PAD
         cc = offs_c % SR_PAD
-        mc = cc < S * R
-        c_slot = cc // R
-        a_col = cp.to(tl.int64) * sap + c_slot.to(tl.int64) * sa0 + (cc % R) * sa1
+        c_slot = cc // R_PAD
+        c_rank = cc % R_PAD
+        mc = (c_slot < S) & (c_rank < R)
+        a_col = cp.to(tl.int64) * sap + c_slot.to(tl.int64) * sa0 + c_rank * sa1
         acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -73,16 +78,18 @@ if HAS_TRITON:
                 w = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
             coef += tl.where(s[:, None] == c_slot[None, :], w[:, None], 0.0)
         sc = tl.load(scale_ptr + cp * ssp + c_slot, mask=mc, other=0.0).to(tl.float32)
-        return acc * coef * sc[None, :]  # padded columns (c % SR_PAD >= S*r) are zeros
+        return acc * coef * sc[None, :]  # padded columns (slot >= S or rank row >= R) are zeros
 
     @triton.jit
     def _expand_tile(t16, b_ptr, out_ptr, offs_m64, mm, o_lo, o_hi, R, S, sb0, sb1, sb2, so0, so1,
                      ACCUMULATE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                     SR_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+                     SR_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
         """out[rows, o_lo:o_hi] (+)= t16 [BLOCK_M, SR_PAD] @ Bf[:, o_lo:o_hi]."""
         offs_c = tl.arange(0, SR_PAD)
-        mc = offs_c < S * R
-        b_col = (offs_c // R).to(tl.int64) * sb0 + (offs_c % R) * sb2
+        c_slot = offs_c // R_PAD
+        c_rank = offs_c % R_PAD
+        mc = (c_slot < S) & (c_rank < R)
+        b_col = c_slot.to(tl.int64) * sb0 + c_rank * sb2
         for o0 in range(o_lo, o_hi, BLOCK_N):
             offs_o = o0 + tl.arange(0, BLOCK_N)
             mo = offs_o < o_hi
@@ -112,8 +119,8 @@ if HAS_TRITON:
                                N, IN, R, S, K_PER,
                                sx0, sx1, sap, sa0, sa1, sa2, ssp,
                                K: tl.constexpr, P: tl.constexpr, HAS_W: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                               PRECISION: tl.constexpr, SR_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+                               PRECISION: tl.constexpr, SR_PAD: tl.constexpr, R_PAD: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mm = offs_m < N
         offs_m64 = offs_m.to(tl.int64)
@@ -121,7 +128,7 @@ if HAS_TRITON:
         k_lo = tl.program_id(2) * K_PER
         acc = _shrink_tile(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, offs_m64, mm, offs_c, k_lo,
                            tl.minimum(k_lo + K_PER, IN), R, S, sx0, sx1, sap, sa0, sa1, sa2, ssp,
-                           K, HAS_W, DOT_DTYPE, PRECISION, SR_PAD, BLOCK_M, BLOCK_C, BLOCK_K)
+                           K, HAS_W, DOT_DTYPE, PRECISION, SR_PAD, R_PAD, BLOCK_M, BLOCK_C, BLOCK_K)
         ptrs = part_ptr + (tl.program_id(2) * N + offs_m64[:, None]) * (P * SR_PAD) + offs_c[None, :]
         tl.store(ptrs, acc, mask=mm[:, None])  # padded columns stored as zeros: the expand reads them unmasked
 
@@ -129,8 +136,8 @@ if HAS_TRITON:
     def _stacked_expand_kernel(b_ptr, part_ptr, out_ptr, N, OUT, R, S, O1, O2, O3, OUT_SPLIT, SPLIT_K,
                                sb0, sb1, sb2, so0, so1,
                                P: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCKS: tl.constexpr,
-                               DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                               SR_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                               DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SR_PAD: tl.constexpr,
+                               R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """Grid (row tiles, P * OUT_SPLIT): each program expands one slice of one projection's columns."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mm = offs_m < N
@@ -144,10 +151,10 @@ if HAS_TRITON:
         if BLOCKS:  # projection p's delta is the contiguous [N, width] block at N * lo
             _expand_tile(t.to(DOT_DTYPE), b_ptr + lo.to(tl.int64) * sb1, out_ptr + lo.to(tl.int64) * N,
                          offs_m64, mm, o_lo, tl.minimum(o_lo + out_per, width), R, S, sb0, sb1, sb2, width, 1,
-                         ACCUMULATE, DOT_DTYPE, PRECISION, SR_PAD, BLOCK_N)
+                         ACCUMULATE, DOT_DTYPE, PRECISION, SR_PAD, R_PAD, BLOCK_N)
         else:
             _expand_tile(t.to(DOT_DTYPE), b_ptr, out_ptr, offs_m64, mm, o_lo, tl.minimum(o_lo + out_per, width),
-                         R, S, sb0, sb1, sb2, so0, so1, ACCUMULATE, DOT_DTYPE, PRECISION, SR_PAD, BLOCK_N)
+                         R, S, sb0, sb1, sb2, so0, so1, ACCUMULATE, DOT_DTYPE, PRECISION, SR_PAD, R_PAD, BLOCK_N)
 
     @triton.jit
     def _stacked_fused_kernel(x_ptr, a_ptr, b_ptr, slot_ptr, w_ptr, scale_ptr, out_ptr,
@@ -155,7 +162,8 @@ if HAS_TRITON:
                               sx0, sx1, sap, sa0, sa1, sa2, ssp, sb0, sb1, sb2, so0, so1,
                               K: tl.constexpr, HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr,
                               DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SR_PAD: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                              R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                              BLOCK_N: tl.constexpr):
         """Both phases in one launch for P projections sharing x (decode sizes): grid (row tiles, P * OUT_SPLIT),
         each program a slice of one projection's columns (bounds 0, O1, O2, O3, OUT as in the expand kernel),
         recomputing that projection's shrink for its row tile (x and A_p re-read from L2)."""
@@ -166,10 +174,10 @@ if HAS_TRITON:
         if o_lo < width:  # a narrower projection leaves some of its OUT_SPLIT programs without columns
             t = _shrink_tile(x_ptr, a_ptr, slot_ptr, w_ptr, scale_ptr, offs_m64, mm, p * SR_PAD + tl.arange(0, SR_PAD),
                              0, IN, R, S, sx0, sx1, sap, sa0, sa1, sa2, ssp, K, HAS_W, DOT_DTYPE, PRECISION, SR_PAD,
-                             BLOCK_M, SR_PAD, BLOCK_K)
+                             R_PAD, BLOCK_M, SR_PAD, BLOCK_K)
             _expand_tile(t.to(DOT_DTYPE), b_ptr + lo.to(tl.int64) * sb1, out_ptr + lo.to(tl.int64) * so1, offs_m64,
                          mm, o_lo, tl.minimum(o_lo + out_per, width), R, S, sb0, sb1, sb2, so0, so1, ACCUMULATE,
-                         DOT_DTYPE, PRECISION, SR_PAD, BLOCK_N)
+                         DOT_DTYPE, PRECISION, SR_PAD, R_PAD, BLOCK_N)
 
 
 # Widest stack (S*r) the tiles are sized for: at S*r = 512 (r=128) the two-phase top-k expand asked for 272 KB of
@@ -181,13 +189,13 @@ TARGET_PROGRAMS = 264
 
 @functools.lru_cache(maxsize=1024)
 def stacked_config(n: int, d_in: int, d_out: int, width: int, proj: int = 1, fused: bool = False) -> dict:
-    """Tiles for N tokens, `width` = S*r stacked columns per projection, `proj` projections sharing x (d_out is
+    """Tiles for N tokens, `width` = stacked_width(S, r) columns per projection, `proj` projections sharing x (d_out is
     the widest projection's width; see the module doc for the grids); `fused`: the one-launch schedule.
 
     SHRINK_M grows with N because every shrink row tile re-reads the whole stacked A (S*r*in*2 bytes, from L2);
     SPLIT_K and OUT_SPLIT then spread each phase over ~TARGET_PROGRAMS programs.
     """
-    sr_pad = max(16, next_pow2(width))
+    sr_pad = stacked_width(1, width)
     if interpreting():  # tiny tiles so interpreter tests walk every split, column tile and mask
         return dict(FUSED=fused, SHRINK_M=16, EXPAND_M=16, BLOCK_C=16, BLOCK_K=16, BLOCK_N=16,
                     SPLIT_K=2 if d_in > 16 else 1, OUT_SPLIT=2 if d_out > 16 else 1, num_warps=1, SR_PAD=sr_pad)
@@ -223,9 +231,10 @@ def stacked_config(n: int, d_in: int, d_out: int, width: int, proj: int = 1, fus
 
 
 def _check_width(s_count: int, r: int) -> None:
-    if s_count * r > MAX_WIDTH:
-        raise KernelInputError(f"the stacked kernel takes S*r <= {MAX_WIDTH} (got S={s_count}, r={r}); "
-                               "use path='grouped' or 'auto' for wider hot sets")
+    if stacked_width(s_count, r) > MAX_WIDTH:
+        raise KernelInputError(f"the stacked kernel takes hot sets of at most {MAX_WIDTH} stacked columns (S times r "
+                               f"padded to a power of two; got S={s_count}, r={r}: "
+                               f"{stacked_width(s_count, r)}); use path='grouped' or 'auto' for wider hot sets")
 
 
 def _fused_args(x, A4, B, scale2, out, bounds, k, has_w, accumulate, cfg) -> tuple[tuple, tuple]:
@@ -239,7 +248,7 @@ def _fused_args(x, A4, B, scale2, out, bounds, k, has_w, accumulate, cfg) -> tup
     return grid, (d_in, B.shape[1], r, s_count, o1, o2, o3, cfg["OUT_SPLIT"], x.stride(0), x.stride(1),
                   A4.stride(0), A4.stride(1), A4.stride(2), A4.stride(3), scale2.stride(0), B.stride(0), B.stride(1),
                   B.stride(2), out.stride(0), out.stride(1), k, has_w, accumulate, dot_dtype, precision,
-                  cfg["SR_PAD"], cfg["SHRINK_M"], cfg["BLOCK_K"], cfg["BLOCK_N"])
+                  cfg["SR_PAD"], next_pow2(r), cfg["SHRINK_M"], cfg["BLOCK_K"], cfg["BLOCK_N"])
 
 
 def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, cfg) -> None:
@@ -251,6 +260,10 @@ def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, c
     slots = slots.contiguous()
     w = weights.contiguous() if weights is not None else scale2
     sr_pad = cfg["SR_PAD"]
+    r_pad = next_pow2(r)
+    if s_count * r_pad > sr_pad:
+        raise KernelInputError(f"config SR_PAD={sr_pad} holds fewer than the hot set's {s_count * r_pad} stacked "
+                               "columns")
     if cfg["FUSED"]:
         grid, tail = _fused_args(x, A4, B, scale2, out, bounds, k, weights is not None, accumulate, cfg)
         _stacked_fused_kernel[grid](x, A4, B, slots, w, scale2, out, n, *tail, num_warps=cfg["num_warps"])
@@ -263,20 +276,20 @@ def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, c
     _stacked_shrink_kernel[grid](
         x, A4, slots, w, scale2, part, n, d_in, r, s_count, k_per, x.stride(0), x.stride(1), A4.stride(0),
         A4.stride(1), A4.stride(2), A4.stride(3), scale2.stride(0), K=k, P=p_count, HAS_W=weights is not None,
-        DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=sr_pad, BLOCK_M=cfg["SHRINK_M"], BLOCK_C=cfg["BLOCK_C"],
-        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+        DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=sr_pad, R_PAD=r_pad, BLOCK_M=cfg["SHRINK_M"],
+        BLOCK_C=cfg["BLOCK_C"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
     o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
     grid = (cdiv(n, cfg["EXPAND_M"]), p_count * cfg["OUT_SPLIT"])
     _stacked_expand_kernel[grid](
         B, part, out, n, d_out, r, s_count, o1, o2, o3, cfg["OUT_SPLIT"], split_k, B.stride(0), B.stride(1),
         B.stride(2), out.stride(0) if out.dim() == 2 else 0, out.stride(-1), P=p_count, ACCUMULATE=accumulate,
-        BLOCKS=blocks, DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=sr_pad, BLOCK_M=cfg["EXPAND_M"],
+        BLOCKS=blocks, DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=sr_pad, R_PAD=r_pad, BLOCK_M=cfg["EXPAND_M"],
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
 
 
 def _config(x, A4, bounds, fused: bool) -> dict:
     return stacked_config(x.shape[0], x.shape[1], max(b - a for a, b in zip(bounds, bounds[1:])),
-                          A4.shape[1] * A4.shape[2], A4.shape[0], fused)
+                          stacked_width(A4.shape[1], A4.shape[2]), A4.shape[0], fused)
 
 
 def stacked_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,

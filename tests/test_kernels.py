@@ -182,12 +182,15 @@ def test_dispatcher_picks_by_shape_only(monkeypatch):
     assert pick(n_meta + 1, meta=True) == "grouped"
     assert pick(n_meta + 1) == "stacked"
     assert pick(2 * n_meta, r=8, meta=True) == "stacked"
-    # wide hot sets: grouped for k=1; top-k takes the stacked kernel up to STACKED_TOPK_MAX_WIDTH above
-    # STACKED_TOPK_MIN_ROWS_WIDE rows
+    # wide hot sets: grouped for k=1, and for top-k on up to SETS_MAX_SLOTS slots (slot-set tiles); on wider hot
+    # sets top-k takes the stacked kernel up to STACKED_TOPK_MAX_WIDTH above STACKED_TOPK_MIN_ROWS_WIDE rows
     assert pick(300, s=4, r=32) == "grouped"
     assert pick(300, k=2, s=4, r=64) == "grouped"
-    assert pick(dispatch.STACKED_TOPK_MIN_ROWS_WIDE // 2 + 1, k=2, s=4, r=64) == "stacked"
+    assert pick(dispatch.STACKED_TOPK_MIN_ROWS_WIDE // 2 + 1, k=2, s=4, r=64) == "grouped"
     assert pick(3000, k=2, s=4, r=128) == "grouped"
+    assert pick(300, k=2, s=8, r=32) == "grouped"
+    assert pick(dispatch.STACKED_TOPK_MIN_ROWS_WIDE // 2 + 1, k=2, s=8, r=32) == "stacked"
+    assert pick(3000, k=2, s=8, r=64) == "grouped"
 
 
 def test_group_path_prefers_the_grouped_kernel_with_metadata(monkeypatch):
@@ -243,7 +246,11 @@ def test_kernels_package_never_imports_models_or_routing():
 def test_stacked_kernel_refuses_stacks_wider_than_its_tiles():
     from molora.kernels.triton_stacked import MAX_WIDTH, stacked_lora
     x, A, B, scale, _ = make(2, 8, 8, 4, MAX_WIDTH // 4 + 1)
-    with pytest.raises(KernelInputError, match="S\\*r <="):
+    with pytest.raises(KernelInputError, match=f"at most {MAX_WIDTH} stacked columns"):
+        stacked_lora(x, A, B, torch.zeros(2, 1, dtype=torch.int32), None, scale)
+    # S*r = 240 fits, but each slot's 48 rows take 64 columns (r padded to a power of two): 5 * 64 > 256
+    x, A, B, scale, _ = make(2, 8, 8, 5, 48)
+    with pytest.raises(KernelInputError, match="got S=5, r=48: 512"):
         stacked_lora(x, A, B, torch.zeros(2, 1, dtype=torch.int32), None, scale)
 
 

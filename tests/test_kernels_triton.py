@@ -44,6 +44,10 @@ CASES = {
     "wide_stack_topk2_fp16": (29, 40, 36, 5, 8, 2, "random", "float16"),
     "wide_stack_topk4_fp32": (18, 33, 50, 5, 8, 4, "random", "float32"),
     "rank_32_fp16": (9, 24, 20, 3, 32, 1, "random", "float16"),
+    # top-k on the grouped kernel: slot-set tiles up to SETS_MAX_SLOTS = 6 slots (the cases above), float32 atomics
+    # over flat rows beyond (8 slots here); r = 32 with k = 3: 4 padded column blocks of 32 per set tile
+    "topk2_eight_slots": (23, 24, 20, 8, 8, 2, "random", "float32"),
+    "topk3_rank_32_fp16": (21, 24, 20, 6, 32, 3, "random", "float16"),
 }
 PATHS = ("gather", "stacked", "grouped")
 
@@ -77,7 +81,8 @@ AUTO_CASES = {"auto_one_token": (1, 1, False, 3, 4, "gather"), "auto_one_token_t
               "auto_wide_few_rows": (30, 1, False, 3, 64, "gather"),
               "auto_wide_few_rows_meta": (30, 1, True, 3, 64, "grouped"),
               "auto_wide_topk_below_stacked_rows": (100, 2, False, 3, 32, "grouped"),
-              "auto_wide_topk_above_stacked_rows": (600, 2, False, 3, 32, "stacked"),
+              "auto_wide_topk_slot_sets": (600, 2, False, 3, 32, "grouped"),
+              "auto_wide_topk_above_stacked_rows": (600, 2, False, 8, 32, "stacked"),
               "auto_wide_above_gather_max": (600, 1, False, 3, 128, "grouped"),
               "auto_wide_above_gather_max_topk": (200, 3, False, 3, 128, "grouped"),
               "auto_wide_meta": (300, 1, True, 3, 128, "grouped")}
@@ -314,12 +319,22 @@ def _run_meta_checks() -> dict:
     from molora.kernels.metadata import build_routing_meta, build_routing_meta_torch
     gen = torch.Generator().manual_seed(7)
     results = {}
-    for n, k, s in ((1, 1, 4), (37, 1, 4), (300, 3, 5), (1500, 1, 3), (64, 2, 1)):
+    for n, k, s in ((1, 1, 4), (37, 1, 4), (300, 3, 5), (1500, 1, 3), (64, 2, 1), (1100, 2, 6), (40, 4, 4)):
         slots = torch.randint(-1, s, (n, k), generator=gen)
         if n == 300:
             slots[0, 0] = s + 3  # out of range: goes with the no-adapter rows, like -1
         got, want = build_routing_meta(slots, s), build_routing_meta_torch(slots, s)
-        results[f"{n}x{k}_S{s}"] = bool(torch.equal(got.rows, want.rows) and torch.equal(got.offsets, want.offsets))
+        same = torch.equal(got.rows, want.rows) and torch.equal(got.offsets, want.offsets)
+        if k > 1:  # tokens by slot set: the kernel's order is the torch sort's, and each segment holds its set
+            same = same and torch.equal(got.set_rows, want.set_rows) and torch.equal(got.set_offsets, want.set_offsets)
+            off = got.set_offsets.tolist()
+            for code in range(1, 1 << s):
+                for tok in got.set_rows[off[code - 1]:off[code]].tolist():
+                    valid = {v for v in slots[tok].tolist() if 0 <= v < s}
+                    same = same and sum(1 << v for v in valid) == code
+            none = got.set_rows[off[-2]:off[-1]].tolist()
+            same = same and all(not any(0 <= v < s for v in slots[t].tolist()) for t in none)
+        results[f"{n}x{k}_S{s}"] = bool(same)
     return results
 
 
