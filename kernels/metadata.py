@@ -5,8 +5,8 @@ that reads neither costs nothing):
 - `rows` / `offsets` (the grouped kernel): for slots [N, k] the M = N*k flat rows are numbered n*k + j. `rows`
   lists them grouped by slot (stable order inside a slot), with every -1 (or out-of-range) row in a final "no
   adapter" segment; `offsets[s]:offsets[s+1]` is slot s's segment and `offsets[S]:offsets[S+1]` the no-adapter
-  one. On CUDA one single-program Triton launch does a counting sort: output sizes fixed by M and S alone, so the
-  builder can be captured in a CUDA graph.
+  one. On CUDA two Triton launches do a counting sort (per-chunk counts, then each chunk places its rows): output
+  sizes fixed by M and S alone, so the builder can be captured in a CUDA graph.
 - `set_rows` / `set_offsets` (the grouped kernel's top-k form, k > 1, S <= SETS_MAX_SLOTS): the N tokens grouped by
   the SET of slots they chose, a bitmask code (bit s set when some choice is slot s; repeats and -1 choices add
   nothing). Segment c - 1 holds the tokens of code c (1 <= c < 2^S), the last segment those with no valid choice.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from molora.kernels.triton_common import HAS_TRITON, interpreting, next_pow2, tl, triton
+from molora.kernels.triton_common import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
 
 
 class RoutingMeta:
@@ -93,6 +93,11 @@ class RoutingMeta:
 # Widest hot set the slot-set sort serves: 2^S - 1 set codes are its segments (the counting sort's one-hot is
 # [BLOCK, next_pow2(2^S + 1)] wide).
 SETS_MAX_SLOTS = 6
+# Rows per program of the sort: each program counts, then places, one chunk (two launches, every chunk in parallel;
+# the single-program sort it replaced cost the grouped kernel ~12 us at 2048 flat rows and ~42 us at 8192 on the
+# H200 (k = 1, metadata built in the call minus prebuilt, r = 64, 2026-12-01), and slot sets at S = 4 (a 4x wider
+# one-hot) 131 vs 39 us at N = 2048, k = 2 vs 1, 2026-12-02).
+SORT_CHUNK = 128
 
 
 def uses_slot_sets(k: int, num_slots: int) -> bool:
@@ -119,30 +124,42 @@ if HAS_TRITON:
         return key
 
     @triton.jit
-    def _sort_rows_kernel(slot_ptr, rows_ptr, offsets_ptr, M, S, NKEYS,
-                          SETS_K: tl.constexpr, BLOCK: tl.constexpr, S_PAD: tl.constexpr):
-        """Counting sort of M rows into NKEYS + 1 segments (the last: no adapter)."""
+    def _chunk_onehot(slot_ptr, M, S, SETS_K: tl.constexpr, BLOCK: tl.constexpr, S_PAD: tl.constexpr):
+        """(row ids, valid, int32 one-hot [BLOCK, S_PAD] of their segment keys) of this program's chunk."""
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = idx < M
+        key = _sort_key(slot_ptr, idx, valid, S, SETS_K)
+        key = tl.where(valid, key, S_PAD)  # padding lanes match no segment
+        return idx, valid, (key[:, None] == tl.arange(0, S_PAD)[None, :]).to(tl.int32)
+
+    @triton.jit
+    def _count_keys_kernel(slot_ptr, counts_ptr, M, S, SETS_K: tl.constexpr, BLOCK: tl.constexpr,
+                           S_PAD: tl.constexpr):
+        """counts[chunk, key]: rows of each key in this program's chunk of BLOCK rows."""
+        _, _, onehot = _chunk_onehot(slot_ptr, M, S, SETS_K, BLOCK, S_PAD)
+        tl.store(counts_ptr + tl.program_id(0) * S_PAD + tl.arange(0, S_PAD), tl.sum(onehot, axis=0))
+
+    @triton.jit
+    def _place_rows_kernel(slot_ptr, counts_ptr, rows_ptr, offsets_ptr, M, S, NKEYS, CHUNKS,
+                           SETS_K: tl.constexpr, BLOCK: tl.constexpr, S_PAD: tl.constexpr, CHUNK_TILE: tl.constexpr):
+        """Each program places its chunk's rows: after every row of a smaller key, then after its key's rows in
+        earlier chunks, then in chunk order (stable). Program 0 also writes the offsets."""
         seg = tl.arange(0, S_PAD)
-        counts = tl.zeros([S_PAD], dtype=tl.int32)
-        for start in range(0, M, BLOCK):
-            idx = start + tl.arange(0, BLOCK)
-            valid = idx < M
-            key = _sort_key(slot_ptr, idx, valid, S, SETS_K)
-            key = tl.where(valid, key, S_PAD)  # padding lanes match no segment
-            counts += tl.sum((key[:, None] == seg[None, :]).to(tl.int32), axis=0)
-        starts = tl.cumsum(counts, axis=0) - counts  # exclusive scan; starts[NKEYS + 1] == M
-        tl.store(offsets_ptr + seg, starts, mask=seg <= NKEYS + 1)
-        running = starts
-        for start in range(0, M, BLOCK):
-            idx = start + tl.arange(0, BLOCK)
-            valid = idx < M
-            key = _sort_key(slot_ptr, idx, valid, S, SETS_K)
-            key = tl.where(valid, key, S_PAD)
-            onehot = (key[:, None] == seg[None, :]).to(tl.int32)
-            rank = tl.cumsum(onehot, axis=0)  # 1-based rank of each row inside its segment, this chunk
-            pos = tl.sum(tl.where(onehot == 1, running[None, :] + rank - 1, 0), axis=1)
-            tl.store(rows_ptr + pos, idx, mask=valid)
-            running += tl.sum(onehot, axis=0)
+        total = tl.zeros([S_PAD], dtype=tl.int32)
+        before = tl.zeros([S_PAD], dtype=tl.int32)
+        for c0 in range(0, CHUNKS, CHUNK_TILE):
+            chunk = c0 + tl.arange(0, CHUNK_TILE)
+            counts = tl.load(counts_ptr + chunk[:, None] * S_PAD + seg[None, :], mask=(chunk < CHUNKS)[:, None],
+                             other=0)
+            total += tl.sum(counts, axis=0)
+            before += tl.sum(tl.where((chunk < tl.program_id(0))[:, None], counts, 0), axis=0)
+        starts = tl.cumsum(total, axis=0) - total  # exclusive scan; starts[NKEYS + 1] == M
+        if tl.program_id(0) == 0:
+            tl.store(offsets_ptr + seg, starts, mask=seg <= NKEYS + 1)
+        idx, valid, onehot = _chunk_onehot(slot_ptr, M, S, SETS_K, BLOCK, S_PAD)
+        rank = tl.cumsum(onehot, axis=0)  # 1-based rank of each row inside its key, this chunk
+        pos = tl.sum(tl.where(onehot == 1, (starts + before)[None, :] + rank - 1, 0), axis=1)
+        tl.store(rows_ptr + pos, idx, mask=valid)
 
 
 def selection_matrix(slots: torch.Tensor, num_slots: int, weights: torch.Tensor | None = None,
@@ -175,8 +192,8 @@ def slot_set_codes(slots2d: torch.Tensor, num_slots: int) -> torch.Tensor:
 
 
 def _sorted_keys(slots2d: torch.Tensor, num_slots: int, sort: str, sets: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, offsets) for slots [N, k]: flat rows by slot, or (sets) tokens by slot-set code; one Triton launch on
-    CUDA (or under the interpreter), torch ops else."""
+    """(rows, offsets) for slots [N, k]: flat rows by slot, or (sets) tokens by slot-set code; two Triton launches
+    on CUDA (or under the interpreter), torch ops else."""
     num_keys = (1 << num_slots) - 1 if sets else num_slots
     if sort != "auto" or not (HAS_TRITON and (slots2d.is_cuda or interpreting())):
         if sets:
@@ -194,9 +211,14 @@ def _sorted_keys(slots2d: torch.Tensor, num_slots: int, sort: str, sets: bool) -
         offsets.zero_()
     else:
         s_pad = next_pow2(num_keys + 2)
-        block = min(1024 if m > 256 else max(16, next_pow2(m)), max(16, 32768 // s_pad))
-        _sort_rows_kernel[(1,)](src, rows, offsets, m, num_slots, num_keys, SETS_K=src.shape[1] if sets else 0,
-                                BLOCK=block, S_PAD=s_pad, num_warps=4)
+        block = min(SORT_CHUNK, max(16, next_pow2(m)))
+        chunks = cdiv(m, block)
+        counts = torch.empty(chunks, s_pad, dtype=torch.int32, device=src.device)
+        sets_k = src.shape[1] if sets else 0
+        _count_keys_kernel[(chunks,)](src, counts, m, num_slots, SETS_K=sets_k, BLOCK=block, S_PAD=s_pad,
+                                      num_warps=4)
+        _place_rows_kernel[(chunks,)](src, counts, rows, offsets, m, num_slots, num_keys, chunks, SETS_K=sets_k,
+                                      BLOCK=block, S_PAD=s_pad, CHUNK_TILE=64, num_warps=4)
     return rows, offsets
 
 
@@ -213,5 +235,5 @@ def build_routing_meta_torch(slots: torch.Tensor, num_slots: int, weights: torch
 
 def build_routing_meta(slots: torch.Tensor, num_slots: int, weights: torch.Tensor | None = None) -> RoutingMeta:
     """Metadata for slots [N] or [N, k] (top-k weights [N, k]; None = 1 for every valid choice). Nothing is
-    computed until a layer reads it: the sorted rows (one Triton launch on CUDA) or the mixing matrix."""
+    computed until a layer reads it: the sorted rows (two Triton launches on CUDA) or the mixing matrix."""
     return RoutingMeta(slots, num_slots, weights)
