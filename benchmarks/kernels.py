@@ -8,8 +8,8 @@ Sections (--only names): correct (every path and rank bucket, bf16 + fp16, NaN-p
 graph capture with slot values changed after capture); group (routed_lora_group on every path vs each
 projection's reference); copy bandwidth; ranks (every path across N and r = 8..128, with and without prebuilt
 metadata, GB/s, the memory floor, and vLLM's numbers beside ours); topk; sweep (gather and grouped tiles per
-rank); tune (stacked tiles); k1 (K1/K2); k3 (base linear + delta: per layer, and q/k/v sharing one group call,
-by path, and with the delta on a side stream); dense (GPU time of the dense torch form vs the Triton paths at
+rank); setsweep (the grouped kernel's slot-set tiles, top-k); tune (stacked tiles); k1 (K1/K2); k3 (base linear +
+delta: per layer, and q/k/v sharing one group call, by path, and with the delta on a side stream); dense (GPU time of the dense torch form vs the Triton paths at
 decode sizes); eager (host cost per op call, per routed layer, and per decode step of 1.7B-shaped blocks).
 
 Every timed function is captured in a CUDA graph and its replays are timed with triton.testing.do_bench
@@ -813,6 +813,29 @@ def run_sweep() -> None:
     RESULTS["sweep"] = res
 
 
+def run_set_sweep() -> None:
+    """Tiles of the grouped kernel's slot-set tiles (top-k, metadata prebuilt), r = 64, k = 2: the winners go into
+    GROUPED_TILES under their stacked column count (kernels/triton_grouped.py)."""
+    print("\n== grouped slot-set tile sweep (median us, r=64, k=2, metadata prebuilt; BLOCK_M/OUT_SPLIT/num_warps) ==")
+    res = {}
+    for n in ([40] if ARGS.dry_run else [64, 256, 2048, 8192]):
+        x, A, B, slots, w, scale = make_inputs(n, 2, seed=23, r=16 if ARGS.dry_run else 64)
+        meta = build_routing_meta(slots, S)
+        base = grouped_mod.grouped_config(n, D, D, (1 << S) - 1, A.shape[1], 1, 2)
+        line, best = [], (float("inf"), None)
+        for bm in ([16] if ARGS.dry_run else [16, 32, 64]):
+            for split in ([1] if ARGS.dry_run else [2, 4, 8]):
+                for warps in ([1] if ARGS.dry_run else [4, 8]):
+                    cfg = {**base, "BLOCK_M": bm, "OUT_SPLIT": split, "num_warps": warps}
+                    us = bench_us(lambda cfg=cfg: grouped_mod.grouped_lora(x, A, B, slots, w, scale, None, meta, cfg))
+                    res[f"sets r64 k2 N{n} M{bm} s{split} w{warps}"] = us
+                    line.append(f"{bm}/{split}/{warps}={us:.1f}")
+                    best = min(best, (us, (bm, split, warps)))
+        print(f"  N={n:5d} default {base['BLOCK_M']}/{base['OUT_SPLIT']}/{base['num_warps']} best {best[1]} "
+              f"{best[0]:.2f}: " + " ".join(line))
+    RESULTS["set_sweep"] = res
+
+
 # ----------------------------------------------------------------------------------------------- K1/K2
 def baselines(x, A, B, slots, scale):
     """The three per-adapter-pass baselines (see module docstring), each writing a preallocated delta."""
@@ -904,6 +927,7 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"\ncopy bandwidth (read + write): {bw / 1e12:.2f} TB/s   [{time.perf_counter() - t0:.0f} s]")
     sections = {"k3": run_k3, "ranks": lambda: run_rank_sweep(bw), "topk": run_topk, "sweep": run_sweep,
+                "setsweep": run_set_sweep,
                 "k1": lambda: run_k1_k2(bw), "dense": run_dense_gpu, "eager": run_eager}
     for name, section in sections.items():
         if wanted(name):

@@ -12,7 +12,7 @@ padded to a power of two) and on one explicit mode, never on slot values:
   gather   few rows (rows * r small): reads only the chosen slots, split-K latency kernel
   stacked  narrow hot sets (S*r small) above that, any k: cost independent of k, no metadata; and top-k on
            hot sets up to S*r = 256 at many rows
-  grouped  wide hot sets, and k=1 with prebuilt metadata once N*r is large (two phases, slot-sorted tiles; top-k
+  grouped  wide hot sets, and k=1 once N*r is large, sooner with prebuilt metadata (two phases, slot-sorted tiles; top-k
            on up to SETS_MAX_SLOTS slots: tiles of tokens that chose the same set of slots)
 Graph mode (kernels/graphs.py: on inside capture_graph, for its warm-up and its capture alike) takes the Triton
 paths at every size, the least GPU time, which is all a replayed graph costs; since warm-up and capture see the
@@ -64,6 +64,11 @@ STACKED_MAX_WIDTH = 64
 # kernel wins: r=8 N=256 stacked 12.93 vs meta 14.30, N=2048 26.34 vs 22.14; r=16 N=128 12.83 vs 13.15,
 # N=256 15.58 vs 13.34, N=2048 33.50 vs 20.90, N=8192 74.72 vs 48.54
 STACKED_MAX_ROW_RANK_WITH_META = 2048
+# ... and without it once N * r > STACKED_MAX_ROW_RANK (the grouped kernel then sorts in the call: two parallel
+# launches since 2026-12-02). H200, 2026-12-02, k=1, metadata built in the call, median us: r=8 N=2048 stacked
+# 26.43 vs grouped 27.33, N=8192 66.98 vs 60.35; r=16 N=256 16.48 vs 18.43, N=2048 35.36 vs 25.86, N=8192 76.19
+# vs 53.66
+STACKED_MAX_ROW_RANK = 16384
 # Projections sharing x (P of them): the gather kernel while rows * r * P <= GROUP_GATHER_MAX_ROW_RANK. H200,
 # 2026-12-01 (RESULTS.md, issue 13 third pass), q/k/v at d=4096, graph replay, metadata prebuilt, median us:
 #   r=16: N=4 gather 11.55, stacked 11.90, grouped 15.23;  N=16 gather 13.98, stacked 12.16, grouped 15.49
@@ -130,7 +135,7 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
     if width <= STACKED_MAX_WIDTH:  # narrow
         if rows <= GATHER_MAX_ROWS_STACKED:
             return "gather"
-        if k > 1 or not has_meta or n * rank <= STACKED_MAX_ROW_RANK_WITH_META:
+        if k > 1 or n * rank <= (STACKED_MAX_ROW_RANK_WITH_META if has_meta else STACKED_MAX_ROW_RANK):
             return "stacked"
         return "grouped"
     if rows * rank <= (GATHER_MAX_ROW_RANK_WITH_META if has_meta and k == 1 else GATHER_MAX_ROW_RANK):

@@ -181,6 +181,8 @@ def test_dispatcher_picks_by_shape_only(monkeypatch):
     assert pick(n_meta, meta=True) == "stacked"
     assert pick(n_meta + 1, meta=True) == "grouped"
     assert pick(n_meta + 1) == "stacked"
+    assert pick(dispatch.STACKED_MAX_ROW_RANK // 16) == "stacked"  # without it, once N * r is larger still
+    assert pick(dispatch.STACKED_MAX_ROW_RANK // 16 + 1) == "grouped"
     assert pick(2 * n_meta, r=8, meta=True) == "stacked"
     # wide hot sets: grouped for k=1, and for top-k on up to SETS_MAX_SLOTS slots (slot-set tiles); on wider hot
     # sets top-k takes the stacked kernel up to STACKED_TOPK_MAX_WIDTH above STACKED_TOPK_MIN_ROWS_WIDE rows
