@@ -204,6 +204,14 @@ GROUPED_TILES: dict[tuple[int, int], tuple[int, int]] = {
     (16, 256): (16, 8), (32, 256): (16, 8), (64, 256): (16, 8), (128, 256): (32, 8),
     (16, 4096): (32, 8), (32, 4096): (16, 4), (64, 4096): (32, 8), (128, 4096): (64, 2),
 }
+# Slot-set tiles (top-k), (BLOCK_M, OUT_SPLIT, SPLIT_K, num_warps) by (stacked columns, row bucket). H200,
+# 2026-12-02, r=64 k=2 (128 columns), metadata prebuilt, median us (kernels.py --only setsweep, BLOCK_M/OUT_SPLIT/
+# num_warps, SPLIT_K as the sweep's default config had it: 16, 16, 8, 2): N=64
+# 32/8/4 20.6 (16/8/4 21.2); N=256 16/8/4 22.4 (32/8/4 25.6); N=2048 32/4/4 40.1 (64/2/4 52.6); N=8192 64/2/8 85.4
+# (64/2/4 95.8). Other column counts take the k = 1 table as a rank of that many columns would.
+GROUPED_SET_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (128, 256): (16, 8, 16, 4), (128, 4096): (32, 4, 8, 4), (128, 16384): (64, 2, 2, 8),
+}
 ROW_BUCKETS = (256, 1024, 4096, 16384)
 
 
@@ -230,6 +238,11 @@ def grouped_config(m_rows: int, d_in: int, d_out: int, num_slots: int, rank: int
     block_m = 16 if m_rows < 1024 else (32 if m_rows < 4096 else 64)
     max_split = max(1, d_out // 512)
     tuned = GROUPED_TILES.get((columns, row_bucket(m_rows)))
+    set_tiles = GROUPED_SET_TILES.get((columns, row_bucket(m_rows))) if slots_per_tile > 1 else None
+    if set_tiles is not None:
+        block_m, split, split_k, warps = set_tiles
+        return dict(BLOCK_M=block_m, BLOCK_K=128, BLOCK_N=128, OUT_SPLIT=min(split, max_split), num_warps=warps,
+                    SPLIT_K=split_k)
     if tuned is not None:
         block_m = tuned[0]
     tiles = cdiv(m_rows, block_m) + num_slots
