@@ -77,12 +77,13 @@ GROUP_GATHER_MAX_ROW_RANK = 256
 # ... and with prebuilt metadata (k = 1) the stacked kernel only while N * r <= GROUP_STACKED_MAX_ROW_RANK, then the
 # grouped one (r=16: N=16 stacked 12.16 vs grouped 15.49; N=256 q/k/v with their GEMMs grouped 75.2 vs stacked 80.5)
 GROUP_STACKED_MAX_ROW_RANK = 256
-# Top-k (k > 1) on wide hot sets of at most SETS_MAX_SLOTS slots: the grouped kernel's slot-set tiles (tokens sorted
-# by the set of slots they chose; each output element written once), as k = 1 takes it. On wider hot sets (the
-# grouped kernel then adds flat rows with float32 atomics) up to STACKED_TOPK_MAX_WIDTH stacked columns: the stacked
-# kernel (cost independent of k, S/k times the arithmetic) above STACKED_TOPK_MIN_ROWS_WIDE rows, the grouped kernel
-# below. r=64 (S*r=256), metadata built in the call, before slot sets: N=64 k=2 stacked 36.4 vs grouped 30.0, k=4
-# 36.2 vs 31.6; N=256 k=2 68.6 vs 39.3, k=4 68.6 vs 53.4; N=2048 k=2 59.3 vs 137.6; N=8192 k=2 142.3 vs 658.0.
+# Top-k (k > 1) on wide hot sets up to STACKED_TOPK_MAX_WIDTH stacked columns, above STACKED_TOPK_MIN_ROWS_WIDE rows:
+# the stacked kernel (cost independent of k, S/k times the arithmetic) where that waste is under 2x (2k > S) or the
+# hot set is too wide for slot sets (the grouped kernel then adds flat rows with float32 atomics); else, and below
+# those rows, the grouped kernel (slot-set tiles up to SETS_MAX_SLOTS slots: each output element written once).
+# H200, 2026-12-02, r=64 (S*r=256, S=4), metadata built in the call, stacked vs grouped: k=2 N=256 68.0 vs 28.2,
+# N=2048 59.1 vs 57.5, N=8192 142.7 vs 91.7; k=4 N=256 68.4 vs 39.5, N=2048 59.2 vs 62.5, N=8192 142.6 vs 218.0.
+# Before slot sets (atomics): N=256 k=2 68.6 vs 39.3; N=2048 59.3 vs 137.6; N=8192 142.3 vs 658.0.
 STACKED_TOPK_MAX_WIDTH = 256
 STACKED_TOPK_MIN_ROWS_WIDE = 1024
 # Eager decode calls (CUDA, N <= EAGER_MAX_TOKENS, not in graph mode): an eager step is host-bound, so these take
@@ -140,8 +141,8 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
         return "grouped"
     if rows * rank <= (GATHER_MAX_ROW_RANK_WITH_META if has_meta and k == 1 else GATHER_MAX_ROW_RANK):
         return "gather"
-    if k > 1 and not uses_slot_sets(k, num_slots) and width <= STACKED_TOPK_MAX_WIDTH and \
-            rows > STACKED_TOPK_MIN_ROWS_WIDE:
+    if k > 1 and width <= STACKED_TOPK_MAX_WIDTH and rows > STACKED_TOPK_MIN_ROWS_WIDE and \
+            (2 * k > num_slots or not uses_slot_sets(k, num_slots)):
         return "stacked"
     return "grouped"
 

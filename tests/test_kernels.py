@@ -189,6 +189,8 @@ def test_dispatcher_picks_by_shape_only(monkeypatch):
     assert pick(300, s=4, r=32) == "grouped"
     assert pick(300, k=2, s=4, r=64) == "grouped"
     assert pick(dispatch.STACKED_TOPK_MIN_ROWS_WIDE // 2 + 1, k=2, s=4, r=64) == "grouped"
+    assert pick(dispatch.STACKED_TOPK_MIN_ROWS_WIDE // 4 + 1, k=4, s=4, r=64) == "stacked"  # 2k > S: little waste
+    assert pick(dispatch.STACKED_TOPK_MIN_ROWS_WIDE // 4, k=4, s=4, r=64) == "grouped"
     assert pick(3000, k=2, s=4, r=128) == "grouped"
     assert pick(300, k=2, s=8, r=32) == "grouped"
     assert pick(dispatch.STACKED_TOPK_MIN_ROWS_WIDE // 2 + 1, k=2, s=8, r=32) == "stacked"
