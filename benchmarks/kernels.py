@@ -798,41 +798,47 @@ def run_sweep() -> None:
             x, A, B, slots, _, scale = make_inputs(n, seed=22, r=r)
             meta = build_routing_meta(slots, S)
             base = grouped_mod.grouped_config(n, D, D, S, r)
-            line, best = [], (float("inf"), None)
-            for bm in ([16] if ARGS.dry_run else [16, 32, 64]):
-                for split in ([1] if ARGS.dry_run else [2, 4, 8]):
-                    for split_k in sorted({base["SPLIT_K"], max(1, base["SPLIT_K"] // 4)}):
-                        cfg = {**base, "BLOCK_M": bm, "OUT_SPLIT": split, "SPLIT_K": split_k}
-                        us = bench_us(lambda cfg=cfg: grouped_mod.grouped_lora(x, A, B, slots, None, scale, None,
-                                                                               meta, cfg))
-                        res[f"grouped r{r} N{n} M{bm} s{split} k{split_k}"] = us
-                        line.append(f"{bm}/{split}/{split_k}={us:.1f}")
-                        best = min(best, (us, (bm, split, split_k)))
+            configs = {(bm, split, split_k): {**base, "BLOCK_M": bm, "OUT_SPLIT": split, "SPLIT_K": split_k}
+                       for bm in ([16] if ARGS.dry_run else [16, 32, 64])
+                       for split in ([1] if ARGS.dry_run else [2, 4, 8])
+                       for split_k in sorted({base["SPLIT_K"], max(1, base["SPLIT_K"] // 4)})}
+            line, best = time_configs(res, f"grouped r{r} N{n}", configs,
+                                      lambda cfg: grouped_mod.grouped_lora(x, A, B, slots, None, scale, None, meta, cfg))
             print(f"  r={r:3d} N={n:5d} default {base['BLOCK_M']}/{base['OUT_SPLIT']}/{base['SPLIT_K']} best "
-                  f"{best[1]} {best[0]:.2f}: " + " ".join(line))
+                  f"{best[1]} {best[0]:.2f}: " + line)
     RESULTS["sweep"] = res
+
+
+def time_configs(res: dict, prefix: str, configs: dict, call) -> tuple[str, tuple]:
+    """Time call(cfg) for every (label tuple -> cfg) of `configs` into res["<prefix> a/b/c"]; returns the printed
+    line and (best us, its label)."""
+    line, best = [], (float("inf"), None)
+    for label, cfg in configs.items():
+        us = bench_us(lambda cfg=cfg: call(cfg))
+        name = "/".join(map(str, label))
+        res[f"{prefix} {name}"] = us
+        line.append(f"{name}={us:.1f}")
+        best = min(best, (us, label))
+    return " ".join(line), best
 
 
 def run_set_sweep() -> None:
     """Tiles of the grouped kernel's slot-set tiles (top-k, metadata prebuilt), r = 64, k = 2: the winners go into
-    GROUPED_TILES under their stacked column count (kernels/triton_grouped.py)."""
+    GROUPED_SET_TILES under their stacked column count (kernels/triton_grouped.py)."""
     print("\n== grouped slot-set tile sweep (median us, r=64, k=2, metadata prebuilt; BLOCK_M/OUT_SPLIT/num_warps) ==")
     res = {}
     for n in ([40] if ARGS.dry_run else [64, 256, 2048, 8192]):
         x, A, B, slots, w, scale = make_inputs(n, 2, seed=23, r=16 if ARGS.dry_run else 64)
         meta = build_routing_meta(slots, S)
         base = grouped_mod.grouped_config(n, D, D, (1 << S) - 1, A.shape[1], 1, 2)
-        line, best = [], (float("inf"), None)
-        for bm in ([16] if ARGS.dry_run else [16, 32, 64]):
-            for split in ([1] if ARGS.dry_run else [2, 4, 8]):
-                for warps in ([1] if ARGS.dry_run else [4, 8]):
-                    cfg = {**base, "BLOCK_M": bm, "OUT_SPLIT": split, "num_warps": warps}
-                    us = bench_us(lambda cfg=cfg: grouped_mod.grouped_lora(x, A, B, slots, w, scale, None, meta, cfg))
-                    res[f"sets r64 k2 N{n} M{bm} s{split} w{warps}"] = us
-                    line.append(f"{bm}/{split}/{warps}={us:.1f}")
-                    best = min(best, (us, (bm, split, warps)))
+        configs = {(bm, split, warps): {**base, "BLOCK_M": bm, "OUT_SPLIT": split, "num_warps": warps}
+                   for bm in ([16] if ARGS.dry_run else [16, 32, 64])
+                   for split in ([1] if ARGS.dry_run else [2, 4, 8])
+                   for warps in ([1] if ARGS.dry_run else [4, 8])}
+        line, best = time_configs(res, f"sets r64 k2 N{n}", configs,
+                                  lambda cfg: grouped_mod.grouped_lora(x, A, B, slots, w, scale, None, meta, cfg))
         print(f"  N={n:5d} default {base['BLOCK_M']}/{base['OUT_SPLIT']}/{base['num_warps']} best {best[1]} "
-              f"{best[0]:.2f}: " + " ".join(line))
+              f"{best[0]:.2f}: " + line)
     RESULTS["set_sweep"] = res
 
 
