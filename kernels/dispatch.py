@@ -103,17 +103,25 @@ EAGER_DECODE_PATH = "fused"
 # wider hot sets take the dense form.
 EAGER_FUSED_MAX_WIDTH = 64
 
-# Rows up to which the CPU uses the dense all-slots form instead of the slot-grouped loop (decode steps: 2-8 rows;
-# 30-39 us vs 57-62 us per layer at hidden 256, measured on the 2-core dev machine, 2026-11-30).
-CPU_DENSE_MAX_ROWS = 16
+# The CPU takes the dense all-slots form while its multiply-adds, N * S * r * (in + out) summed over the call's
+# projections, stay under CPU_DENSE_MAX_MACS, the slot-grouped loop above (a fixed cost per slot present, then work
+# in proportion to N * k). One thread, the 2-core dev machine, 2026-12-02, us per call, dense / grouped: S=5 r=8
+# 256->256 N=32 k=2 148 / 991, N=256 k=2 621 / 1307; 256->1024 N=128 k=1 998 / 1050, N=256 k=2 2508 / 1954; S=8
+# r=16 2048->2048 N=16 946 / 1471, N=32 k=1 1635 / 1733, N=64 k=1 3188 / 2050. The embedded model's decode at batch
+# 32, top-2: 391-397 tok/s with the old bound (16 rows), 575-601 with the dense form (RESULTS.md, issue 12).
+CPU_DENSE_MAX_MACS = 12_000_000
 
 PATHS = ("auto", "torch", "fused", "gather", "stacked", "grouped")
 
 
-def dense_fits(x: torch.Tensor, k: int) -> bool:
-    """Is x [N, in] (k choices per token) small enough for the dense torch form? By tokens on CUDA (its cost there
-    is per launch, whatever k), by rows N*k on the CPU (measured so)."""
-    return x.shape[0] <= EAGER_MAX_TOKENS if x.is_cuda else x.shape[0] * k <= CPU_DENSE_MAX_ROWS
+def dense_fits(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> bool:
+    """Is x [N, in] small enough for the dense torch form over adapters A [S, r, in] (or [P, S, r, in] for P
+    projections sharing x) and B [S, O, r]? By tokens on CUDA (its cost there is per launch), by multiply-adds on the
+    CPU (it computes every slot for every token: its cost does not depend on k)."""
+    if x.is_cuda:
+        return x.shape[0] <= EAGER_MAX_TOKENS
+    projections = A.shape[0] if A.dim() == 4 else 1
+    return x.shape[0] * B.shape[0] * B.shape[2] * (projections * x.shape[1] + B.shape[1]) <= CPU_DENSE_MAX_MACS
 
 
 def triton_usable(x: torch.Tensor) -> bool:
@@ -185,7 +193,7 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
     elif path != "torch":
         _check_path(x, path)
     if path == "torch":
-        if dense_fits(x, slots.shape[1]):
+        if dense_fits(x, A, B):
             delta = routed_lora_torch_dense(x, A, B, slots, weights, scale, meta, out)
             return delta if out is not None else delta.to(x.dtype)
         delta = routed_lora_torch(x, A, B, slots, weights, scale, meta)
@@ -215,7 +223,7 @@ def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     if path == "fused":
         delta = FusedLaunch(A, B, scale, bounds)(x, slots, weights)
         return [delta] if A.shape[0] == 1 else list(delta.split(_widths(tuple(bounds)), 1))
-    if path == "torch" and dense_fits(x, k):
+    if path == "torch" and dense_fits(x, A, B):
         deltas = routed_lora_torch_group_dense(x, A, B, slots, weights, scale, bounds, meta)
         return deltas if deltas[0].dtype == x.dtype else [d.to(x.dtype) for d in deltas]
     p_count, s_count, r, _ = A.shape

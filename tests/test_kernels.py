@@ -425,7 +425,14 @@ def test_eager_decode_calls_take_one_fused_launch_and_graph_mode_the_triton_kern
         assert dispatch.choose_group_path(cuda_x(n_max), 1, True, 4, 64, 3) == "grouped"
         assert not dispatch.reads_meta(cuda_x(1), 1, torch.zeros(3, 4, 16, 8))
     assert not graph_mode()
-    assert dispatch.dense_fits(torch.zeros(8, 4), 2) and not dispatch.dense_fits(torch.zeros(9, 4), 2)  # CPU: rows
+    # CPU: by the dense form's multiply-adds N * S * r * (P * in + O), whatever k
+    A, B = torch.zeros(5, 8, 256), torch.zeros(5, 256, 8)
+    n_max = dispatch.CPU_DENSE_MAX_MACS // (5 * 8 * 512)
+    assert dispatch.dense_fits(torch.zeros(n_max, 256), A, B) and not dispatch.dense_fits(torch.zeros(n_max + 1, 256), A, B)
+    A3 = torch.zeros(3, 5, 8, 256)  # q/k/v sharing x: three projections' A, one B of all their columns
+    B3 = torch.zeros(5, 768, 8)
+    n3 = dispatch.CPU_DENSE_MAX_MACS // (5 * 8 * (3 * 256 + 768))
+    assert dispatch.dense_fits(torch.zeros(n3, 256), A3, B3) and not dispatch.dense_fits(torch.zeros(n3 + 1, 256), A3, B3)
     monkeypatch.setattr(dispatch, "EAGER_DECODE_PATH", "torch")  # the alternative: the dense form everywhere
     assert dispatch.choose_group_path(cuda_x(1), 1, True, 4, 16, 3) == "torch"
 
