@@ -93,10 +93,11 @@ class RoutingMeta:
 # Widest hot set the slot-set sort serves: 2^S - 1 set codes are its segments (the counting sort's one-hot is
 # [BLOCK, next_pow2(2^S + 1)] wide).
 SETS_MAX_SLOTS = 6
-# Rows per program of the sort: each program counts, then places, one chunk (two launches, every chunk in parallel;
-# the single-program sort it replaced cost the grouped kernel ~12 us at 2048 flat rows and ~42 us at 8192 on the
-# H200 (k = 1, metadata built in the call minus prebuilt, r = 64, 2026-12-01), and slot sets at S = 4 (a 4x wider
-# one-hot) 131 vs 39 us at N = 2048, k = 2 vs 1, 2026-12-02).
+# Rows per program of the sort: each program counts, then places, one chunk (two launches, every chunk in
+# parallel). The single-program sort it replaced cost the grouped kernel ~12 us at 2048 flat rows and ~42 us at 8192
+# on the H200 (k = 1, r = 64, metadata built in the call minus prebuilt, 2026-12-01), and with slot sets at S = 4 (a
+# 4x wider one-hot) the whole call took 131 us at N = 2048, k = 2, against 39 for k = 1 (2026-12-02); the two
+# launches cost 4-5 us (RESULTS.md, issue 13 sixth pass).
 SORT_CHUNK = 128
 
 
