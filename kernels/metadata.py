@@ -187,9 +187,8 @@ def _sort_keys_torch(keys: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, t
 
 def slot_set_codes(slots2d: torch.Tensor, num_slots: int) -> torch.Tensor:
     """int64 [N]: each token's bitmask of valid slots chosen (the torch form of the sort kernel's set keys)."""
-    valid = (slots2d >= 0) & (slots2d < num_slots)
-    onehot = (slots2d.long().clamp(min=0)[:, :, None] == torch.arange(num_slots, device=slots2d.device)) & valid[..., None]
-    return (onehot.any(1).long() << torch.arange(num_slots, device=slots2d.device)).sum(1)
+    chosen = selection_matrix(slots2d, num_slots) > 0
+    return (chosen.long() << torch.arange(num_slots, device=slots2d.device)).sum(1)
 
 
 def _sorted_keys(slots2d: torch.Tensor, num_slots: int, sort: str, sets: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +220,6 @@ def _sorted_keys(slots2d: torch.Tensor, num_slots: int, sort: str, sets: bool) -
         _place_rows_kernel[(chunks,)](src, counts, rows, offsets, m, num_slots, num_keys, chunks, SETS_K=sets_k,
                                       BLOCK=block, S_PAD=s_pad, CHUNK_TILE=64, num_warps=4)
     return rows, offsets
-
 
 
 def build_routing_meta_torch(slots: torch.Tensor, num_slots: int, weights: torch.Tensor | None = None

@@ -3,10 +3,9 @@
 Rows are the flat (token, choice) pairs sorted by slot (kernels/metadata.py), or for top-k on hot sets of up to
 SETS_MAX_SLOTS slots the tokens sorted by the set of slots they chose ("slot-set tiles": a tile's rows share at
 most k slots, whose rank rows sit side by side as one stacked tile of KS * r columns, KS = k padded to a power of
-two). Each program takes BLOCK_M rows of
-one segment and finds that segment itself from the offsets (a vector scan, no host help). Two launches, for P >= 1
-projections sharing x (A [P, S, r, in], B [S, O, r], projection p owning output columns bounds[p]:bounds[p+1]; a
-plain call is P = 1):
+two). Each program takes BLOCK_M rows of one segment and finds that segment itself from the offsets (a vector scan,
+no host help). Two launches, for P >= 1 projections sharing x (A [P, S, r, in], B [S, O, r], projection p owning
+output columns bounds[p]:bounds[p+1]; a plain call is P = 1):
   shrink  grid (tiles, SPLIT_K): part[ks, sorted row, p, :] = x[tok, chunk_ks] @ A[p, tile slots][:, chunk_ks]^T
           (float32)
   expand  grid (tiles, P * OUT_SPLIT): t = sum_ks part * scale[p, slot] * weight, then t @ B[tile slots]^T for one
