@@ -185,7 +185,7 @@ def check_correctness() -> bool:
             den = ref.abs().max().clamp_min(1e-6)
             # every path, the stacked kernel in both schedules (two phases / one launch), the dense eager form
             narrow = s * r <= stacked_mod.MAX_WIDTH
-            variants = [p for p in ("gather", "stacked", "fused", "grouped", "auto") if narrow or p not in
+            variants = [p for p in ("gather", "stacked", "fused", "grouped", "gemm", "auto") if narrow or p not in
                         ("stacked", "fused")]
             if n <= dispatch.EAGER_MAX_TOKENS:  # the dense eager decode form
                 variants.append("torch")
@@ -250,7 +250,7 @@ def run_rank_sweep(bw: float) -> None:
     print(f"\n== K4: every path across N and rank (d={D}, {S} adapters, k=1, bf16, median us; grp+meta and auto build "
           "the metadata in the call, grouped and auto+meta get it prebuilt (as a model builds it once per forward); "
           "floor = bytes / copy bandwidth; vLLM = its ops with metadata prebuilt, vs auto+meta) ==")
-    print(f"  {'r':>3s} {'N':>5s} {'gather':>8s} {'stacked':>8s} {'grouped':>8s} {'grp+meta':>8s} {'auto':>8s} "
+    print(f"  {'r':>3s} {'N':>5s} {'gather':>8s} {'stacked':>8s} {'gemm':>8s} {'grouped':>8s} {'grp+meta':>8s} {'auto':>8s} "
           f"{'auto+meta':>9s} {'path':>8s} {'auto/best':>9s} {'a+m/best':>8s} {'GB/s':>7s} {'floor':>6s} {'vLLM':>6s} "
           f"{'vLLM/a+m':>8s}")
     rows = []
@@ -263,14 +263,16 @@ def run_rank_sweep(bw: float) -> None:
                    "gather": bench_us(lambda: routed_lora(x, A, B, slot, scale, path="gather")),
                    "stacked": bench_us(lambda: routed_lora(x, A, B, slot, scale, path="stacked"))
                    if S * r <= stacked_mod.MAX_WIDTH else float("nan"),
+                   "gemm": bench_us(lambda: routed_lora(x, A, B, slot, scale, path="gemm")),
                    "grouped": bench_us(lambda: routed_lora(x, A, B, slot, scale, meta=meta, path="grouped")),
                    "grouped_meta": bench_us(lambda: routed_lora(x, A, B, slot, scale, path="grouped")),
                    "auto": bench_us(lambda: routed_lora(x, A, B, slot, scale)),
                    "auto_meta": bench_us(lambda: routed_lora(x, A, B, slot, scale, meta=meta)),
                    "path": dispatch.choose_path(x, 1, False, S, r),
                    "path_meta": dispatch.choose_path(x, 1, True, S, r)}
-            row["best_self_contained"] = min(v for v in (row["gather"], row["stacked"], row["grouped_meta"]) if v == v)
-            row["best_prebuilt"] = min(v for v in (row["gather"], row["stacked"], row["grouped"]) if v == v)
+            row["best_self_contained"] = min(v for v in (row["gather"], row["stacked"], row["gemm"], row["grouped_meta"])
+                                             if v == v)
+            row["best_prebuilt"] = min(v for v in (row["gather"], row["stacked"], row["gemm"], row["grouped"]) if v == v)
             row["auto_over_best"] = row["auto"] / row["best_self_contained"]
             row["auto_meta_over_best"] = row["auto_meta"] / row["best_prebuilt"]
             nbytes = delta_bytes(n, 1, r)
@@ -280,7 +282,7 @@ def run_rank_sweep(bw: float) -> None:
             v = row["vllm_us"]
             vs = f"{v / row['auto_meta']:.2f}x" if v else ""
             rows.append(row)
-            print(f"  {r:3d} {n:5d} {row['gather']:8.2f} {row['stacked']:8.2f} {row['grouped']:8.2f} "
+            print(f"  {r:3d} {n:5d} {row['gather']:8.2f} {row['stacked']:8.2f} {row['gemm']:8.2f} {row['grouped']:8.2f} "
                   f"{row['grouped_meta']:8.2f} {row['auto']:8.2f} {row['auto_meta']:9.2f} "
                   f"{row['path'] + '/' + row['path_meta'][:4]:>8s} {row['auto_over_best']:9.2f} "
                   f"{row['auto_meta_over_best']:8.2f} {row['GBps']:7.0f} {row['floor_us']:6.2f} {v if v else '':>6} "
@@ -289,6 +291,9 @@ def run_rank_sweep(bw: float) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- K5 top-k
+TOPK_PATHS = ("gather", "stacked", "grouped", "gemm")
+
+
 def run_topk() -> None:
     print(f"\n== K5: top-k cost (d={D}, {S} adapters, bf16, distinct adapters per token, metadata built in the "
           "call, median us) ==")
@@ -299,13 +304,14 @@ def run_topk() -> None:
             for k in (1, 2, 4):
                 x, A, B, slots, w, scale = make_inputs(n, k, seed=k, r=r)
                 times[k] = bench_us(lambda: routed_lora_topk(x, A, B, slots, w, scale))
-                if k > 1:
-                    per_path[k] = {p: bench_us(lambda p=p: routed_lora_topk(x, A, B, slots, w, scale, path=p))
-                                   for p in ("gather", "stacked", "grouped")}
+                per_path[k] = {p: bench_us(lambda p=p: routed_lora_topk(x, A, B, slots, w, scale, path=p))
+                               for p in TOPK_PATHS}
             res[f"r{r} N{n}"] = {"auto": times, "paths": per_path}
-            paths = " ".join(f"k{k}:" + "/".join(f"{v:.1f}" for v in per_path[k].values()) for k in (2, 4))
+            paths = " ".join(f"k{k}:" + "/".join(f"{v:.1f}" for v in per_path[k].values()) for k in (1, 2, 4))
+            best = max(times[k] / min(per_path[k].values()) for k in (1, 2, 4))
             print(f"  r={r:3d} N={n:5d} k=1 {times[1]:7.2f}  k=2 {times[2]:7.2f} ({times[2] / times[1]:.2f}x, <= 1.3x)"
-                  f"  k=4 {times[4]:7.2f} ({times[4] / times[1]:.2f}x, <= 2x)   [gather/stacked/grouped {paths}]")
+                  f"  k=4 {times[4]:7.2f} ({times[4] / times[1]:.2f}x, <= 2x)  auto/best <= {best:.2f}  "
+                  f"[{'/'.join(TOPK_PATHS)} {paths}]")
     RESULTS["topk"] = res
 
 
@@ -667,7 +673,7 @@ def check_group_correctness() -> bool:
             x, A, B, scale, slots, w, bounds = group_inputs(n, outs, k, seed=200 + i, r=r, dtype=dtype)
             slots[::5, 0] = -1
             refs = [t.float() for t in routed_lora_group_reference(x, A, B, slots, w, scale, bounds)]
-            paths = ["gather", "grouped", "auto"] + (["stacked", "fused"] if S * r <= stacked_mod.MAX_WIDTH else []) + \
+            paths = ["gather", "grouped", "gemm", "auto"] + (["stacked", "fused"] if S * r <= stacked_mod.MAX_WIDTH else []) + \
                 (["torch"] if n <= dispatch.EAGER_MAX_TOKENS else [])
             for path in paths:
                 try:

@@ -36,6 +36,7 @@ from molora.kernels.torch_ops import routed_lora_torch, routed_lora_torch_dense,
 from molora.kernels.triton_common import HAS_TRITON, check_triton_device, interpreting, stacked_width
 
 if HAS_TRITON:
+    from molora.kernels.stacked_gemm import gemm_lora, gemm_lora_group
     from molora.kernels.triton_gather import gather_lora, gather_lora_group
     from molora.kernels.triton_grouped import grouped_lora, grouped_lora_group
     from molora.kernels.triton_stacked import MAX_WIDTH, FusedLaunch, stacked_lora, stacked_lora_group
@@ -111,7 +112,7 @@ EAGER_FUSED_MAX_WIDTH = 64
 # 32, top-2: 391-397 tok/s with the old bound (16 rows), 575-601 with the dense form (RESULTS.md, issue 12).
 CPU_DENSE_MAX_MACS = 12_000_000
 
-PATHS = ("auto", "torch", "fused", "gather", "stacked", "grouped")
+PATHS = ("auto", "torch", "fused", "gather", "stacked", "grouped", "gemm")
 
 
 def dense_fits(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> bool:
@@ -202,6 +203,8 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
         return delta.to(x.dtype)
     if path == "gather":
         return gather_lora(x, A, B, slots, weights, scale, out)
+    if path == "gemm":
+        return gemm_lora(x, A, B, slots, weights, scale, out)
     if path == "stacked" or path == "fused":
         return stacked_lora(x, A, B, slots, weights, scale, out, fused=path == "fused")
     return grouped_lora(x, A, B, slots, weights, scale, out, meta)  # (_check_path refused unknown paths)
@@ -226,9 +229,11 @@ def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     if path == "torch" and dense_fits(x, A, B):
         deltas = routed_lora_torch_group_dense(x, A, B, slots, weights, scale, bounds, meta)
         return deltas if deltas[0].dtype == x.dtype else [d.to(x.dtype) for d in deltas]
+    bounds = tuple(bounds)
+    if path == "gemm":
+        return gemm_lora_group(x, A, B, slots, weights, scale, bounds)
     p_count, s_count, r, _ = A.shape
     n = x.shape[0]
-    bounds = tuple(bounds)
     if path == "gather" or path == "grouped" or (path == "stacked" and stacked_width(s_count, r) <= MAX_WIDTH):
         if path == "gather":
             flat = gather_lora_group(x, A, B, slots, weights, scale, bounds)

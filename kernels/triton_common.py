@@ -59,6 +59,23 @@ def dot_config(dtype: torch.dtype) -> tuple[object, str]:
     return tl.float32, "ieee"
 
 
+if HAS_TRITON:
+    @triton.jit
+    def choice_weights(slot_ptr, w_ptr, tok, mrow, col_slot, K: tl.constexpr, HAS_W: tl.constexpr):
+        """float32 [rows, columns]: each row's summed weight on each column's slot, for tokens `tok` [rows]
+        (mask `mrow`) with slots [N, K] and weights [N, K] (1 without HAS_W) and the slot of each column
+        `col_slot` [columns]. A repeated slot sums its weights; -1 (and any slot no column holds) adds nothing."""
+        coef = tl.zeros([tok.shape[0], col_slot.shape[0]], dtype=tl.float32)
+        for j in tl.static_range(K):
+            s = tl.load(slot_ptr + tok * K + j, mask=mrow, other=-1).to(tl.int32)
+            if HAS_W:
+                w = tl.load(w_ptr + tok * K + j, mask=mrow, other=0.0).to(tl.float32)
+            else:
+                w = tl.full([tok.shape[0]], 1.0, dtype=tl.float32)
+            coef += tl.where(s[:, None] == col_slot[None, :], w[:, None], 0.0)
+        return coef
+
+
 def cdiv(a: int, b: int) -> int:
     """Host-side ceil(a / b) (triton.cdiv is a constexpr function in newer triton: ~4 us per call on the host)."""
     return -(-a // b)

@@ -28,7 +28,16 @@ import functools
 import torch
 
 from molora.kernels.metadata import RoutingMeta, build_routing_meta, uses_slot_sets
-from molora.kernels.triton_common import HAS_TRITON, cdiv, dot_config, interpreting, next_pow2, tl, triton
+from molora.kernels.triton_common import (
+    HAS_TRITON,
+    cdiv,
+    choice_weights,
+    dot_config,
+    interpreting,
+    next_pow2,
+    tl,
+    triton,
+)
 
 MODE_STORE, MODE_ADD, MODE_ATOMIC = 0, 1, 2
 
@@ -166,15 +175,7 @@ if HAS_TRITON:
                                  + q[None, :], mask=mrow[:, None], other=0.0)
                 coef = tl.load(scale_ptr + p * ssp + slot_q, mask=mq, other=0.0).to(tl.float32)[None, :]
                 if SETS:  # each column block's weight: the token's summed weight on that block's slot
-                    w_q = tl.zeros([BLOCK_M, KS * BLOCK_R], dtype=tl.float32)
-                    for j in tl.static_range(K):
-                        s_j = tl.load(slot_ptr + tok * K + j, mask=mrow, other=-1).to(tl.int32)
-                        if HAS_W:
-                            w_j = tl.load(w_ptr + tok * K + j, mask=mrow, other=0.0).to(tl.float32)
-                        else:
-                            w_j = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-                        w_q += tl.where(s_j[:, None] == slot_q[None, :], w_j[:, None], 0.0)
-                    coef = coef * w_q
+                    coef = coef * choice_weights(slot_ptr, w_ptr, tok, mrow, slot_q, K, HAS_W)
                 elif HAS_W:
                     coef = coef * tl.load(w_ptr + rows, mask=mrow, other=0.0).to(tl.float32)[:, None]
                 t16 = (t * coef).to(DOT_DTYPE)

@@ -36,6 +36,7 @@ from molora.kernels.triton_common import (
     MAX_PROJECTIONS,
     cdiv,
     check_triton_device,
+    choice_weights,
     delta_target,
     dot_config,
     interpreting,
@@ -69,14 +70,7 @@ if HAS_TRITON:
             at = tl.load(a_ptr + a_col[None, :] + offs_k[:, None] * sa2, mask=mk[:, None] & mc[None, :], other=0.0)
             acc += tl.dot(xt.to(DOT_DTYPE), at.to(DOT_DTYPE), input_precision=PRECISION)
         # fold weight * scale of every choice into its slot's r columns (a token's repeated slot sums its weights)
-        coef = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-        for j in tl.static_range(K):
-            s = tl.load(slot_ptr + offs_m64 * K + j, mask=mm, other=-1).to(tl.int32)
-            if HAS_W:
-                w = tl.load(w_ptr + offs_m64 * K + j, mask=mm, other=0.0).to(tl.float32)
-            else:
-                w = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-            coef += tl.where(s[:, None] == c_slot[None, :], w[:, None], 0.0)
+        coef = choice_weights(slot_ptr, w_ptr, offs_m64, mm, c_slot, K, HAS_W)
         sc = tl.load(scale_ptr + cp * ssp + c_slot, mask=mc, other=0.0).to(tl.float32)
         return acc * coef * sc[None, :]  # padded columns (slot >= S or rank row >= R) are zeros
 

@@ -49,7 +49,7 @@ CASES = {
     "topk2_eight_slots": (23, 24, 20, 8, 8, 2, "random", "float32"),
     "topk3_rank_32_fp16": (21, 24, 20, 6, 32, 3, "random", "float16"),
 }
-PATHS = ("gather", "stacked", "grouped")
+PATHS = ("gather", "stacked", "grouped", "gemm")
 
 # Projections sharing x (routed_lora_group): name: (N, in, outs, S, r, k, slot pattern, dtype). Widths that are not
 # multiples of the tiles, a projection narrower than a tile, P = 1..4, top-k with repeats, all -1.
@@ -217,7 +217,7 @@ def _spy_paths():
     """Record which Triton launcher the dispatcher really calls (kernels/dispatch.py's module-level names)."""
     import molora.kernels.dispatch as dispatch
     calls: list[str] = []
-    real = {name: getattr(dispatch, f"{name}_lora") for name in ("gather", "stacked", "grouped")}
+    real = {name: getattr(dispatch, f"{name}_lora") for name in ("gather", "stacked", "grouped", "gemm")}
 
     def wrap(name):
         def launcher(*args, **kwargs):
