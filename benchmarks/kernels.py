@@ -317,48 +317,41 @@ def run_topk() -> None:
 
 # ----------------------------------------------------------------------------------------------- tuning
 def run_tuning() -> None:
-    """Tile sweeps for the stacked kernel (both schedules); the chosen ones are committed in triton_stacked.py."""
-    print("\n== stacked tile sweeps (median us, k=1; default = stacked_config) ==")
+    """Tile sweeps for the stacked kernel: the one-launch schedule at decode sizes (r=16, k=1), and the two-phase
+    schedule on a wide stack (r=64: 256 columns, top-2) at N = 64 and 256, shrink tiles first (expand fixed), then
+    expand tiles and warps (shrink at its best). The chosen ones are committed in triton_stacked.py."""
+    print("\n== stacked tile sweeps (median us; default = stacked_config) ==")
     tune = {}
-    for r in ([16] if ARGS.dry_run else [16, 64]):
-        for n in ([8] if ARGS.dry_run else [1, 8, 16, 32, 64] if r == 16 else []):  # 1 launch vs 2, r=16 only
-            x, A, B, slots, _, scale = make_inputs(n, seed=5, r=r)
-            base = stacked_mod.stacked_config(n, D, D, S * r)
-            line = []
-            fused = {**base, "FUSED": True, "SHRINK_M": 16, "SPLIT_K": 1, "BLOCK_C": base["SR_PAD"],
-                     "BLOCK_K": 128 if base["SR_PAD"] <= 128 else 64, "BLOCK_N": 64}
-            for split in ([2] if ARGS.dry_run else [8, 16, 32, 64]):
-                cfg = {**fused, "OUT_SPLIT": split}
-                us = bench_us(lambda cfg=cfg: stacked_mod.stacked_lora(x, A, B, slots, None, scale, None, cfg))
-                tune[f"r{r} N{n} 1launch split{split}"] = us
-                line.append(f"1launch/s{split}={us:.1f}")
-            us = bench_us(lambda: stacked_mod.stacked_lora(x, A, B, slots, None, scale, None, base))
-            tune[f"r{r} N{n} 2phase"] = us
-            line.append(f"2phase={us:.1f}")
-            print(f"  r={r} N={n}: " + " ".join(line))
-        for n in ([40] if ARGS.dry_run else [2048, 8192]):
-            x, A, B, slots, _, scale = make_inputs(n, seed=6, r=r)
-            base = stacked_mod.stacked_config(n, D, D, S * r)
-            line = []
-            for sm in ([16] if ARGS.dry_run else [32, 64, 128]):
-                for em in ([16] if ARGS.dry_run else [32, 64]):
-                    if sm == 128 and base["BLOCK_C"] > 64:
-                        continue
-                    cfg = dict(base)
-                    cfg.update(SHRINK_M=sm, EXPAND_M=em, BLOCK_K=64 if sm >= 64 else 128)
-                    tiles = triton.cdiv(n, sm) * (base["SR_PAD"] // base["BLOCK_C"])
-                    split = 1
-                    while split * 4 * cfg["BLOCK_K"] <= D and tiles * split < stacked_mod.TARGET_PROGRAMS:
-                        split *= 2
-                    rows_e = triton.cdiv(n, em)
-                    osplit = 1
-                    while osplit * 2 * cfg["BLOCK_N"] <= D and rows_e * osplit < stacked_mod.TARGET_PROGRAMS:
-                        osplit *= 2
-                    cfg.update(SPLIT_K=split, OUT_SPLIT=osplit)
-                    us = bench_us(lambda cfg=cfg: stacked_mod.stacked_lora(x, A, B, slots, None, scale, None, cfg))
-                    tune[f"r{r} N{n} SM{sm} EM{em}"] = us
-                    line.append(f"SM{sm}/EM{em}={us:.1f}")
-            print(f"  r={r} N={n} (default SM{base['SHRINK_M']}/EM{base['EXPAND_M']}): " + " ".join(line))
+    for n in ([8] if ARGS.dry_run else [1, 8, 16, 32, 64]):  # one launch vs two, r=16
+        x, A, B, slots, _, scale = make_inputs(n, seed=5)
+        base = stacked_mod.stacked_config(n, D, D, S * R)
+        fused = {**base, "FUSED": True, "SHRINK_M": 16, "SPLIT_K": 1, "BLOCK_C": base["SR_PAD"],
+                 "BLOCK_K": 128 if base["SR_PAD"] <= 128 else 64, "BLOCK_N": 64}
+        configs = {("1launch", split): {**fused, "OUT_SPLIT": split} for split in ([2] if ARGS.dry_run else [8, 16, 32])}
+        configs[("2phase", "default")] = base
+        line, _ = time_configs(tune, f"r{R} N{n}", configs,
+                               lambda cfg: stacked_mod.stacked_lora(x, A, B, slots, None, scale, None, cfg))
+        print(f"  r={R} N={n}: " + line)
+    r = 16 if ARGS.dry_run else 64
+    for n in ([40] if ARGS.dry_run else [64, 256]):
+        x, A, B, slots, w, scale = make_inputs(n, 2, seed=6, r=r)
+        base = stacked_mod.stacked_config(n, D, D, S * r)
+
+        def call(cfg):
+            return stacked_mod.stacked_lora(x, A, B, slots, w, scale, None, cfg)
+        shrink = {(sm, bc, bk, sk): {**base, "SHRINK_M": sm, "BLOCK_C": bc, "BLOCK_K": bk, "SPLIT_K": sk}
+                  for sm in ([16] if ARGS.dry_run else [16, 32, 64]) for bc in ([16] if ARGS.dry_run else [64, 128])
+                  for bk in ([16] if ARGS.dry_run else [64, 128]) for sk in ([2] if ARGS.dry_run else [4, 8, 16])}
+        line, best = time_configs(tune, f"wide r{r} k2 N{n} shrink", shrink, call)
+        print(f"  r={r} k=2 N={n} shrink SHRINK_M/BLOCK_C/BLOCK_K/SPLIT_K (default {base['SHRINK_M']}/"
+              f"{base['BLOCK_C']}/{base['BLOCK_K']}/{base['SPLIT_K']}) best {best[1]} {best[0]:.2f}: " + line)
+        top = shrink[best[1]] if best[1] is not None else base
+        expand = {(em, bn, split, warps): {**top, "EXPAND_M": em, "BLOCK_N": bn, "OUT_SPLIT": split, "num_warps": warps}
+                  for em in ([16] if ARGS.dry_run else [16, 32]) for bn in ([16] if ARGS.dry_run else [64, 128])
+                  for split in ([2] if ARGS.dry_run else [8, 16, 32]) for warps in ([1] if ARGS.dry_run else [4, 8])}
+        line, best = time_configs(tune, f"wide r{r} k2 N{n} expand", expand, call)
+        print(f"  r={r} k=2 N={n} expand EXPAND_M/BLOCK_N/OUT_SPLIT/num_warps (default {base['EXPAND_M']}/"
+              f"{base['BLOCK_N']}/{base['OUT_SPLIT']}/{base['num_warps']}) best {best[1]} {best[0]:.2f}: " + line)
     RESULTS["tuning"] = tune
 
 
