@@ -299,7 +299,7 @@ def run_topk() -> None:
           "call, median us) ==")
     res = {}
     for r in ([16] if ARGS.dry_run else [16, 64]):
-        for n in ([8, 40] if ARGS.dry_run else [1, 8, 64, 256, 2048, 8192]):
+        for n in ([8, 40] if ARGS.dry_run else [1, 8, 64, 256, 1024, 2048, 8192]):
             times, per_path = {}, {}
             for k in (1, 2, 4):
                 x, A, B, slots, w, scale = make_inputs(n, k, seed=k, r=r)

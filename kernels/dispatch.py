@@ -9,11 +9,13 @@ padded to a power of two) and on one explicit mode, never on slot values:
            host-bound)
   torch    the CPU; and the eager decode calls on wider hot sets: the dense form of kernels/torch_ops.py, four
            C++-dispatched launches
-  gather   few rows (rows * r small): reads only the chosen slots, split-K latency kernel
+  gather   few rows (rows * r small; for top-k rows * k * r): reads only the chosen slots, split-K latency kernel
   stacked  narrow hot sets (S*r small) above that, any k: cost independent of k, no metadata; and top-k on
-           hot sets up to S*r = 256 at many rows
+           hot sets up to S*r = 256 up to 256 tokens
+  gemm     top-k above those sizes on hot sets up to S*r = 256: the stacked form's two matmuls in cuBLAS
+           (kernels/stacked_gemm.py), cost independent of k
   grouped  wide hot sets, and k=1 once N*r is large, sooner with prebuilt metadata (two phases, slot-sorted tiles; top-k
-           on up to SETS_MAX_SLOTS slots: tiles of tokens that chose the same set of slots)
+           on hot sets wider than 256 columns: tiles of tokens that chose the same set of slots)
 Graph mode (kernels/graphs.py: on inside capture_graph, for its warm-up and its capture alike) takes the Triton
 paths at every size, the least GPU time, which is all a replayed graph costs; since warm-up and capture see the
 same mode, a warm-up compiles exactly what the capture records. A capture made outside capture_graph records the
@@ -31,7 +33,7 @@ import logging
 import torch
 
 from molora.kernels.graphs import graph_mode
-from molora.kernels.metadata import RoutingMeta, uses_slot_sets
+from molora.kernels.metadata import RoutingMeta
 from molora.kernels.torch_ops import routed_lora_torch, routed_lora_torch_dense, routed_lora_torch_group_dense
 from molora.kernels.triton_common import HAS_TRITON, check_triton_device, interpreting, stacked_width
 
@@ -53,13 +55,15 @@ log = logging.getLogger(__name__)
 #   r=32:  N=32 gather 12.35, meta 13.22, grp+meta 15.58;  N=128 23.52 vs 13.86 / 16.61
 #   r=64:  N=32 gather 15.17, meta 14.27, grp+meta 16.67;  N=128 34.94 vs 15.04 / 17.60
 #   r=128: N=1 gather 12.99, meta 16.93;  N=32 24.16 vs 18.82 / 20.93
+# Top-k calls take it while rows * k * r <= GATHER_MAX_ROW_RANK (each of a token's k rows costs more as k grows).
+# H200, 2026-12-02, r=64, metadata built in the call, median us: k=2 N=8 (2048) gather 13.7; k=4 N=1 (1024) 13.9,
+# N=8 (8192) 18.5 against the stacked kernel's 15.3 at N=64.
 GATHER_MAX_ROW_RANK = 2048
 GATHER_MAX_ROW_RANK_WITH_META = 1024
-# Narrow hot sets (S*r <= STACKED_MAX_WIDTH) take the gather kernel up to GATHER_MAX_ROWS_STACKED rows, then the
-# stacked kernel, any k:
-#   r=16 k=1: N=32 gather 10.51 vs stacked 11.49; N=128 18.18 vs 12.83;  r=8: N=32 10.02 vs 10.50
-#   r=16 k=2: N=64 (128 rows) gather 17.9, stacked 12.2, grouped 27.8;  k=4 N=8 (32 rows) 13.4 vs 17.5
-GATHER_MAX_ROWS_STACKED = 64
+# Narrow hot sets (S*r <= STACKED_MAX_WIDTH) take the gather kernel while rows * k <= GATHER_MAX_ROWS_STACKED, then
+# the stacked kernel. H200, 2026-12-02, r=16, median us, gather vs stacked: k=1 N=32 10.78 vs 11.74, N=64 13.3 vs
+# 11.8; k=2 N=8 10.6 vs 11.5, N=64 17.7 vs 12.0; k=4 N=1 11.5 vs 11.2, N=8 13.1 vs 11.6.
+GATHER_MAX_ROWS_STACKED = 32
 STACKED_MAX_WIDTH = 64
 # ... except k=1 with prebuilt metadata once N * r > STACKED_MAX_ROW_RANK_WITH_META, where the two-phase grouped
 # kernel wins: r=8 N=256 stacked 12.93 vs meta 14.30, N=2048 26.34 vs 22.14; r=16 N=128 12.83 vs 13.15,
@@ -78,15 +82,17 @@ GROUP_GATHER_MAX_ROW_RANK = 256
 # ... and with prebuilt metadata (k = 1) the stacked kernel only while N * r <= GROUP_STACKED_MAX_ROW_RANK, then the
 # grouped one (r=16: N=16 stacked 12.16 vs grouped 15.49; N=256 q/k/v with their GEMMs grouped 75.2 vs stacked 80.5)
 GROUP_STACKED_MAX_ROW_RANK = 256
-# Top-k (k > 1) on wide hot sets up to STACKED_TOPK_MAX_WIDTH stacked columns, above STACKED_TOPK_MIN_ROWS_WIDE rows:
-# the stacked kernel (cost independent of k, S/k times the arithmetic) where that waste is under 2x (2k > S) or the
-# hot set is too wide for slot sets (the grouped kernel then adds flat rows with float32 atomics); else, and below
-# those rows, the grouped kernel (slot-set tiles up to SETS_MAX_SLOTS slots: each output element written once).
-# H200, 2026-12-02, r=64 (S*r=256, S=4), metadata built in the call, stacked vs grouped: k=2 N=256 68.0 vs 28.2,
-# N=2048 59.1 vs 57.5, N=8192 142.7 vs 91.7; k=4 N=256 68.4 vs 39.5, N=2048 59.2 vs 62.5, N=8192 142.6 vs 218.0.
-# Before slot sets (atomics): N=256 k=2 68.6 vs 39.3; N=2048 59.3 vs 137.6; N=8192 142.3 vs 658.0.
+# Top-k (k > 1) above the gather kernel's rows: the stacked form, whose cost does not depend on k (S/k times the
+# routed arithmetic, free on hot sets up to STACKED_TOPK_MAX_WIDTH stacked columns): the stacked kernel up to
+# STACKED_TOPK_MAX_TOKENS tokens on wide hot sets (N * r <= STACKED_MAX_ROW_RANK on narrow ones), the gemm path
+# (kernels/stacked_gemm.py: cuBLAS) above. Wider hot sets take the grouped kernel (slot-set tiles up to
+# SETS_MAX_SLOTS slots). H200, 2026-12-02, S=4, metadata built in the call, median us; r=64 (256 columns), stacked
+# (wide tiles) vs grouped (slot sets) vs gemm, k=2: N=64 15.3 vs 25.8 vs 27.9, N=256 18.4 vs 28.5 vs 30.2; N=2048
+# grouped 57.7, gemm 41.6 (k=4 62.5 vs 42.5), N=8192 91.6 vs 85.2 (k=4 215.1 vs 85.1), gemm then with B copied by
+# torch (14.5 us of it). r=16 (64 columns) stacked vs gemm, k=2: N=256 16.0 vs 20.2, N=2048 32.2 vs 28.8, N=8192
+# 76.0 vs 58.7 (grouped 69.8).
 STACKED_TOPK_MAX_WIDTH = 256
-STACKED_TOPK_MIN_ROWS_WIDE = 1024
+STACKED_TOPK_MAX_TOKENS = 256
 # Eager decode calls (CUDA, N <= EAGER_MAX_TOKENS, not in graph mode): an eager step is host-bound, so these take
 # the path with the least host time. EAGER_DECODE_PATH "fused": one Triton launch per group call through the
 # compiled kernel's launcher (FusedLaunch) on hot sets up to EAGER_FUSED_MAX_WIDTH = S*r, the dense torch form
@@ -143,16 +149,15 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
     rows = n * k
     width = stacked_width(num_slots, rank)
     if width <= STACKED_MAX_WIDTH:  # narrow
-        if rows <= GATHER_MAX_ROWS_STACKED:
+        if rows * k <= GATHER_MAX_ROWS_STACKED:
             return "gather"
-        if k > 1 or n * rank <= (STACKED_MAX_ROW_RANK_WITH_META if has_meta else STACKED_MAX_ROW_RANK):
+        if n * rank <= (STACKED_MAX_ROW_RANK_WITH_META if has_meta and k == 1 else STACKED_MAX_ROW_RANK):
             return "stacked"
-        return "grouped"
-    if rows * rank <= (GATHER_MAX_ROW_RANK_WITH_META if has_meta and k == 1 else GATHER_MAX_ROW_RANK):
+        return "grouped" if k == 1 else "gemm"
+    if rows * k * rank <= (GATHER_MAX_ROW_RANK_WITH_META if has_meta and k == 1 else GATHER_MAX_ROW_RANK):
         return "gather"
-    if k > 1 and width <= STACKED_TOPK_MAX_WIDTH and rows > STACKED_TOPK_MIN_ROWS_WIDE and \
-            (2 * k > num_slots or not uses_slot_sets(k, num_slots)):
-        return "stacked"
+    if k > 1 and width <= STACKED_TOPK_MAX_WIDTH:
+        return "stacked" if n <= STACKED_TOPK_MAX_TOKENS else "gemm"
     return "grouped"
 
 

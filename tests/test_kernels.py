@@ -165,35 +165,38 @@ def test_dispatcher_picks_by_shape_only(monkeypatch):
 
     def pick(n, k=1, meta=False, s=4, r=16):
         return dispatch.choose_path(torch.zeros(n, 4), k, meta, s, r)
-    # few rows: gather, while rows <= GATHER_MAX_ROWS_STACKED (narrow) or rows * r <= GATHER_MAX_ROW_RANK (wide;
-    # GATHER_MAX_ROW_RANK_WITH_META when the grouped kernel would get prebuilt metadata)
+    # few rows: gather, while rows * k <= GATHER_MAX_ROWS_STACKED (narrow) or rows * k * r <= GATHER_MAX_ROW_RANK
+    # (wide; GATHER_MAX_ROW_RANK_WITH_META when the grouped kernel would get prebuilt metadata, k = 1)
     assert pick(dispatch.GATHER_MAX_ROWS_STACKED) == "gather"
+    assert pick(dispatch.GATHER_MAX_ROWS_STACKED // 4, k=2) == "gather"
+    assert pick(dispatch.GATHER_MAX_ROWS_STACKED // 4 + 1, k=2) == "stacked"
     assert pick(dispatch.GATHER_MAX_ROW_RANK // 64, r=64) == "gather"
     assert pick(dispatch.GATHER_MAX_ROW_RANK // 64 + 1, r=64) == "grouped"
     assert pick(dispatch.GATHER_MAX_ROW_RANK_WITH_META // 64, r=64, meta=True) == "gather"
     assert pick(dispatch.GATHER_MAX_ROW_RANK_WITH_META // 64 + 1, r=64, meta=True) == "grouped"
+    assert pick(dispatch.GATHER_MAX_ROW_RANK // (64 * 4), k=2, r=64) == "gather"
+    assert pick(dispatch.GATHER_MAX_ROW_RANK // (64 * 4) + 1, k=2, r=64) == "stacked"
     # a narrow hot set takes the stacked kernel above the gather rows, for any k
     assert pick(dispatch.GATHER_MAX_ROWS_STACKED + 1) == "stacked"
     assert pick(dispatch.GATHER_MAX_ROWS_STACKED, k=4) == "stacked"
-    assert pick(5000, k=2, meta=True) == "stacked"
     # ... except k=1 with prebuilt metadata once N * r is large, where the grouped kernel wins
     n_meta = dispatch.STACKED_MAX_ROW_RANK_WITH_META // 16
     assert pick(n_meta, meta=True) == "stacked"
     assert pick(n_meta + 1, meta=True) == "grouped"
     assert pick(n_meta + 1) == "stacked"
+    assert pick(n_meta + 1, k=2, meta=True) == "stacked"  # top-k reads no metadata
     assert pick(dispatch.STACKED_MAX_ROW_RANK // 16) == "stacked"  # without it, once N * r is larger still
     assert pick(dispatch.STACKED_MAX_ROW_RANK // 16 + 1) == "grouped"
+    assert pick(dispatch.STACKED_MAX_ROW_RANK // 16 + 1, k=2, meta=True) == "gemm"  # top-k: cuBLAS
     assert pick(2 * n_meta, r=8, meta=True) == "stacked"
-    # wide hot sets: grouped for k=1, and for top-k on up to SETS_MAX_SLOTS slots (slot-set tiles); on wider hot
-    # sets top-k takes the stacked kernel up to STACKED_TOPK_MAX_WIDTH above STACKED_TOPK_MIN_ROWS_WIDE rows
+    # wide hot sets: grouped for k=1; top-k on up to STACKED_TOPK_MAX_WIDTH columns the stacked kernel up to
+    # STACKED_TOPK_MAX_TOKENS tokens, then the gemm path; wider hot sets the grouped kernel (slot sets, atomics)
     assert pick(300, s=4, r=32) == "grouped"
-    assert pick(300, k=2, s=4, r=64) == "grouped"
-    assert pick(dispatch.STACKED_TOPK_MIN_ROWS_WIDE // 2 + 1, k=2, s=4, r=64) == "grouped"
-    assert pick(dispatch.STACKED_TOPK_MIN_ROWS_WIDE // 4 + 1, k=4, s=4, r=64) == "stacked"  # 2k > S: little waste
-    assert pick(dispatch.STACKED_TOPK_MIN_ROWS_WIDE // 4, k=4, s=4, r=64) == "grouped"
+    assert pick(dispatch.STACKED_TOPK_MAX_TOKENS, k=2, s=4, r=64) == "stacked"
+    assert pick(dispatch.STACKED_TOPK_MAX_TOKENS + 1, k=2, s=4, r=64) == "gemm"
+    assert pick(dispatch.STACKED_TOPK_MAX_TOKENS + 1, k=4, s=4, r=64) == "gemm"
+    assert pick(300, k=2, s=8, r=32) == "gemm"
     assert pick(3000, k=2, s=4, r=128) == "grouped"
-    assert pick(300, k=2, s=8, r=32) == "grouped"
-    assert pick(dispatch.STACKED_TOPK_MIN_ROWS_WIDE // 2 + 1, k=2, s=8, r=32) == "stacked"
     assert pick(3000, k=2, s=8, r=64) == "grouped"
 
 
@@ -542,3 +545,30 @@ def test_cuda_eager_fused_path_and_captured_triton_path_match_reference(dtype, n
         want = torch.cat(routed_lora_group_reference(x, A3, B3, slots, weights, s3, bounds), 1)
         assert rel_err(launch(x_in, slots, weights), want.double()) <= 2.5e-2
     assert launch._direct  # the direct path was set up
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("n,k,r", [(300, 2, 64), (2100, 4, 16), (40, 1, 16)])
+def test_cuda_gemm_path_captured_matches_reference(n, k, r):
+    """The cuBLAS form of the stacked kernel: captured in a graph, slot values changed after capture, out= variant,
+    projection groups."""
+    from molora.kernels import routed_lora_group, routed_lora_group_reference
+    from molora.kernels.graphs import capture_graph
+
+    x, A, B, scale, g = make(n, 512, 384, 4, r, torch.bfloat16, seed=n + k)
+    x, A, B, scale = x.cuda(), A.cuda(), B.cuda(), scale.cuda()
+    slots = torch.randint(-1, 4, (n, k), generator=g).cuda()
+    weights = torch.rand(n, k, generator=g).cuda()
+    graph, captured = capture_graph(lambda: routed_lora_topk(x, A, B, slots, weights, scale, path="gemm"))
+    slots.copy_(torch.randint(-1, 4, (n, k), generator=g).cuda())
+    graph.replay()
+    want = routed_lora_topk_reference(x, A, B, slots, weights, scale).double()
+    assert rel_err(captured, want) <= 2.5e-2
+    base = torch.randn(n, 384, dtype=torch.bfloat16, device="cuda")
+    got = routed_lora_topk(x, A, B, slots, weights, scale, out=base.clone(), path="gemm")
+    assert rel_err(got.double() - base.double(), want) <= 2.5e-2
+    A3, B3, s3 = torch.stack([A, A.flip(0), A]), torch.cat([B, B[:, :64]], 1), torch.stack([scale, scale * 2, scale])
+    bounds = (0, 384, 416, 448)
+    for y, ref in zip(routed_lora_group(x, A3, B3, slots, weights, s3, bounds, path="gemm"),
+                      routed_lora_group_reference(x, A3, B3, slots, weights, s3, bounds)):
+        assert y.shape == ref.shape and rel_err(y, ref.double()) <= 2.5e-2
