@@ -41,7 +41,13 @@ if HAS_TRITON:
     from molora.kernels.stacked_gemm import gemm_lora, gemm_lora_group
     from molora.kernels.triton_gather import gather_lora, gather_lora_group
     from molora.kernels.triton_grouped import grouped_lora, grouped_lora_group
-    from molora.kernels.triton_stacked import MAX_WIDTH, FusedLaunch, stacked_lora, stacked_lora_group
+    from molora.kernels.triton_stacked import (
+        MAX_WIDTH,
+        STACKED_WIDE_TILES,
+        FusedLaunch,
+        stacked_lora,
+        stacked_lora_group,
+    )
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +77,9 @@ STACKED_MAX_WIDTH = 64
 STACKED_MAX_ROW_RANK_WITH_META = 2048
 # ... and without it once N * r > STACKED_MAX_ROW_RANK (the grouped kernel then sorts in the call: two parallel
 # launches since 2026-12-02). H200, 2026-12-02, k=1, metadata built in the call, median us: r=8 N=2048 stacked
-# 26.43 vs grouped 27.33, N=8192 66.98 vs 60.35; r=16 N=256 16.48 vs 18.43, N=2048 35.36 vs 25.86, N=8192 76.19
-# vs 53.66
-STACKED_MAX_ROW_RANK = 16384
+# 26.24 vs grouped 26.88, N=8192 67.07 vs 60.42; r=16 N=256 16.0 vs 18.4, N=1024 24.9 vs 20.8, N=2048 34.4 vs
+# 25.6, N=8192 73.6 vs 54.1
+STACKED_MAX_ROW_RANK = 8192
 # Projections sharing x (P of them): the gather kernel while rows * r * P <= GROUP_GATHER_MAX_ROW_RANK. H200,
 # 2026-12-01 (RESULTS.md, issue 13 third pass), q/k/v at d=4096, graph replay, metadata prebuilt, median us:
 #   r=16: N=4 gather 11.55, stacked 11.90, grouped 15.23;  N=16 gather 13.98, stacked 12.16, grouped 15.49
@@ -86,7 +92,8 @@ GROUP_STACKED_MAX_ROW_RANK = 256
 # routed arithmetic, free on hot sets up to STACKED_TOPK_MAX_WIDTH stacked columns): the stacked kernel up to
 # STACKED_TOPK_MAX_TOKENS tokens on wide hot sets (N * r <= STACKED_MAX_ROW_RANK on narrow ones), the gemm path
 # (kernels/stacked_gemm.py: cuBLAS) above. Wider hot sets take the grouped kernel (slot-set tiles up to
-# SETS_MAX_SLOTS slots). H200, 2026-12-02, S=4, metadata built in the call, median us; r=64 (256 columns), stacked
+# SETS_MAX_SLOTS slots). k = 1 without prebuilt metadata takes the stacked kernel there too where it has measured
+# wide tiles (STACKED_WIDE_TILES): r=64 N=128 stacked 18.1 vs grouped (sorting in the call) 19.4, N=256 18.3 vs 20.8. H200, 2026-12-02, S=4, metadata built in the call, median us; r=64 (256 columns), stacked
 # (wide tiles) vs grouped (slot sets) vs gemm, k=2: N=64 15.3 vs 25.8 vs 27.9, N=256 18.4 vs 28.5 vs 30.2; N=2048
 # grouped 57.7, gemm 41.6 (k=4 62.5 vs 42.5), N=8192 91.6 vs 85.2 (k=4 215.1 vs 85.1), gemm then with B copied by
 # torch (14.5 us of it). r=16 (64 columns) stacked vs gemm, k=2: N=256 16.0 vs 20.2, N=2048 32.2 vs 28.8, N=8192
@@ -156,9 +163,10 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
         return "grouped" if k == 1 else "gemm"
     if rows * k * rank <= (GATHER_MAX_ROW_RANK_WITH_META if has_meta and k == 1 else GATHER_MAX_ROW_RANK):
         return "gather"
-    if k > 1 and width <= STACKED_TOPK_MAX_WIDTH:
-        return "stacked" if n <= STACKED_TOPK_MAX_TOKENS else "gemm"
-    return "grouped"
+    if width <= STACKED_TOPK_MAX_WIDTH and n <= STACKED_TOPK_MAX_TOKENS and \
+            (k > 1 or (not has_meta and width in STACKED_WIDE_TILES)):
+        return "stacked"
+    return "gemm" if k > 1 and width <= STACKED_TOPK_MAX_WIDTH else "grouped"
 
 
 def choose_group_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: int, proj: int) -> str:

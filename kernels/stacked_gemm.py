@@ -22,37 +22,47 @@ from molora.kernels.triton_common import HAS_TRITON, cdiv, choice_weights, inter
 
 if HAS_TRITON:
     @triton.jit
-    def _prepare_kernel(h_ptr, slot_ptr, w_ptr, scale_ptr, b_ptr, bf_ptr, N, C, SR, R, S, OUT, ssp, sb0, sb1, sb2,
+    def _fold_tile(h_ptr, slot_ptr, w_ptr, scale_ptr, tile, N, C, SR, R, ssp, COLUMN_TILES,
+                   K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+        """h[n, c] *= scale[p, s] * (token n's summed weight on slot s), column c = p * SR + s * R + i, in place."""
+        offs_m = ((tile // COLUMN_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        offs_c = (tile % COLUMN_TILES) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mm = offs_m < N
+        mc = offs_c < C
+        c_proj = offs_c // SR
+        c_slot = (offs_c % SR) // R
+        coef = choice_weights(slot_ptr, w_ptr, offs_m, mm, c_slot, K, HAS_W)
+        coef *= tl.load(scale_ptr + c_proj * ssp + c_slot, mask=mc, other=0.0).to(tl.float32)[None, :]
+        ptrs = h_ptr + offs_m[:, None] * C + offs_c[None, :]
+        m2 = mm[:, None] & mc[None, :]
+        h = tl.load(ptrs, mask=m2, other=0.0)
+        tl.store(ptrs, (h.to(tl.float32) * coef).to(h.dtype), mask=m2)
+
+    @triton.jit
+    def _slot_major_tile(b_ptr, bf_ptr, tile, R, OUT, sb0, sb1, sb2, R_PAD: tl.constexpr, BLOCK_O: tl.constexpr):
+        """Bf[s * R + i, o] = B[s, o, i] for one [BLOCK_O, R] tile of B [S, OUT, R]."""
+        o_tiles = tl.cdiv(OUT, BLOCK_O)
+        s = tile // o_tiles
+        offs_o = (tile % o_tiles) * BLOCK_O + tl.arange(0, BLOCK_O)
+        offs_r = tl.arange(0, R_PAD)
+        m2 = (offs_o < OUT)[:, None] & (offs_r < R)[None, :]
+        bt = tl.load(b_ptr + s.to(tl.int64) * sb0 + offs_o[:, None] * sb1 + offs_r[None, :] * sb2, mask=m2)
+        tl.store(bf_ptr + (s.to(tl.int64) * R + offs_r[None, :]) * OUT + offs_o[:, None], bt, mask=m2)
+
+    @triton.jit
+    def _prepare_kernel(h_ptr, slot_ptr, w_ptr, scale_ptr, b_ptr, bf_ptr, N, C, SR, R, OUT, ssp, sb0, sb1, sb2,
                         FOLD_PROGRAMS, FOLD_COLUMN_TILES,
                         K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
                         R_PAD: tl.constexpr, BLOCK_O: tl.constexpr):
-        """One launch, two jobs. Programs below FOLD_PROGRAMS fold the coefficients into h in place:
-        h[n, c] *= scale[p, s] * (token n's summed weight on slot s), column c = p * SR + s * R + i. The others
-        lay B [S, OUT, r] out slot-major, Bf[s * R + i, o] = B[s, o, i], one [BLOCK_O, r] tile each (a tiled
-        transpose: torch's strided copy of the same 2 MB took 14.5 us on the H200)."""
+        """One launch, two jobs: programs below FOLD_PROGRAMS fold the coefficients into h, the others lay B out
+        slot-major, one tile each (a tiled transpose: torch's strided copy of the same 2 MB took 14.5 us on the
+        H200)."""
         pid = tl.program_id(0)
         if pid < FOLD_PROGRAMS:
-            offs_m = ((pid // FOLD_COLUMN_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-            offs_c = (pid % FOLD_COLUMN_TILES) * BLOCK_C + tl.arange(0, BLOCK_C)
-            mm = offs_m < N
-            mc = offs_c < C
-            c_proj = offs_c // SR
-            c_slot = (offs_c % SR) // R
-            coef = choice_weights(slot_ptr, w_ptr, offs_m, mm, c_slot, K, HAS_W)
-            coef *= tl.load(scale_ptr + c_proj * ssp + c_slot, mask=mc, other=0.0).to(tl.float32)[None, :]
-            ptrs = h_ptr + offs_m[:, None] * C + offs_c[None, :]
-            m2 = mm[:, None] & mc[None, :]
-            h = tl.load(ptrs, mask=m2, other=0.0)
-            tl.store(ptrs, (h.to(tl.float32) * coef).to(h.dtype), mask=m2)
+            _fold_tile(h_ptr, slot_ptr, w_ptr, scale_ptr, pid, N, C, SR, R, ssp, FOLD_COLUMN_TILES, K, HAS_W, BLOCK_M,
+                       BLOCK_C)
         else:
-            tile = pid - FOLD_PROGRAMS
-            o_tiles = tl.cdiv(OUT, BLOCK_O)
-            s = tile // o_tiles
-            offs_o = (tile % o_tiles) * BLOCK_O + tl.arange(0, BLOCK_O)
-            offs_r = tl.arange(0, R_PAD)
-            m2 = (offs_o < OUT)[:, None] & (offs_r < R)[None, :]
-            bt = tl.load(b_ptr + s.to(tl.int64) * sb0 + offs_o[:, None] * sb1 + offs_r[None, :] * sb2, mask=m2)
-            tl.store(bf_ptr + (s.to(tl.int64) * R + offs_r[None, :]) * OUT + offs_o[:, None], bt, mask=m2)
+            _slot_major_tile(b_ptr, bf_ptr, pid - FOLD_PROGRAMS, R, OUT, sb0, sb1, sb2, R_PAD, BLOCK_O)
 
 
 def _prepare(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None,
@@ -70,7 +80,7 @@ def _prepare(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Ten
     fold_programs = cdiv(n, block_m) * column_tiles
     _prepare_kernel[(fold_programs + s_count * cdiv(d_out, block_o),)](
         h, slots.contiguous(), weights.contiguous() if weights is not None else scale, scale, B, bf, n, cols,
-        s_count * r, r, s_count, d_out, scale.stride(0), B.stride(0), B.stride(1), B.stride(2), fold_programs,
+        s_count * r, r, d_out, scale.stride(0), B.stride(0), B.stride(1), B.stride(2), fold_programs,
         column_tiles, K=slots.shape[1], HAS_W=weights is not None, BLOCK_M=block_m, BLOCK_C=block_c,
         R_PAD=next_pow2(r), BLOCK_O=block_o, num_warps=4)
     return h, bf

@@ -180,7 +180,8 @@ MAX_WIDTH = 256
 # Programs per launch that keep all 132 SMs of an H200 busy (2 per SM), the same aim as triton_grouped.py.
 TARGET_PROGRAMS = 264
 # Two-phase tiles for the widest stacks, by stacked columns: ((up to N tokens, (SHRINK_M, BLOCK_C, BLOCK_K, SPLIT_K,
-# EXPAND_M, BLOCK_N, OUT_SPLIT)), ...), the last row for any N. H200, 2026-12-02, 256 columns (r=64 on 4 slots), top-2,
+# EXPAND_M, BLOCK_N, OUT_SPLIT)), ...); more tokens take the rule in stacked_config (at N=2048 and 8192 these
+# tiles took 73 and 304 us against its 59 and 142). H200, 2026-12-02, 256 columns (r=64 on 4 slots), top-2,
 # d=4096, median us (benchmarks/kernels.py --only tune: shrink tiles with the expand fixed, then expand tiles): N=64
 # 15.3 (the rule below gave 36.1; SPLIT_K 16 instead of 4: 36.4), N=256 18.4 (68.3; SPLIT_K 16: 64-69). Fewer
 # K splits won everywhere: each split adds an [N, 256] float32 partial the expand reads back.
@@ -212,9 +213,9 @@ def stacked_config(n: int, d_in: int, d_out: int, width: int, proj: int = 1, fus
             out_split *= 2
         return dict(FUSED=True, SHRINK_M=16, EXPAND_M=16, BLOCK_C=sr_pad, BLOCK_K=max(32, 16384 // sr_pad),
                     BLOCK_N=block_n, SPLIT_K=1, OUT_SPLIT=out_split, num_warps=4, SR_PAD=sr_pad)
-    wide = STACKED_WIDE_TILES.get(sr_pad)
+    wide = next((t for rows, t in STACKED_WIDE_TILES.get(sr_pad, ()) if n <= rows), None)
     if wide is not None:
-        sm, bc, bk, sk, em, bn, split = next((t for rows, t in wide if n <= rows), wide[-1][1])
+        sm, bc, bk, sk, em, bn, split = wide
         return dict(FUSED=False, SHRINK_M=sm, EXPAND_M=em, BLOCK_C=bc, BLOCK_K=bk, BLOCK_N=bn,
                     SPLIT_K=max(1, min(sk, d_in // bk)), OUT_SPLIT=max(1, min(split, d_out // bn)), num_warps=4,
                     SR_PAD=sr_pad)

@@ -171,7 +171,8 @@ def test_dispatcher_picks_by_shape_only(monkeypatch):
     assert pick(dispatch.GATHER_MAX_ROWS_STACKED // 4, k=2) == "gather"
     assert pick(dispatch.GATHER_MAX_ROWS_STACKED // 4 + 1, k=2) == "stacked"
     assert pick(dispatch.GATHER_MAX_ROW_RANK // 64, r=64) == "gather"
-    assert pick(dispatch.GATHER_MAX_ROW_RANK // 64 + 1, r=64) == "grouped"
+    assert pick(dispatch.GATHER_MAX_ROW_RANK // 64 + 1, r=64) == "stacked"  # (wide tiles, see below)
+    assert pick(dispatch.GATHER_MAX_ROW_RANK // 32 + 1, r=32) == "grouped"
     assert pick(dispatch.GATHER_MAX_ROW_RANK_WITH_META // 64, r=64, meta=True) == "gather"
     assert pick(dispatch.GATHER_MAX_ROW_RANK_WITH_META // 64 + 1, r=64, meta=True) == "grouped"
     assert pick(dispatch.GATHER_MAX_ROW_RANK // (64 * 4), k=2, r=64) == "gather"
@@ -192,6 +193,9 @@ def test_dispatcher_picks_by_shape_only(monkeypatch):
     # wide hot sets: grouped for k=1; top-k on up to STACKED_TOPK_MAX_WIDTH columns the stacked kernel up to
     # STACKED_TOPK_MAX_TOKENS tokens, then the gemm path; wider hot sets the grouped kernel (slot sets, atomics)
     assert pick(300, s=4, r=32) == "grouped"
+    assert pick(dispatch.STACKED_TOPK_MAX_TOKENS, s=4, r=64) == "stacked"  # measured wide tiles, k = 1, no metadata
+    assert pick(dispatch.STACKED_TOPK_MAX_TOKENS, s=4, r=64, meta=True) == "grouped"
+    assert pick(dispatch.STACKED_TOPK_MAX_TOKENS, s=4, r=32) == "grouped"
     assert pick(dispatch.STACKED_TOPK_MAX_TOKENS, k=2, s=4, r=64) == "stacked"
     assert pick(dispatch.STACKED_TOPK_MAX_TOKENS + 1, k=2, s=4, r=64) == "gemm"
     assert pick(dispatch.STACKED_TOPK_MAX_TOKENS + 1, k=4, s=4, r=64) == "gemm"
