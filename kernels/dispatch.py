@@ -100,6 +100,12 @@ GROUP_STACKED_MAX_ROW_RANK = 256
 # 76.0 vs 58.7 (grouped 69.8).
 STACKED_TOPK_MAX_WIDTH = 256
 STACKED_TOPK_MAX_TOKENS = 256
+# k = 1 without prebuilt metadata (the grouped kernel would sort in the call) takes the gemm path too above the
+# stacked kernel's sizes while N * stacked columns <= GEMM_MAX_TOKEN_COLUMNS. H200, 2026-12-02, S=4, median us, gemm
+# vs grouped (sorting in the call): r=16 N=1024 20.2 vs 21.6, N=2048 25.6 vs 25.9, N=8192 54.0 vs 54.5; r=64 N=1024
+# 24.2 vs 26.9, N=2048 31.9 vs 31.4, N=8192 74.3 vs 62.3. With the metadata prebuilt the grouped kernel is faster
+# (r=16 N=2048 20.9, r=64 26.8).
+GEMM_MAX_TOKEN_COLUMNS = 2048 * 256
 # Eager decode calls (CUDA, N <= EAGER_MAX_TOKENS, not in graph mode): an eager step is host-bound, so these take
 # the path with the least host time. EAGER_DECODE_PATH "fused": one Triton launch per group call through the
 # compiled kernel's launcher (FusedLaunch) on hot sets up to EAGER_FUSED_MAX_WIDTH = S*r, the dense torch form
@@ -160,13 +166,15 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
             return "gather"
         if n * rank <= (STACKED_MAX_ROW_RANK_WITH_META if has_meta and k == 1 else STACKED_MAX_ROW_RANK):
             return "stacked"
-        return "grouped" if k == 1 else "gemm"
+        return "gemm" if k > 1 or (not has_meta and n * width <= GEMM_MAX_TOKEN_COLUMNS) else "grouped"
     if rows * k * rank <= (GATHER_MAX_ROW_RANK_WITH_META if has_meta and k == 1 else GATHER_MAX_ROW_RANK):
         return "gather"
     if width <= STACKED_TOPK_MAX_WIDTH and n <= STACKED_TOPK_MAX_TOKENS and \
             (k > 1 or (not has_meta and width in STACKED_WIDE_TILES)):
         return "stacked"
-    return "gemm" if k > 1 and width <= STACKED_TOPK_MAX_WIDTH else "grouped"
+    if width <= STACKED_TOPK_MAX_WIDTH and (k > 1 or (not has_meta and n * width <= GEMM_MAX_TOKEN_COLUMNS)):
+        return "gemm"
+    return "grouped"
 
 
 def choose_group_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: int, proj: int) -> str:

@@ -172,7 +172,7 @@ def test_dispatcher_picks_by_shape_only(monkeypatch):
     assert pick(dispatch.GATHER_MAX_ROWS_STACKED // 4 + 1, k=2) == "stacked"
     assert pick(dispatch.GATHER_MAX_ROW_RANK // 64, r=64) == "gather"
     assert pick(dispatch.GATHER_MAX_ROW_RANK // 64 + 1, r=64) == "stacked"  # (wide tiles, see below)
-    assert pick(dispatch.GATHER_MAX_ROW_RANK // 32 + 1, r=32) == "grouped"
+    assert pick(dispatch.GATHER_MAX_ROW_RANK // 32 + 1, r=32) == "gemm"
     assert pick(dispatch.GATHER_MAX_ROW_RANK_WITH_META // 64, r=64, meta=True) == "gather"
     assert pick(dispatch.GATHER_MAX_ROW_RANK_WITH_META // 64 + 1, r=64, meta=True) == "grouped"
     assert pick(dispatch.GATHER_MAX_ROW_RANK // (64 * 4), k=2, r=64) == "gather"
@@ -187,15 +187,21 @@ def test_dispatcher_picks_by_shape_only(monkeypatch):
     assert pick(n_meta + 1) == "stacked"
     assert pick(n_meta + 1, k=2, meta=True) == "stacked"  # top-k reads no metadata
     assert pick(dispatch.STACKED_MAX_ROW_RANK // 16) == "stacked"  # without it, once N * r is larger still
-    assert pick(dispatch.STACKED_MAX_ROW_RANK // 16 + 1) == "grouped"
+    assert pick(dispatch.STACKED_MAX_ROW_RANK // 16 + 1) == "gemm"  # (k = 1 without metadata: cuBLAS, see below)
+    assert pick(dispatch.GEMM_MAX_TOKEN_COLUMNS // 64) == "gemm"
+    assert pick(dispatch.GEMM_MAX_TOKEN_COLUMNS // 64 + 1) == "grouped"
+    assert pick(dispatch.GEMM_MAX_TOKEN_COLUMNS // 64, meta=True) == "grouped"
     assert pick(dispatch.STACKED_MAX_ROW_RANK // 16 + 1, k=2, meta=True) == "gemm"  # top-k: cuBLAS
     assert pick(2 * n_meta, r=8, meta=True) == "stacked"
-    # wide hot sets: grouped for k=1; top-k on up to STACKED_TOPK_MAX_WIDTH columns the stacked kernel up to
-    # STACKED_TOPK_MAX_TOKENS tokens, then the gemm path; wider hot sets the grouped kernel (slot sets, atomics)
-    assert pick(300, s=4, r=32) == "grouped"
+    # wide hot sets: grouped for k=1 with metadata; up to STACKED_TOPK_MAX_WIDTH columns top-k (and k=1 without
+    # metadata, where the stacked kernel has measured wide tiles) the stacked kernel up to STACKED_TOPK_MAX_TOKENS
+    # tokens, then the gemm path (k=1 up to GEMM_MAX_TOKEN_COLUMNS); wider hot sets the grouped kernel
+    assert pick(300, s=4, r=32, meta=True) == "grouped"
+    assert pick(300, s=4, r=32) == "gemm"
+    assert pick(dispatch.GEMM_MAX_TOKEN_COLUMNS // 256 + 1, s=4, r=64) == "grouped"
     assert pick(dispatch.STACKED_TOPK_MAX_TOKENS, s=4, r=64) == "stacked"  # measured wide tiles, k = 1, no metadata
     assert pick(dispatch.STACKED_TOPK_MAX_TOKENS, s=4, r=64, meta=True) == "grouped"
-    assert pick(dispatch.STACKED_TOPK_MAX_TOKENS, s=4, r=32) == "grouped"
+    assert pick(dispatch.STACKED_TOPK_MAX_TOKENS, s=4, r=32, meta=True) == "grouped"
     assert pick(dispatch.STACKED_TOPK_MAX_TOKENS, k=2, s=4, r=64) == "stacked"
     assert pick(dispatch.STACKED_TOPK_MAX_TOKENS + 1, k=2, s=4, r=64) == "gemm"
     assert pick(dispatch.STACKED_TOPK_MAX_TOKENS + 1, k=4, s=4, r=64) == "gemm"
