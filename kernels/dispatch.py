@@ -34,7 +34,13 @@ import torch
 
 from molora.kernels.graphs import graph_mode
 from molora.kernels.metadata import RoutingMeta
-from molora.kernels.torch_ops import routed_lora_torch, routed_lora_torch_dense, routed_lora_torch_group_dense
+from molora.kernels.torch_ops import (
+    routed_lora_torch,
+    routed_lora_torch_dense,
+    routed_lora_torch_group_dense,
+    routed_lora_torch_group_stacked,
+    routed_lora_torch_stacked,
+)
 from molora.kernels.triton_common import HAS_TRITON, check_triton_device, interpreting, stacked_width
 
 if HAS_TRITON:
@@ -123,25 +129,41 @@ EAGER_DECODE_PATH = "fused"
 # wider hot sets take the dense form.
 EAGER_FUSED_MAX_WIDTH = 64
 
-# The CPU takes the dense all-slots form while its multiply-adds, N * S * r * (in + out) summed over the call's
-# projections, stay under CPU_DENSE_MAX_MACS, the slot-grouped loop above (a fixed cost per slot present, then work
-# in proportion to N * k). One thread, the 2-core dev machine, 2026-12-02, us per call, dense / grouped: S=5 r=8
-# 256->256 N=32 k=2 148 / 991, N=256 k=2 621 / 1307; 256->1024 N=128 k=1 998 / 1050, N=256 k=2 2508 / 1954; S=8
-# r=16 2048->2048 N=16 946 / 1471, N=32 k=1 1635 / 1733, N=64 k=1 3188 / 2050. The embedded model's decode at batch
-# 32, top-2: 391-397 tok/s with the old bound (16 rows), 575-601 with the dense form (RESULTS.md, issue 12).
-CPU_DENSE_MAX_MACS = 12_000_000
+# The CPU takes the stacked all-slots form (kernels/torch_ops.py: one shrink GEMM against every slot, one expand
+# GEMM) whenever the rank columns it computes for nothing per token, (S - k) * r, stay within
+# CPU_STACKED_WASTE_PER_CHOICE * k (the slot-grouped loop gathers and scatters each choice's row, which costs about
+# that many rank columns), and otherwise while N * S * r * (in + out), summed over the call's projections, stays
+# under CPU_DENSE_MAX_MACS (fixed costs); the slot-grouped loop above. One thread, the 2-core dev machine,
+# 2026-12-02, us per call, stacked / dense bmm / loop (`python -m benchmarks.cpu_ops`): S=5 r=8 k=2 256->1024 N=32
+# 396 / 460 / 1824, N=256 1476 / 2888 / 2987, N=2048 10754 / 42313 / 15968; k=1 1024->256 N=256 1243 / 1574 / 1805,
+# N=2048 8868 / 14558 / 7585; S=8 r=16 2048->2048 k=1 N=32 2256 / 2233 / 2713, N=64 3145 / 4375 / 2726; k=2 N=16
+# 2443 / 1585 / 2705, N=128 5050 / 6780 / 4533. The embedded model's decode at batch 32, top-2 (RESULTS.md, issue 13
+# seventh pass): 493-513 tok/s with the dense bmm form, 556-608 with the stacked one.
+CPU_STACKED_WASTE_PER_CHOICE = 32
+CPU_DENSE_MAX_MACS = 24_000_000
 
 PATHS = ("auto", "torch", "fused", "gather", "stacked", "grouped", "gemm")
 
 
-def dense_fits(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> bool:
-    """Is x [N, in] small enough for the dense torch form over adapters A [S, r, in] (or [P, S, r, in] for P
-    projections sharing x) and B [S, O, r]? By tokens on CUDA (its cost there is per launch), by multiply-adds on the
-    CPU (it computes every slot for every token: its cost does not depend on k)."""
+def dense_fits(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, k: int) -> bool:
+    """Does the torch path take an all-slots form for x [N, in], k choices per token, adapters A [S, r, in] (or
+    [P, S, r, in] for P projections sharing x) and B [S, O, r]? On CUDA the dense form by tokens (its cost there is
+    per launch); on the CPU the stacked form by its waste per token or its multiply-adds (see above)."""
     if x.is_cuda:
         return x.shape[0] <= EAGER_MAX_TOKENS
+    num_slots, rank = B.shape[0], B.shape[2]
+    if (num_slots - k) * rank <= CPU_STACKED_WASTE_PER_CHOICE * k:
+        return True
     projections = A.shape[0] if A.dim() == 4 else 1
-    return x.shape[0] * B.shape[0] * B.shape[2] * (projections * x.shape[1] + B.shape[1]) <= CPU_DENSE_MAX_MACS
+    return x.shape[0] * num_slots * rank * (projections * x.shape[1] + B.shape[1]) <= CPU_DENSE_MAX_MACS
+
+
+def stacked_over_dense(x: torch.Tensor, B: torch.Tensor) -> bool:
+    """Which all-slots torch form: the stacked one (CPU, N > 2 r) or the dense bmm one. The stacked form copies B
+    [S, O, r] to slot-major (S*r*O elements, a transposing copy), the dense form writes and reads an [S, N, O]
+    intermediate, so on the CPU the stacked form wins once N outgrows r (measured: CPU_DENSE_MAX_MACS's comment).
+    CUDA's eager decode calls (N <= 16) keep the dense form, whose four launches were measured for host time."""
+    return not x.is_cuda and x.shape[0] > 2 * B.shape[2]
 
 
 def triton_usable(x: torch.Tensor) -> bool:
@@ -215,8 +237,9 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
     elif path != "torch":
         _check_path(x, path)
     if path == "torch":
-        if dense_fits(x, A, B):
-            delta = routed_lora_torch_dense(x, A, B, slots, weights, scale, meta, out)
+        if dense_fits(x, A, B, slots.shape[1]):
+            dense = routed_lora_torch_stacked if stacked_over_dense(x, B) else routed_lora_torch_dense
+            delta = dense(x, A, B, slots, weights, scale, meta, out)
             return delta if out is not None else delta.to(x.dtype)
         delta = routed_lora_torch(x, A, B, slots, weights, scale, meta)
         if out is not None:
@@ -247,8 +270,9 @@ def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     if path == "fused":
         delta = FusedLaunch(A, B, scale, bounds)(x, slots, weights)
         return [delta] if A.shape[0] == 1 else list(delta.split(_widths(tuple(bounds)), 1))
-    if path == "torch" and dense_fits(x, A, B):
-        deltas = routed_lora_torch_group_dense(x, A, B, slots, weights, scale, bounds, meta)
+    if path == "torch" and dense_fits(x, A, B, k):
+        dense = routed_lora_torch_group_stacked if stacked_over_dense(x, B) else routed_lora_torch_group_dense
+        deltas = dense(x, A, B, slots, weights, scale, bounds, meta)
         return deltas if deltas[0].dtype == x.dtype else [d.to(x.dtype) for d in deltas]
     bounds = tuple(bounds)
     if path == "gemm":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from molora.kernels.torch_ops import stacked_expand, stacked_expand_group
 from molora.kernels.triton_common import HAS_TRITON, cdiv, choice_weights, interpreting, next_pow2, tl, triton
 
 if HAS_TRITON:
@@ -94,11 +95,7 @@ def gemm_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Te
     if n == 0 or B.shape[1] == 0:
         return out if out is not None else x.new_empty(n, B.shape[1])
     h, bf = _prepare(x, A[None], B, slots, weights, scale[None])
-    if out is None:
-        return h @ bf
-    if out.dtype == h.dtype:
-        return out.addmm_(h, bf)
-    return out.add_(h @ bf)
+    return stacked_expand(h, bf, out)
 
 
 def gemm_lora_group(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
@@ -109,5 +106,4 @@ def gemm_lora_group(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: to
     if n == 0:
         return [x.new_empty(0, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
     h, bf = _prepare(x, A, B, slots, weights, scale)
-    width = A.shape[1] * A.shape[2]
-    return [h[:, p * width:(p + 1) * width] @ bf[:, lo:hi] for p, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+    return stacked_expand_group(h, bf, tuple(bounds))

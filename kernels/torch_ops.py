@@ -8,8 +8,11 @@ Two forms:
   counts costs nothing on the CPU. On CUDA that read synchronises: there the loop serves only the backward
   (training, no graph capture) and explicit path="torch" calls.
 - Dense form (routed_lora_torch_dense, _group_dense): every slot at once in four device ops, for a few rows: the
-  CPU's decode steps, and the GPU's eager decode calls on hot sets wider than the fused kernel's (kernels/
-  dispatch.py: narrower ones take one fused Triton launch per group call, through a kept launcher).
+  CPU's calls of up to 2 r rows, and the GPU's eager decode calls on hot sets wider than the fused kernel's
+  (kernels/dispatch.py: narrower ones take one fused Triton launch per group call, through a kept launcher).
+- Stacked form (routed_lora_torch_stacked, _group_stacked): one shrink GEMM against every slot, the coefficients
+  folded into its [N, S*r] result, one expand GEMM: the CPU's all-slots form above 2 r rows (no [S, N, O]
+  intermediate; kernels/stacked_gemm.py is the GPU's version, its fold and B layout in one Triton launch).
 Accumulation is float32 (float64 when the inputs are float64, so gradcheck sees exact arithmetic); the dense form
 on the GPU computes in x's dtype with cuBLAS's float32 accumulation inside each product.
 """
@@ -144,6 +147,59 @@ def routed_lora_torch_group_dense(x: torch.Tensor, A: torch.Tensor, B: torch.Ten
     if p_count == 1:
         return [delta]
     return list(delta.split(_column_pieces(tuple(bounds), width), 1)[1::2])  # one call for every projection
+
+
+def _stacked_parts(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                   weights: torch.Tensor | None, scale: torch.Tensor, meta: RoutingMeta | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h [N, P*S*r], Bf [S*r, O]) in dense_dtype(x) for P projections sharing x (A [P, S, r, in], B [S, O, r],
+    scale [P, S]): h = x @ [every projection's and slot's A]^T with column (p, s, i) of row n times scale[p, s] * the
+    summed weight of token n's choices of s; Bf row s*r + i = B[s, :, i]. The stacked form (kernels/stacked_gemm.py,
+    whose GPU version folds and lays out B in one Triton launch)."""
+    dt = dense_dtype(x)
+    n = x.shape[0]
+    p_count, num_slots, r, d_in = A.shape
+    if x.dtype != dt or A.dtype != dt or B.dtype != dt or scale.dtype != dt:
+        x, A, B, scale = x.to(dt), A.to(dt), B.to(dt), scale.to(dt)
+    mix = meta.mixing(dt) if meta is not None else selection_matrix(slots, num_slots, weights, dt)  # [N, S]
+    h = torch.nn.functional.linear(x, A.reshape(-1, d_in)).view(n, p_count, num_slots, r)
+    h.mul_((mix[:, None, :] * scale)[..., None])
+    return h.view(n, p_count * num_slots * r), B.permute(0, 2, 1).reshape(num_slots * r, B.shape[1])
+
+
+def stacked_expand(h: torch.Tensor, bf: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """h [N, S*r] @ Bf [S*r, O]; with `out`, out += that in place (in the GEMM when the dtypes match)."""
+    if out is None:
+        return h @ bf
+    if out.dtype == h.dtype:
+        return out.addmm_(h, bf)
+    return out.add_(h @ bf)
+
+
+def stacked_expand_group(h: torch.Tensor, bf: torch.Tensor, bounds: tuple[int, ...]) -> list[torch.Tensor]:
+    """The P deltas of projections sharing x: projection p's h columns [N, S*r] @ its output columns of Bf."""
+    width = bf.shape[0]
+    return [h[:, p * width:(p + 1) * width] @ bf[:, lo:hi] for p, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+
+
+def routed_lora_torch_stacked(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                              weights: torch.Tensor | None, scale: torch.Tensor,
+                              meta: RoutingMeta | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The same delta as one shrink GEMM against every slot, the coefficients folded into its [N, S*r] result,
+    and one expand GEMM: S/k times the routed arithmetic (the dense form's), but no [S, N, O] intermediate. The
+    CPU's form above 2 r rows where dense_fits holds (kernels/dispatch.py). Result in dense_dtype(x); with `out`
+    (out += delta) `out` is returned."""
+    h, bf = _stacked_parts(x, A[None], B, slots, weights, scale[None], meta)
+    return stacked_expand(h, bf, out)
+
+
+def routed_lora_torch_group_stacked(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                                    weights: torch.Tensor | None, scale: torch.Tensor, bounds: tuple[int, ...],
+                                    meta: RoutingMeta | None = None) -> list[torch.Tensor]:
+    """routed_lora_torch_stacked for P projections sharing x (A [P, S, r, in], B [S, O, r], scale [P, S]): one
+    shrink GEMM for all of them, one expand GEMM each; results [N, width_p] in dense_dtype(x)."""
+    h, bf = _stacked_parts(x, A, B, slots, weights, scale, meta)
+    return stacked_expand_group(h, bf, tuple(bounds))
 
 
 def routed_lora_torch_backward(grad: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

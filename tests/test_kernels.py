@@ -438,14 +438,21 @@ def test_eager_decode_calls_take_one_fused_launch_and_graph_mode_the_triton_kern
         assert dispatch.choose_group_path(cuda_x(n_max), 1, True, 4, 64, 3) == "grouped"
         assert not dispatch.reads_meta(cuda_x(1), 1, torch.zeros(3, 4, 16, 8))
     assert not graph_mode()
-    # CPU: by the dense form's multiply-adds N * S * r * (P * in + O), whatever k
-    A, B = torch.zeros(5, 8, 256), torch.zeros(5, 256, 8)
-    n_max = dispatch.CPU_DENSE_MAX_MACS // (5 * 8 * 512)
-    assert dispatch.dense_fits(torch.zeros(n_max, 256), A, B) and not dispatch.dense_fits(torch.zeros(n_max + 1, 256), A, B)
-    A3 = torch.zeros(3, 5, 8, 256)  # q/k/v sharing x: three projections' A, one B of all their columns
-    B3 = torch.zeros(5, 768, 8)
-    n3 = dispatch.CPU_DENSE_MAX_MACS // (5 * 8 * (3 * 256 + 768))
-    assert dispatch.dense_fits(torch.zeros(n3, 256), A3, B3) and not dispatch.dense_fits(torch.zeros(n3 + 1, 256), A3, B3)
+    # CPU: the stacked form whenever its waste per token (S - k) * r <= CPU_STACKED_WASTE_PER_CHOICE * k, else by its
+    # multiply-adds N * S * r * (P * in + O)
+    A, B = torch.zeros(8, 16, 256), torch.zeros(8, 256, 16)  # (8 - 1) * 16 = 112 > 32: by multiply-adds
+    n_max = dispatch.CPU_DENSE_MAX_MACS // (8 * 16 * 512)
+
+    def fits(n, A, B, k=1):
+        return dispatch.dense_fits(torch.zeros(n, 256), A, B, k)
+    assert fits(n_max, A, B) and not fits(n_max + 1, A, B)
+    A3 = torch.zeros(3, 8, 16, 256)  # q/k/v sharing x: three projections' A, one B of all their columns
+    B3 = torch.zeros(8, 768, 16)
+    n3 = dispatch.CPU_DENSE_MAX_MACS // (8 * 16 * (3 * 256 + 768))
+    assert fits(n3, A3, B3) and not fits(n3 + 1, A3, B3)
+    A5, B5 = torch.zeros(5, 8, 256), torch.zeros(5, 256, 8)  # the embedded model's top-2: (5 - 2) * 8 = 24 <= 64
+    assert fits(100_000, A5, B5, k=2) and fits(100_000, A5, B5, k=1)  # k = 1: 32 <= 32 ...
+    assert not fits(100_000, torch.zeros(6, 8, 256), torch.zeros(6, 256, 8), k=1)  # ... 6 slots: 40 > 32
     monkeypatch.setattr(dispatch, "EAGER_DECODE_PATH", "torch")  # the alternative: the dense form everywhere
     assert dispatch.choose_group_path(cuda_x(1), 1, True, 4, 16, 3) == "torch"
 
@@ -582,3 +589,30 @@ def test_cuda_gemm_path_captured_matches_reference(n, k, r):
     for y, ref in zip(routed_lora_group(x, A3, B3, slots, weights, s3, bounds, path="gemm"),
                       routed_lora_group_reference(x, A3, B3, slots, weights, s3, bounds)):
         assert y.shape == ref.shape and rel_err(y, ref.double()) <= 2.5e-2
+
+
+@pytest.mark.parametrize("n,k", [(40, 2), (33, 1), (0, 1)])
+def test_cpu_stacked_form_matches_reference_adds_in_place_and_serves_groups(n, k):
+    """The CPU's all-slots form above 2 r rows: one shrink GEMM against every slot, one expand GEMM."""
+    from molora.kernels import routed_lora_group_reference
+    from molora.kernels.torch_ops import routed_lora_torch_group_stacked, routed_lora_torch_stacked
+
+    x, A, B, scale, g = make(n, 40, 24, 4, 8, seed=n + k)
+    slots = torch.randint(-1, 5, (n, k), generator=g)  # 4 (beyond S) counts as no adapter
+    weights = torch.rand(n, k, generator=g) if k > 1 else None
+    want = routed_lora_topk_reference(x, A, B, torch.where(slots >= 4, -1, slots),
+                                      weights if k > 1 else torch.ones(n, k), scale)
+    assert dispatch.stacked_over_dense(x, B) == (n > 16)
+    for meta in (None, build_routing_meta(slots, 4, weights)):
+        got = routed_lora_torch_stacked(x, A, B, slots, weights, scale, meta)
+        assert got.shape == (n, 24) and (n == 0 or rel_err(got, want) <= TOL[torch.float32])
+        base = torch.randn(n, 24, generator=g)
+        out = base.clone()
+        assert routed_lora_torch_stacked(x, A, B, slots, weights, scale, meta, out) is out
+        assert n == 0 or rel_err(out - base, want) <= TOL[torch.float32]
+    A3, B3, s3 = torch.stack([A, A.flip(0), A]), torch.cat([B, B[:, :8]], 1), torch.stack([scale, scale * 2, scale])
+    bounds = (0, 24, 28, 32)
+    valid = torch.where(slots >= 4, -1, slots)
+    for y, ref in zip(routed_lora_torch_group_stacked(x, A3, B3, slots, weights, s3, bounds),
+                      routed_lora_group_reference(x, A3, B3, valid, weights, s3, bounds)):
+        assert y.shape == ref.shape and (n == 0 or rel_err(y, ref) <= TOL[torch.float32])
