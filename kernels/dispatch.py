@@ -7,7 +7,8 @@ padded to a power of two) and on one explicit mode, never on slot values:
            kernel's one-launch schedule for all P projections of a group call, launched through the compiled
            kernel's own launcher (kernels/triton_stacked.py, FusedLaunch): the least host time (an eager step is
            host-bound)
-  torch    the CPU; and the eager decode calls on wider hot sets: the dense form of kernels/torch_ops.py, four
+  torch    the CPU (kernels/torch_ops.py: an all-slots form, stacked above 2 r rows, where dense_fits holds, else
+           the slot-grouped loop); and the eager decode calls on wider hot sets: the dense form, four
            C++-dispatched launches
   gather   few rows (rows * r small; for top-k rows * k * r): reads only the chosen slots, split-K latency kernel
   stacked  narrow hot sets (S*r small) above that, any k: cost independent of k, no metadata; and top-k on
