@@ -80,21 +80,29 @@ def dense_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.is_cuda else accumulate_dtype(x.dtype)
 
 
+def _all_slots_shrink(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                      weights: torch.Tensor | None, scale: torch.Tensor, meta: RoutingMeta | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What both all-slots forms start with, for P projections sharing x (A [P, S, r, in], B [S, O, r], scale
+    [P, S]), in dense_dtype(x): (B, coef [N, P, S] = scale[p, s] * token n's summed weight on slot s, h [N, P*S*r] =
+    x against every projection's and slot's A at once)."""
+    dt = dense_dtype(x)
+    if x.dtype != dt or A.dtype != dt or B.dtype != dt or scale.dtype != dt:  # (no .to() calls when all match:
+        x, A, B, scale = x.to(dt), A.to(dt), B.to(dt), scale.to(dt)          # this runs on every eager decode call)
+    # [N, 1, S] weight of each slot per token: built once per forward in the metadata, or here
+    mix = meta.mixing_rows(dt) if meta is not None else selection_matrix(slots, A.shape[1], weights, dt)[:, None]
+    return B, torch.mul(mix, scale), torch.nn.functional.linear(x, A.reshape(-1, A.shape[3]))
+
+
 def _dense_parts(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
                  weights: torch.Tensor | None, scale: torch.Tensor, meta: RoutingMeta | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(coef [N*P, 1, S], y^T [N*P, S, O]) for P projections sharing x (A [P, S, r, in], B [S, O, r],
     scale [P, S]): delta = bmm(coef, y^T), row n*P + p holding projection p's delta on every column of O.
     Few Python-level calls: on the H200's host each view costs ~1.6 us and each launch 9-16 us (RESULTS.md)."""
-    dt = dense_dtype(x)
     n = x.shape[0]
-    p_count, num_slots, r, d_in = A.shape
-    if x.dtype != dt or A.dtype != dt or B.dtype != dt or scale.dtype != dt:  # (no .to() calls when all match:
-        x, A, B, scale = x.to(dt), A.to(dt), B.to(dt), scale.to(dt)          # this runs on every eager decode call)
-    # [N, 1, S] weight of each slot per token: built once per forward in the metadata, or here
-    mix = meta.mixing_rows(dt) if meta is not None else selection_matrix(slots, num_slots, weights, dt)[:, None]
-    coef = torch.mul(mix, scale)  # [N, P, S]
-    h = torch.nn.functional.linear(x, A.reshape(-1, d_in))  # [N, P*S*r]: every projection and slot at once
+    p_count, num_slots, r, _ = A.shape
+    B, coef, h = _all_slots_shrink(x, A, B, slots, weights, scale, meta)
     # rows (n, p) of h against every slot's B: [S, N*P, O] (P-fold the arithmetic, nothing at decode sizes)
     rows = n * p_count
     y = torch.bmm(h.as_strided((num_slots, rows, r), (r, num_slots * r, 1)), B.transpose(1, 2))
@@ -156,15 +164,11 @@ def _stacked_parts(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: tor
     scale [P, S]): h = x @ [every projection's and slot's A]^T with column (p, s, i) of row n times scale[p, s] * the
     summed weight of token n's choices of s; Bf row s*r + i = B[s, :, i]. The stacked form (kernels/stacked_gemm.py,
     whose GPU version folds and lays out B in one Triton launch)."""
-    dt = dense_dtype(x)
     n = x.shape[0]
-    p_count, num_slots, r, d_in = A.shape
-    if x.dtype != dt or A.dtype != dt or B.dtype != dt or scale.dtype != dt:
-        x, A, B, scale = x.to(dt), A.to(dt), B.to(dt), scale.to(dt)
-    mix = meta.mixing(dt) if meta is not None else selection_matrix(slots, num_slots, weights, dt)  # [N, S]
-    h = torch.nn.functional.linear(x, A.reshape(-1, d_in)).view(n, p_count, num_slots, r)
-    h.mul_((mix[:, None, :] * scale)[..., None])
-    return h.view(n, p_count * num_slots * r), B.permute(0, 2, 1).reshape(num_slots * r, B.shape[1])
+    p_count, num_slots, r, _ = A.shape
+    B, coef, h = _all_slots_shrink(x, A, B, slots, weights, scale, meta)
+    h.view(n, p_count, num_slots, r).mul_(coef[..., None])
+    return h, B.permute(0, 2, 1).reshape(num_slots * r, B.shape[1])
 
 
 def stacked_expand(h: torch.Tensor, bf: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
