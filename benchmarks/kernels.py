@@ -748,24 +748,41 @@ def run_k3() -> None:
         if DEV == "cuda":  # not built into routing/lora.py: measured to decide whether it should be
             side = torch.cuda.Stream()
 
-            def qkv_overlap():
+            def qkv_overlap(path="auto"):
                 """The group's delta on a side stream while q's GEMM runs (beta = 0), then q's delta added,
                 k and v onto theirs: the delta leaves the critical path except for one add."""
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    deltas = dispatch.routed_lora_group_forward(x, A, B, slots, None, scale, bounds, meta3)
+                    deltas = dispatch.routed_lora_group_forward(
+                        x, A, B, slots, None, scale, bounds, meta if path == "grouped" else meta3, path)
                 y_q = torch.mm(x, Ws[0].t(), out=ys[0])
                 torch.cuda.current_stream().wait_stream(side)
                 return [y_q.add_(deltas[0])] + [d.addmm_(x, W.t()) for d, W in zip(deltas[1:], Ws[1:])]
+
+            def solo_overlap():
+                """One linear: its delta on a side stream while the base GEMM runs, then one add."""
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    delta = routed_lora(x, A1, B1, slot, sc1, meta=meta1)
+                y = torch.mm(x, Ws[0].t(), out=ys[0])
+                torch.cuda.current_stream().wait_stream(side)
+                return y.add_(delta)
             row["qkv_overlap"] = bench_us(qkv_overlap)
+            row["solo_overlap"] = bench_us(solo_overlap)
+            if n >= 256 and not ARGS.dry_run:
+                for p in ("grouped", "gemm", "stacked"):
+                    row[f"qkv_overlap_{p}"] = bench_us(lambda: qkv_overlap(p))
         if n >= 256 and not ARGS.dry_run:
-            row["qkv_stacked"] = bench_us(lambda: qkv("stacked"))
-            row["qkv_grouped"] = bench_us(lambda: qkv("grouped"))
+            for p in ("stacked", "grouped", "gemm"):
+                row[f"qkv_{p}"] = bench_us(lambda: qkv(p))
         row["old/base"], row["solo/base"], row["qkv/base3"] = (row["old"] / row["base"], row["solo"] / row["base"],
                                                               row["qkv"] / row["base3"])
         res[n] = row
-        extra = "".join(f"  {p} {row[f'qkv_{p}']:.2f}" for p in ("stacked", "grouped", "overlap")
-                        if f"qkv_{p}" in row)
+        extra = "".join(f"  {p} {row[f'qkv_{p}']:.2f}" for p in (
+            "stacked", "grouped", "gemm", "overlap", "overlap_grouped", "overlap_gemm", "overlap_stacked")
+            if f"qkv_{p}" in row)
+        if "solo_overlap" in row:
+            extra += f"  | solo_overlap {row['solo_overlap']:.2f} ({row['solo_overlap'] / row['base']:.3f}x)"
         print(f"  N={n:5d} base {row['base']:8.2f} (beta=1 {row['base_beta1']:8.2f})  old {row['old']:8.2f} "
               f"({row['old/base']:.3f}x)  solo {row['solo']:8.2f} ({row['solo/base']:.3f}x)  | 3 bases "
               f"{row['base3']:8.2f}  qkv[{row['path']}] {row['qkv']:8.2f} ({row['qkv/base3']:.3f}x, <= 1.15x at "
