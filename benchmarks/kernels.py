@@ -8,8 +8,9 @@ Sections (--only names): correct (every path and rank bucket, bf16 + fp16, NaN-p
 graph capture with slot values changed after capture); group (routed_lora_group on every path vs each
 projection's reference); copy bandwidth; ranks (every path across N and r = 8..128, with and without prebuilt
 metadata, GB/s, the memory floor, and vLLM's numbers beside ours); topk; sweep (gather and grouped tiles per
-rank); setsweep (the grouped kernel's slot-set tiles, top-k); tune (stacked tiles); k1 (K1/K2); k3 (base linear +
-delta: per layer, and q/k/v sharing one group call, by path, and with the delta on a side stream); dense (GPU time of the dense torch form vs the Triton paths at
+rank); setsweep (the grouped kernel's slot-set tiles, top-k); tune (stacked tiles); narrow (stacked tiles, r=16,
+k=1, N >= 256); k1 (K1/K2); k3 (base linear + delta: per layer, and q/k/v sharing one group call, by path, with the
+delta on a side stream, and each kernel's GPU time); dense (GPU time of the dense torch form vs the Triton paths at
 decode sizes); eager (host cost per op call, per routed layer, and per decode step of 1.7B-shaped blocks).
 
 Every timed function is captured in a CUDA graph and its replays are timed with triton.testing.do_bench
@@ -52,9 +53,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="CPU smoke run under TRITON_INTERPRET=1, tiny sizes")
     p.add_argument("--no-tune", action="store_true", help="skip the stacked tile-size sweeps")
     p.add_argument("--quick-correct", action="store_true", help="correctness on a few cases only")
+    p.add_argument("--topk-ranks", default="16,64", help="comma-separated ranks of the topk section")
     p.add_argument("--profile", action="store_true", help="eager: cProfile the routed 1.7B-shaped step (top 25)")
     p.add_argument("--only", default="", help="comma-separated sections to run (default: all): correct, group, "
-                   "topk, ranks, k3, k1, dense, eager, tune, sweep")
+                   "topk, ranks, k3, k1, dense, eager, tune, narrow, sweep, setsweep")
     return p.parse_args()
 
 
@@ -298,20 +300,20 @@ def run_topk() -> None:
     print(f"\n== K5: top-k cost (d={D}, {S} adapters, bf16, distinct adapters per token, metadata built in the "
           "call, median us) ==")
     res = {}
-    for r in ([16] if ARGS.dry_run else [16, 64]):
+    for r in ([16] if ARGS.dry_run else [int(r) for r in ARGS.topk_ranks.split(",")]):
         for n in ([8, 40] if ARGS.dry_run else [1, 8, 64, 256, 1024, 2048, 8192]):
             times, per_path = {}, {}
             for k in (1, 2, 4):
                 x, A, B, slots, w, scale = make_inputs(n, k, seed=k, r=r)
                 times[k] = bench_us(lambda: routed_lora_topk(x, A, B, slots, w, scale))
                 per_path[k] = {p: bench_us(lambda p=p: routed_lora_topk(x, A, B, slots, w, scale, path=p))
-                               for p in TOPK_PATHS}
+                               for p in TOPK_PATHS if p != "stacked" or S * r <= stacked_mod.MAX_WIDTH}
             res[f"r{r} N{n}"] = {"auto": times, "paths": per_path}
             paths = " ".join(f"k{k}:" + "/".join(f"{v:.1f}" for v in per_path[k].values()) for k in (1, 2, 4))
-            best = max(times[k] / min(per_path[k].values()) for k in (1, 2, 4))
+            best = max(times[k] / min(v for v in per_path[k].values() if v == v) for k in (1, 2, 4))
             print(f"  r={r:3d} N={n:5d} k=1 {times[1]:7.2f}  k=2 {times[2]:7.2f} ({times[2] / times[1]:.2f}x, <= 1.3x)"
                   f"  k=4 {times[4]:7.2f} ({times[4] / times[1]:.2f}x, <= 2x)  auto/best <= {best:.2f}  "
-                  f"[{'/'.join(TOPK_PATHS)} {paths}]")
+                  f"[{'/'.join(per_path[1])} {paths}]")
     RESULTS["topk"] = res
 
 
@@ -353,6 +355,47 @@ def run_tuning() -> None:
         print(f"  r={r} k=2 N={n} expand EXPAND_M/BLOCK_N/OUT_SPLIT/num_warps (default {base['EXPAND_M']}/"
               f"{base['BLOCK_N']}/{base['OUT_SPLIT']}/{base['num_warps']}) best {best[1]} {best[0]:.2f}: " + line)
     RESULTS["tuning"] = tune
+
+
+def run_narrow_tuning() -> None:
+    """The two-phase schedule on a narrow stack (r=16 on 4 slots: 64 columns), k = 1, above decode sizes: one
+    projection at N = 256, 2048, 8192 and q/k/v (P = 3, one group call) at N = 256 and 2048; shrink tiles first
+    (expand fixed), then expand tiles and warps (shrink at its best)."""
+    print("\n== stacked tile sweeps, narrow stack, k=1 (median us; default = stacked_config) ==")
+    tune = {}
+    r = 8 if ARGS.dry_run else 16
+    cases = [(40, 1), (40, 3)] if ARGS.dry_run else [(256, 1), (2048, 1), (8192, 1), (256, 3), (2048, 3)]
+    for n, p_count in cases:
+        if p_count == 1:
+            x, A, B, slots, _, scale = make_inputs(n, seed=7, r=r)
+            base = stacked_mod.stacked_config(n, D, D, S * r)
+
+            def call(cfg):
+                return stacked_mod.stacked_lora(x, A, B, slots, None, scale, None, cfg)
+        else:
+            x, A, B, scale, slots, _, bounds = group_inputs(n, (D,) * p_count, seed=8, r=r)
+            base = stacked_mod.stacked_config(n, D, D, S * r, p_count)
+
+            def call(cfg):
+                return stacked_mod.stacked_lora_group(x, A, B, slots, None, scale, bounds, cfg)
+        name = f"narrow r{r} P{p_count} N{n}"
+        tune[f"{name} default"] = bench_us(lambda: call(base))
+        shrink = {(sm, bk, sk): {**base, "SHRINK_M": sm, "BLOCK_K": bk, "SPLIT_K": sk}
+                  for sm in ([16] if ARGS.dry_run else [16, 32, 64, 128]) for bk in ([16] if ARGS.dry_run else [64, 128])
+                  for sk in ([2] if ARGS.dry_run else [1, 2, 4, 8])}
+        line, best = time_configs(tune, f"{name} shrink", shrink, call)
+        print(f"  {name} shrink SHRINK_M/BLOCK_K/SPLIT_K (default {base['SHRINK_M']}/{base['BLOCK_K']}/"
+              f"{base['SPLIT_K']}: {tune[f'{name} default']:.2f}) best {best[1]} {best[0]:.2f}: "
+              + line)
+        top = shrink[best[1]] if best[1] is not None else base
+        expand = {(em, bn, split, warps): {**top, "EXPAND_M": em, "BLOCK_N": bn, "OUT_SPLIT": split, "num_warps": warps}
+                  for em in ([16] if ARGS.dry_run else [16, 32, 64, 128]) for bn in ([16] if ARGS.dry_run else [64, 128])
+                  for split in ([2] if ARGS.dry_run else [4, 8, 16, 32]) for warps in ([1] if ARGS.dry_run else [4, 8])}
+        line, best = time_configs(tune, f"{name} expand", expand, call)
+        print(f"  {name} expand EXPAND_M/BLOCK_N/OUT_SPLIT/num_warps (default {base['EXPAND_M']}/{base['BLOCK_N']}/"
+              f"{base['OUT_SPLIT']}/{base['num_warps']}: {tune[f'{name} default']:.2f}) best {best[1]} "
+              f"{best[0]:.2f}: " + line)
+    RESULTS["narrow_tuning"] = tune
 
 
 # ----------------------------------------------------------------------------------------------- eager host cost
@@ -787,7 +830,34 @@ def run_k3() -> None:
               f"({row['old/base']:.3f}x)  solo {row['solo']:8.2f} ({row['solo/base']:.3f}x)  | 3 bases "
               f"{row['base3']:8.2f}  qkv[{row['path']}] {row['qkv']:8.2f} ({row['qkv/base3']:.3f}x, <= 1.15x at "
               f"N >= 256){extra}")
+        if DEV == "cuda" and n in (256, 2048):
+            for label, fn in (("3 bases", lambda: [torch.mm(x, Ws[p].t(), out=ys[p]) for p in range(3)]),
+                              (f"qkv[{row['path']}]", qkv)):
+                row[f"kernels {label}"] = kernels = kernel_times(fn)
+                print(f"    N={n} {label}, GPU time per kernel (eager, L2 flushed, us): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in kernels.items()))
     RESULTS["k3"] = res
+
+
+def kernel_times(fn, calls: int = 20) -> dict[str, float]:
+    """{kernel name: GPU microseconds per call of fn} from torch.profiler, fn called eagerly with the L2 flushed
+    before each call (the flush's own kernel left out), plus "sum": the kernels' total per call."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA or "fill" in event.name.lower():
+            continue
+        name = event.name[:48]
+        times[name] = times.get(name, 0.0) + event.device_time / calls
+    times["sum"] = sum(times.values())
+    return times
 
 
 # ----------------------------------------------------------------------------------------------- tile sweeps
@@ -949,7 +1019,7 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"\ncopy bandwidth (read + write): {bw / 1e12:.2f} TB/s   [{time.perf_counter() - t0:.0f} s]")
     sections = {"k3": run_k3, "ranks": lambda: run_rank_sweep(bw), "topk": run_topk, "sweep": run_sweep,
-                "setsweep": run_set_sweep,
+                "setsweep": run_set_sweep, "narrow": run_narrow_tuning,
                 "k1": lambda: run_k1_k2(bw), "dense": run_dense_gpu, "eager": run_eager}
     for name, section in sections.items():
         if wanted(name):
