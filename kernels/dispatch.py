@@ -50,8 +50,8 @@ if HAS_TRITON:
     from molora.kernels.triton_grouped import grouped_lora, grouped_lora_group
     from molora.kernels.triton_stacked import (
         MAX_WIDTH,
-        STACKED_WIDE_TILES,
         FusedLaunch,
+        measured_tiles,
         stacked_lora,
         stacked_lora_group,
     )
@@ -100,7 +100,7 @@ GROUP_STACKED_MAX_ROW_RANK = 256
 # STACKED_TOPK_MAX_TOKENS tokens on wide hot sets (N * r <= STACKED_MAX_ROW_RANK on narrow ones), the gemm path
 # (kernels/stacked_gemm.py: cuBLAS) above. Wider hot sets take the grouped kernel (slot-set tiles up to
 # SETS_MAX_SLOTS slots). k = 1 without prebuilt metadata takes the stacked kernel there too where it has measured
-# wide tiles (STACKED_WIDE_TILES): r=64 N=128 stacked 18.1 vs grouped (sorting in the call) 19.4, N=256 18.3 vs 20.8. H200, 2026-12-02, S=4, metadata built in the call, median us; r=64 (256 columns), stacked
+# wide tiles (STACKED_TILES): r=64 N=128 stacked 18.1 vs grouped (sorting in the call) 19.4, N=256 18.3 vs 20.8. H200, 2026-12-02, S=4, metadata built in the call, median us; r=64 (256 columns), stacked
 # (wide tiles) vs grouped (slot sets) vs gemm, k=2: N=64 15.3 vs 25.8 vs 27.9, N=256 18.4 vs 28.5 vs 30.2; N=2048
 # grouped 57.7, gemm 41.6 (k=4 62.5 vs 42.5), N=8192 91.6 vs 85.2 (k=4 215.1 vs 85.1), gemm then with B copied by
 # torch (14.5 us of it). r=16 (64 columns) stacked vs gemm, k=2: N=256 16.0 vs 20.2, N=2048 32.2 vs 28.8, N=8192
@@ -193,7 +193,7 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
     if rows * k * rank <= (GATHER_MAX_ROW_RANK_WITH_META if has_meta and k == 1 else GATHER_MAX_ROW_RANK):
         return "gather"
     if width <= STACKED_TOPK_MAX_WIDTH and n <= STACKED_TOPK_MAX_TOKENS and \
-            (k > 1 or (not has_meta and width in STACKED_WIDE_TILES)):
+            (k > 1 or (not has_meta and measured_tiles(n, width) is not None)):
         return "stacked"
     if width <= STACKED_TOPK_MAX_WIDTH and (k > 1 or (not has_meta and n * width <= GEMM_MAX_TOKEN_COLUMNS)):
         return "gemm"

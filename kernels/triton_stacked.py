@@ -179,15 +179,29 @@ if HAS_TRITON:
 MAX_WIDTH = 256
 # Programs per launch that keep all 132 SMs of an H200 busy (2 per SM), the same aim as triton_grouped.py.
 TARGET_PROGRAMS = 264
-# Two-phase tiles for the widest stacks, by stacked columns: ((up to N tokens, (SHRINK_M, BLOCK_C, BLOCK_K, SPLIT_K,
-# EXPAND_M, BLOCK_N, OUT_SPLIT)), ...); more tokens take the rule in stacked_config (at N=2048 and 8192 these
-# tiles took 73 and 304 us against its 59 and 142). H200, 2026-12-02, 256 columns (r=64 on 4 slots), top-2,
-# d=4096, median us (benchmarks/kernels.py --only tune: shrink tiles with the expand fixed, then expand tiles): N=64
-# 15.3 (the rule below gave 36.1; SPLIT_K 16 instead of 4: 36.4), N=256 18.4 (68.3; SPLIT_K 16: 64-69). Fewer
-# K splits won everywhere: each split adds an [N, 256] float32 partial the expand reads back.
-STACKED_WIDE_TILES: dict[int, tuple[tuple[int, tuple[int, ...]], ...]] = {
-    256: ((64, (16, 64, 128, 4, 16, 128, 32)), (256, (64, 64, 128, 4, 32, 128, 16))),
+# Measured two-phase tiles, by (stacked columns per projection, a group call of P > 1 projections sharing x):
+# ((up to N tokens, (SHRINK_M, BLOCK_C, BLOCK_K, SPLIT_K, EXPAND_M, BLOCK_N, OUT_SPLIT, num_warps)), ...); more
+# tokens, and shapes without an entry, take the rule in stacked_config (a group on a wide stack takes the
+# one-projection tiles). H200, d=4096, median us, benchmarks/kernels.py (shrink tiles with the expand fixed, then
+# expand tiles and warps):
+# - 256 columns (r=64 on 4 slots), top-2, 2026-12-02 (--only tune): N=64 15.3 (the rule gave 36.1; SPLIT_K 16
+#   instead of 4: 36.4), N=256 18.4 (68.3; SPLIT_K 16: 64-69); at N=2048 and 8192 these tiles took 73 and 304 us
+#   against the rule's 59 and 142. Fewer K splits won: each split adds an [N, 256] float32 partial to read back.
+# - 64 columns (r=16 on 4 slots), k=1, 2026-12-02 (--only narrow): one projection N=256 13.8 (the rule 16.1),
+#   N=2048 24.4 (35.1), N=8192 55.5 (75.5); q/k/v N=256 16.6 (22.8), N=2048 40.5 (68.4). Taller expand tiles won
+#   at every size (EXPAND_M 128 above 256 tokens: B's [64, BLOCK_N] tile read once per 128 rows, not per 32).
+STACKED_TILES: dict[tuple[int, bool], tuple[tuple[int, tuple[int, ...]], ...]] = {
+    (256, False): ((64, (16, 64, 128, 4, 16, 128, 32, 4)), (256, (64, 64, 128, 4, 32, 128, 16, 4))),
+    (64, False): ((256, (16, 64, 128, 8, 32, 128, 32, 8)), (2048, (64, 64, 128, 4, 128, 64, 16, 4)),
+                  (8192, (64, 64, 128, 2, 128, 64, 4, 4))),
+    (64, True): ((256, (64, 64, 128, 8, 64, 128, 8, 8)), (2048, (64, 64, 128, 2, 128, 64, 8, 4))),
 }
+
+
+def measured_tiles(n: int, columns: int, proj: int = 1) -> tuple[int, ...] | None:
+    """STACKED_TILES' entry for N tokens on `columns` stacked columns per projection, or None (the rule)."""
+    table = STACKED_TILES.get((columns, proj > 1)) or STACKED_TILES.get((columns, False), ())
+    return next((tiles for rows, tiles in table if n <= rows), None)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -213,11 +227,11 @@ def stacked_config(n: int, d_in: int, d_out: int, width: int, proj: int = 1, fus
             out_split *= 2
         return dict(FUSED=True, SHRINK_M=16, EXPAND_M=16, BLOCK_C=sr_pad, BLOCK_K=max(32, 16384 // sr_pad),
                     BLOCK_N=block_n, SPLIT_K=1, OUT_SPLIT=out_split, num_warps=4, SR_PAD=sr_pad)
-    wide = next((t for rows, t in STACKED_WIDE_TILES.get(sr_pad, ()) if n <= rows), None)
-    if wide is not None:
-        sm, bc, bk, sk, em, bn, split = wide
+    tiles = measured_tiles(n, sr_pad, proj)
+    if tiles is not None:
+        sm, bc, bk, sk, em, bn, split, warps = tiles
         return dict(FUSED=False, SHRINK_M=sm, EXPAND_M=em, BLOCK_C=bc, BLOCK_K=bk, BLOCK_N=bn,
-                    SPLIT_K=max(1, min(sk, d_in // bk)), OUT_SPLIT=max(1, min(split, d_out // bn)), num_warps=4,
+                    SPLIT_K=max(1, min(sk, d_in // bk)), OUT_SPLIT=max(1, min(split, d_out // bn)), num_warps=warps,
                     SR_PAD=sr_pad)
     # H200, 2026-11-30, r=16 (S*r=64), median us by SHRINK_M/EXPAND_M: N=2048 32/32 32.6, 32/64 33.4, 64/32 34.4,
     # 128/32 43.4; N=8192 32/32 101.6, 32/64 75.7, 64/64 78.5, 128/64 90.4. r=64: N=2048 32/32 76.2 (16 was 85);
