@@ -226,7 +226,8 @@ def grouped_config(m_rows: int, d_in: int, d_out: int, num_slots: int, rank: int
     num_slots: segments besides the no-adapter one; proj: projections sharing x; slots_per_tile: KS).
 
     Rule where GROUPED_TILES has no measurement: BLOCK_M grows with the row count (16 below 1024, 32 below 4096,
-    else 64) and OUT_SPLIT spreads a row tile's columns over ~2 programs per SM of an H200 (132 SMs), in
+    else 64; 32 on tiles of 512 columns or more: at 64 the slot-set expand asked for 264 KB of shared memory on the
+    H200, r=128 k=4 N=8192) and OUT_SPLIT spreads a row tile's columns over ~2 programs per SM of an H200 (132 SMs), in
     512-column steps. SPLIT_K splits the shrink over `in` the same way (chunks of at least 2 * BLOCK_K). A tile's
     stacked columns (slots_per_tile * padded rank) pick the GROUPED_TILES row as a rank would, and from 256 columns
     on halve BLOCK_K and BLOCK_N (the A and B tiles stay within the H200's shared memory).
@@ -235,7 +236,7 @@ def grouped_config(m_rows: int, d_in: int, d_out: int, num_slots: int, rank: int
         return dict(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, OUT_SPLIT=2 if d_out > 16 else 1, num_warps=1,
                     SPLIT_K=2 if d_in > 16 else 1)
     columns = slots_per_tile * max(16, next_pow2(rank))
-    block_m = 16 if m_rows < 1024 else (32 if m_rows < 4096 else 64)
+    block_m = 16 if m_rows < 1024 else (32 if m_rows < 4096 or columns >= 512 else 64)
     max_split = max(1, d_out // 512)
     tuned = GROUPED_TILES.get((columns, row_bucket(m_rows)))
     set_tiles = GROUPED_SET_TILES.get((columns, row_bucket(m_rows))) if slots_per_tile > 1 else None
