@@ -41,11 +41,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP_N = [1, 32, 128, 256, 2048, 8192]
 RANKS = [8, 16, 32, 64, 128]
-# vLLM's Triton shrink+expand ops, metadata prebuilt, CUDA-graph replay, 4 slots, d=4096, bf16, L2 flushed, median
-# us, measured on an H200 on 2026-11-30 outside this repo (issue 13; its code cannot be vendored here): hold our
-# columns against these (same shapes, same method), or against vLLM's own published op benchmarks via GB/s.
-VLLM_US = {(16, 1): 13.8, (16, 128): 24.3, (16, 256): 24.6, (16, 2048): 39.2, (16, 8192): 101.3,
-           (64, 1): 15.0, (64, 256): 26.1, (64, 2048): 53.9}
+# vLLM's Triton shrink+expand ops (lora_shrink + lora_expand as its punica wrapper calls them for one linear,
+# add_inputs into the output, scale folded into B, default kernel configs), metadata prebuilt, CUDA-graph replay, 4
+# slots, d=4096, bf16, L2 flushed, median us, measured on an H200 on 2026-12-02 outside this repo (issue 13; its code
+# cannot be vendored here; vLLM f9b1d444; the r16/r64 points are within 1 us of the 2026-11-30 measurement): hold
+# our columns against these (same shapes, same method), or against vLLM's own published op benchmarks via GB/s.
+VLLM_US = {(8, 1): 15.5, (8, 32): 15.8, (8, 128): 25.9, (8, 256): 26.6, (8, 2048): 53.2, (8, 8192): 150.5,
+           (16, 1): 14.0, (16, 32): 13.6, (16, 128): 24.2, (16, 256): 24.7, (16, 2048): 39.6, (16, 8192): 101.3,
+           (32, 1): 14.0, (32, 32): 14.0, (32, 128): 23.3, (32, 256): 25.7, (32, 2048): 39.5, (32, 8192): 106.4,
+           (64, 1): 15.8, (64, 32): 16.1, (64, 128): 24.3, (64, 256): 27.1, (64, 2048): 54.0, (64, 8192): 150.5,
+           (128, 1): 18.5, (128, 32): 21.6, (128, 128): 26.8, (128, 256): 30.4, (128, 2048): 74.5,
+           (128, 8192): 245.1}
 
 
 def parse_args() -> argparse.Namespace:

@@ -113,11 +113,11 @@ GROUP_STACKED_MAX_ROW_RANK = 256
 STACKED_TOPK_MAX_WIDTH = 256
 STACKED_TOPK_MAX_TOKENS = 256
 # k = 1 without prebuilt metadata (the grouped kernel would sort in the call) takes the gemm path too above the
-# stacked kernel's sizes while N * stacked columns <= GEMM_MAX_TOKEN_COLUMNS. H200, 2026-12-02, S=4, median us, gemm
-# vs grouped (sorting in the call): r=16 N=1024 20.2 vs 21.6, N=2048 25.6 vs 25.9, N=8192 54.0 vs 54.5; r=64 N=1024
-# 24.2 vs 26.9, N=2048 31.9 vs 31.4, N=8192 74.3 vs 62.3. With the metadata prebuilt the grouped kernel is faster
-# (r=16 N=2048 20.9, r=64 26.8).
-GEMM_MAX_TOKEN_COLUMNS = 2048 * 256
+# stacked kernel's sizes up to GEMM_MAX_TOKENS tokens. H200, 2026-12-02, S=4, median us, gemm vs grouped (sorting
+# in the call): r=16 N=1024 20.2 vs 21.6, N=8192 54.4 vs 54.0; r=64 N=1024 24.2 vs 26.9, N=2048 31.4 vs 31.2,
+# N=8192 73.7 vs 61.9; r=128 N=256 21.8 vs 26.0, N=2048 40.7 vs 51.2, N=8192 113.0 vs 87.2. With the metadata
+# prebuilt the grouped kernel is faster (r=16 N=2048 20.9, r=64 26.8).
+GEMM_MAX_TOKENS = 2048
 # Eager decode calls (CUDA, N <= EAGER_MAX_TOKENS, not in graph mode): an eager step is host-bound, so these take
 # the path with the least host time. EAGER_DECODE_PATH "fused": one Triton launch per group call through the
 # compiled kernel's launcher (FusedLaunch) on hot sets up to EAGER_FUSED_MAX_WIDTH = S*r, the dense torch form
@@ -198,13 +198,13 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
             limit = STACKED_TILED_MAX_ROW_RANK if measured_tiles(n, width) is not None else STACKED_MAX_ROW_RANK
         if n * rank <= limit:
             return "stacked"
-        return "gemm" if k > 1 or (not has_meta and n * width <= GEMM_MAX_TOKEN_COLUMNS) else "grouped"
+        return "gemm" if k > 1 or (not has_meta and n <= GEMM_MAX_TOKENS) else "grouped"
     if rows * k * rank <= (GATHER_MAX_ROW_RANK_WITH_META if has_meta and k == 1 else GATHER_MAX_ROW_RANK):
         return "gather"
     if width <= STACKED_TOPK_MAX_WIDTH and n <= STACKED_TOPK_MAX_TOKENS and \
             (k > 1 or (not has_meta and measured_tiles(n, width) is not None)):
         return "stacked"
-    if k > 1 or (not has_meta and n * width <= GEMM_MAX_TOKEN_COLUMNS):
+    if k > 1 or (not has_meta and n <= GEMM_MAX_TOKENS):
         return "gemm"
     return "grouped"
 

@@ -189,21 +189,21 @@ def test_dispatcher_picks_by_shape_only(monkeypatch):
     # without it, once N * r is larger still: STACKED_MAX_ROW_RANK, or STACKED_TILED_MAX_ROW_RANK on a stack with
     # measured tiles (r = 16 on 4 slots)
     assert pick(dispatch.STACKED_TILED_MAX_ROW_RANK // 16) == "stacked"
-    assert pick(dispatch.STACKED_TILED_MAX_ROW_RANK // 16 + 1) == "gemm"  # (k = 1 without metadata: cuBLAS, below)
+    assert pick(dispatch.STACKED_TILED_MAX_ROW_RANK // 16 + 1) == "grouped"  # (and past GEMM_MAX_TOKENS, below)
     assert pick(dispatch.STACKED_MAX_ROW_RANK // 8, r=8) == "stacked"  # 32 columns: no measured tiles
-    assert pick(dispatch.STACKED_MAX_ROW_RANK // 8 + 1, r=8) == "gemm"
-    assert pick(dispatch.GEMM_MAX_TOKEN_COLUMNS // 64) == "gemm"
-    assert pick(dispatch.GEMM_MAX_TOKEN_COLUMNS // 64 + 1) == "grouped"
-    assert pick(dispatch.GEMM_MAX_TOKEN_COLUMNS // 64, meta=True) == "grouped"
+    assert pick(dispatch.STACKED_MAX_ROW_RANK // 8 + 1, r=8) == "gemm"  # (k = 1 without metadata: cuBLAS, below)
+    assert pick(dispatch.GEMM_MAX_TOKENS, r=8) == "gemm"
+    assert pick(dispatch.GEMM_MAX_TOKENS + 1) == "grouped"
+    assert pick(dispatch.GEMM_MAX_TOKENS, r=8, meta=True) == "grouped"
     assert pick(dispatch.STACKED_TILED_MAX_ROW_RANK // 16, k=2, meta=True) == "stacked"
     assert pick(dispatch.STACKED_TILED_MAX_ROW_RANK // 16 + 1, k=2, meta=True) == "gemm"  # top-k: cuBLAS
     assert pick(2 * n_meta, r=8, meta=True) == "stacked"
     # wide hot sets: grouped for k=1 with metadata; up to STACKED_TOPK_MAX_WIDTH columns top-k (and k=1 without
     # metadata, where the stacked kernel has measured wide tiles) the stacked kernel up to STACKED_TOPK_MAX_TOKENS
-    # tokens, then the gemm path (k=1 up to GEMM_MAX_TOKEN_COLUMNS); on wider hot sets top-k takes the gemm path
+    # tokens, then the gemm path (k=1 up to GEMM_MAX_TOKENS); on wider hot sets top-k takes the gemm path
     assert pick(300, s=4, r=32, meta=True) == "grouped"
     assert pick(300, s=4, r=32) == "gemm"
-    assert pick(dispatch.GEMM_MAX_TOKEN_COLUMNS // 256 + 1, s=4, r=64) == "grouped"
+    assert pick(dispatch.GEMM_MAX_TOKENS + 1, s=4, r=64) == "grouped"
     assert pick(dispatch.STACKED_TOPK_MAX_TOKENS, s=4, r=64) == "stacked"  # measured wide tiles, k = 1, no metadata
     assert pick(dispatch.STACKED_TOPK_MAX_TOKENS, s=4, r=64, meta=True) == "grouped"
     assert pick(dispatch.STACKED_TOPK_MAX_TOKENS, s=4, r=32, meta=True) == "grouped"
@@ -214,7 +214,8 @@ def test_dispatcher_picks_by_shape_only(monkeypatch):
     assert pick(8, k=2, s=4, r=128) == "gemm"
     assert pick(3000, k=2, s=4, r=128) == "gemm"
     assert pick(3000, k=4, s=8, r=64) == "gemm"
-    assert pick(3000, s=4, r=128) == "grouped"  # k = 1 past GEMM_MAX_TOKEN_COLUMNS
+    assert pick(dispatch.GEMM_MAX_TOKENS, s=4, r=128) == "gemm"
+    assert pick(dispatch.GEMM_MAX_TOKENS + 1, s=4, r=128) == "grouped"  # k = 1 past GEMM_MAX_TOKENS
 
 
 def test_group_path_prefers_the_grouped_kernel_with_metadata(monkeypatch):
