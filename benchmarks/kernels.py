@@ -9,7 +9,7 @@ graph capture with slot values changed after capture); group (routed_lora_group 
 projection's reference); copy bandwidth; ranks (every path across N and r = 8..128, with and without prebuilt
 metadata, GB/s, the memory floor, and vLLM's numbers beside ours); topk; sweep (gather and grouped tiles per
 rank); setsweep (the grouped kernel's slot-set tiles, top-k); tune (stacked tiles); narrow (stacked tiles, r=16,
-k=1, N >= 256); k1 (K1/K2); k3 (base linear + delta: per layer, and q/k/v sharing one group call, by path, with the
+k=1, N >= 256); sweep32 (grouped tiles at N = 32, r = 32..128); k1 (K1/K2); k3 (base linear + delta: per layer, and q/k/v sharing one group call, by path, with the
 delta on a side stream, and each kernel's GPU time); dense (GPU time of the dense torch form vs the Triton paths at
 decode sizes); eager (host cost per op call, per routed layer, and per decode step of 1.7B-shaped blocks).
 
@@ -62,7 +62,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--topk-ranks", default="16,64", help="comma-separated ranks of the topk section")
     p.add_argument("--profile", action="store_true", help="eager: cProfile the routed 1.7B-shaped step (top 25)")
     p.add_argument("--only", default="", help="comma-separated sections to run (default: all): correct, group, "
-                   "topk, ranks, k3, k1, dense, eager, tune, narrow, sweep, setsweep")
+                   "topk, ranks, k3, k1, dense, eager, tune, narrow, sweep, setsweep, sweep32")
     return p.parse_args()
 
 
@@ -901,6 +901,34 @@ def run_sweep() -> None:
     RESULTS["sweep"] = res
 
 
+def run_small_sweep() -> None:
+    """Tiles at N = 32 with the metadata prebuilt (k = 1), where the issue-13 runs had ours closest to vLLM's ops:
+    the grouped kernel for r = 32, 64, 128 (BLOCK_M/OUT_SPLIT/SPLIT_K/num_warps) and the gather kernel for r = 32."""
+    print("\n== N=32 tile sweep (median us, k=1, metadata prebuilt; grouped BLOCK_M/OUT_SPLIT/SPLIT_K/num_warps) ==")
+    res = {}
+    n = 8 if ARGS.dry_run else 32
+    for r in ([16] if ARGS.dry_run else [32, 64, 128]):
+        x, A, B, slots, _, scale = make_inputs(n, seed=24, r=r)
+        meta = build_routing_meta(slots, S)
+        base = grouped_mod.grouped_config(n, D, D, S, r)
+        res[f"grouped r{r} N{n} default"] = default = bench_us(
+            lambda: grouped_mod.grouped_lora(x, A, B, slots, None, scale, None, meta, base))
+        res[f"gather r{r} N{n} default"] = gather = bench_us(lambda: gather_mod.gather_lora(x, A, B, slots, None, scale))
+        configs = {(bm, split, split_k, warps): {**base, "BLOCK_M": bm, "OUT_SPLIT": split, "SPLIT_K": split_k,
+                                                 "num_warps": warps}
+                   for bm in ([16] if ARGS.dry_run else [16, 32]) for split in ([2] if ARGS.dry_run else [4, 8, 16, 32])
+                   for split_k in ([2] if ARGS.dry_run else [4, 8, 16, 32]) for warps in ([1] if ARGS.dry_run else [4, 8])}
+        line, best = time_configs(res, f"grouped r{r} N{n}", configs,
+                                  lambda cfg: grouped_mod.grouped_lora(x, A, B, slots, None, scale, None, meta, cfg))
+        ref = gather_mod.gather_lora(x, A, B, slots, None, scale).float()  # (checked by the correct section)
+        got = grouped_mod.grouped_lora(x, A, B, slots, None, scale, None, meta, configs[best[1]]).float()
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        print(f"  r={r:3d} N={n} vLLM {VLLM_US.get((r, n), float('nan')):.1f}  gather {gather:.2f}  grouped default "
+              f"{base['BLOCK_M']}/{base['OUT_SPLIT']}/{base['SPLIT_K']}/{base['num_warps']} {default:.2f}  best "
+              f"{best[1]} {best[0]:.2f} (vs gather err={err:.1e} {'ok' if err <= 2.5e-2 else 'FAIL'}): " + line)
+    RESULTS["small_sweep"] = res
+
+
 def time_configs(res: dict, prefix: str, configs: dict, call) -> tuple[str, tuple]:
     """Time call(cfg) for every (label tuple -> cfg) of `configs` into res["<prefix> a/b/c"]; returns the printed
     line and (best us, its label)."""
@@ -1025,7 +1053,7 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"\ncopy bandwidth (read + write): {bw / 1e12:.2f} TB/s   [{time.perf_counter() - t0:.0f} s]")
     sections = {"k3": run_k3, "ranks": lambda: run_rank_sweep(bw), "topk": run_topk, "sweep": run_sweep,
-                "setsweep": run_set_sweep, "narrow": run_narrow_tuning,
+                "setsweep": run_set_sweep, "narrow": run_narrow_tuning, "sweep32": run_small_sweep,
                 "k1": lambda: run_k1_k2(bw), "dense": run_dense_gpu, "eager": run_eager}
     for name, section in sections.items():
         if wanted(name):
