@@ -9,8 +9,8 @@ graph capture with slot values changed after capture); group (routed_lora_group 
 projection's reference); copy bandwidth; ranks (every path across N and r = 8..128, with and without prebuilt
 metadata, GB/s, the memory floor, and vLLM's numbers beside ours); topk; sweep (gather and grouped tiles per
 rank); setsweep (the grouped kernel's slot-set tiles, top-k); tune (stacked tiles); narrow (stacked tiles, r=16,
-k=1, N >= 256); sweep32 (grouped tiles at N = 32, r = 32..128); k1 (K1/K2); k3 (base linear + delta: per layer, and q/k/v sharing one group call, by path, with the
-delta on a side stream, and each kernel's GPU time); dense (GPU time of the dense torch form vs the Triton paths at
+k=1, N >= 256); sweep32 (grouped tiles at N = 32, r = 32..128); k1 (K1/K2); k3 (base linear + delta: per layer,
+and q/k/v sharing one group call, by path, with the delta on a side stream, and each kernel's GPU time); dense (GPU time of the dense torch form vs the Triton paths at
 decode sizes); eager (host cost per op call, per routed layer, and per decode step of 1.7B-shaped blocks).
 
 Every timed function is captured in a CUDA graph and its replays are timed with triton.testing.do_bench
@@ -57,7 +57,7 @@ VLLM_US = {(8, 1): 15.5, (8, 32): 15.8, (8, 128): 25.9, (8, 256): 26.6, (8, 2048
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU smoke run under TRITON_INTERPRET=1, tiny sizes")
-    p.add_argument("--no-tune", action="store_true", help="skip the stacked tile-size sweeps")
+    p.add_argument("--no-tune", action="store_true", help="skip the tile sweeps (tune, narrow, sweep, setsweep, sweep32)")
     p.add_argument("--quick-correct", action="store_true", help="correctness on a few cases only")
     p.add_argument("--topk-ranks", default="16,64", help="comma-separated ranks of the topk section")
     p.add_argument("--profile", action="store_true", help="eager: cProfile the routed 1.7B-shaped step (top 25)")
@@ -316,7 +316,8 @@ def run_topk() -> None:
                                for p in TOPK_PATHS if p != "stacked" or S * r <= stacked_mod.MAX_WIDTH}
             res[f"r{r} N{n}"] = {"auto": times, "paths": per_path}
             paths = " ".join(f"k{k}:" + "/".join(f"{v:.1f}" for v in per_path[k].values()) for k in (1, 2, 4))
-            best = max(times[k] / min(v for v in per_path[k].values() if v == v) for k in (1, 2, 4))
+            best = max(times[k] / min((v for v in per_path[k].values() if v == v), default=float("nan"))
+                       for k in (1, 2, 4))
             print(f"  r={r:3d} N={n:5d} k=1 {times[1]:7.2f}  k=2 {times[2]:7.2f} ({times[2] / times[1]:.2f}x, <= 1.3x)"
                   f"  k=4 {times[4]:7.2f} ({times[4] / times[1]:.2f}x, <= 2x)  auto/best <= {best:.2f}  "
                   f"[{'/'.join(per_path[1])} {paths}]")
@@ -841,13 +842,13 @@ def run_k3() -> None:
                               (f"qkv[{row['path']}]", qkv)):
                 row[f"kernels {label}"] = kernels = kernel_times(fn)
                 print(f"    N={n} {label}, GPU time per kernel (eager, L2 flushed, us): "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in kernels.items()))
+                      + ", ".join(f"{k[:60]} {v:.2f}" for k, v in kernels.items()))
     RESULTS["k3"] = res
 
 
 def kernel_times(fn, calls: int = 20) -> dict[str, float]:
     """{kernel name: GPU microseconds per call of fn} from torch.profiler, fn called eagerly with the L2 flushed
-    before each call (the flush's own kernel left out), plus "sum": the kernels' total per call."""
+    before each call (the flush's own int8 fill kernel left out), plus "sum": the kernels' total per call."""
     flush = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
     fn()
     torch.cuda.synchronize()
@@ -858,10 +859,9 @@ def kernel_times(fn, calls: int = 20) -> dict[str, float]:
         torch.cuda.synchronize()
     times: dict[str, float] = {}
     for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA or "fill" in event.name.lower():
+        if event.device_type != torch.autograd.DeviceType.CUDA or "FillFunctor<signed char>" in event.name:
             continue
-        name = event.name[:48]
-        times[name] = times.get(name, 0.0) + event.device_time / calls
+        times[event.name] = times.get(event.name, 0.0) + event.device_time / calls
     times["sum"] = sum(times.values())
     return times
 
@@ -913,13 +913,19 @@ def run_small_sweep() -> None:
         base = grouped_mod.grouped_config(n, D, D, S, r)
         res[f"grouped r{r} N{n} default"] = default = bench_us(
             lambda: grouped_mod.grouped_lora(x, A, B, slots, None, scale, None, meta, base))
-        res[f"gather r{r} N{n} default"] = gather = bench_us(lambda: gather_mod.gather_lora(x, A, B, slots, None, scale))
+        res[f"gather r{r} N{n} default"] = gather = bench_us(
+            lambda: gather_mod.gather_lora(x, A, B, slots, None, scale))
         configs = {(bm, split, split_k, warps): {**base, "BLOCK_M": bm, "OUT_SPLIT": split, "SPLIT_K": split_k,
                                                  "num_warps": warps}
-                   for bm in ([16] if ARGS.dry_run else [16, 32]) for split in ([2] if ARGS.dry_run else [4, 8, 16, 32])
-                   for split_k in ([2] if ARGS.dry_run else [4, 8, 16, 32]) for warps in ([1] if ARGS.dry_run else [4, 8])}
+                   for bm in ([16] if ARGS.dry_run else [16, 32])
+                   for split in ([2] if ARGS.dry_run else [4, 8, 16, 32])
+                   for split_k in ([2] if ARGS.dry_run else [4, 8, 16, 32])
+                   for warps in ([1] if ARGS.dry_run else [4, 8])}
         line, best = time_configs(res, f"grouped r{r} N{n}", configs,
                                   lambda cfg: grouped_mod.grouped_lora(x, A, B, slots, None, scale, None, meta, cfg))
+        if best[1] is None:
+            print(f"  r={r:3d} N={n}: every configuration failed")
+            continue
         ref = gather_mod.gather_lora(x, A, B, slots, None, scale).float()  # (checked by the correct section)
         got = grouped_mod.grouped_lora(x, A, B, slots, None, scale, None, meta, configs[best[1]]).float()
         err = ((got - ref).abs().max() / ref.abs().max()).item()
@@ -1055,8 +1061,9 @@ def main() -> None:
     sections = {"k3": run_k3, "ranks": lambda: run_rank_sweep(bw), "topk": run_topk, "sweep": run_sweep,
                 "setsweep": run_set_sweep, "narrow": run_narrow_tuning, "sweep32": run_small_sweep,
                 "k1": lambda: run_k1_k2(bw), "dense": run_dense_gpu, "eager": run_eager}
+    sweeps = {"sweep", "setsweep", "narrow", "sweep32"}
     for name, section in sections.items():
-        if wanted(name):
+        if wanted(name) and not (ARGS.no_tune and name in sweeps):
             section()
             write_outputs()
             print(f"  [{name} done, {time.perf_counter() - t0:.0f} s]")

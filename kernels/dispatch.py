@@ -11,12 +11,14 @@ padded to a power of two) and on one explicit mode, never on slot values:
            the slot-grouped loop); and the eager decode calls on wider hot sets: the dense form, four
            C++-dispatched launches
   gather   few rows (rows * r small; for top-k rows * k * r): reads only the chosen slots, split-K latency kernel
-  stacked  narrow hot sets (S*r small) above that, any k: cost independent of k, no metadata; and top-k on
-           hot sets up to S*r = 256 up to 256 tokens
-  gemm     top-k above those sizes on hot sets up to S*r = 256: the stacked form's two matmuls in cuBLAS
-           (kernels/stacked_gemm.py), cost independent of k
-  grouped  wide hot sets, and k=1 once N*r is large, sooner with prebuilt metadata (two phases, slot-sorted tiles; top-k
-           on hot sets wider than 256 columns: tiles of tokens that chose the same set of slots)
+  stacked  narrow hot sets (S*r small) above that, any k, up to a size (larger where the stack has measured
+           tiles): cost independent of k, no metadata; top-k on hot sets up to S*r = 256 up to 256 tokens; k = 1
+           without metadata there too where the stack has measured tiles
+  gemm     top-k above those sizes on hot sets up to GEMM_MAX_WIDTH stacked columns, and k = 1 without metadata
+           up to GEMM_MAX_TOKENS: the stacked form's two matmuls in cuBLAS (kernels/stacked_gemm.py), cost
+           independent of k
+  grouped  k = 1 on wide hot sets, and once N*r is large, sooner with prebuilt metadata (two phases, slot-sorted
+           tiles); top-k on hot sets wider than GEMM_MAX_WIDTH (tiles of tokens that chose the same set of slots)
 Graph mode (kernels/graphs.py: on inside capture_graph, for its warm-up and its capture alike) takes the Triton
 paths at every size, the least GPU time, which is all a replayed graph costs; since warm-up and capture see the
 same mode, a warm-up compiles exactly what the capture records. A capture made outside capture_graph records the
@@ -87,11 +89,11 @@ STACKED_MAX_ROW_RANK_WITH_META = 2048
 # 26.24 vs grouped 26.88, N=8192 67.07 vs 60.42; r=16 N=256 16.0 vs 18.4, N=1024 24.9 vs 20.8, N=2048 34.4 vs
 # 25.6, N=8192 73.6 vs 54.1
 STACKED_MAX_ROW_RANK = 8192
-# ... or, where the stacked kernel has measured tiles for the stack (STACKED_TILES), while N * r <=
-# STACKED_TILED_MAX_ROW_RANK. H200, 2026-12-02, r=16 (64 columns, measured tiles), metadata built in the call,
+# ... or, where the stacked kernel has measured tiles for the stack (STACKED_TILES), up to
+# STACKED_TILED_MAX_TOKENS tokens. H200, 2026-12-02, r=16 (64 columns, measured tiles), metadata built in the call,
 # median us, stacked vs gemm: k=1 N=1024 19.3 vs 20.1, N=2048 24.4 vs 25.5, N=8192 55.6 vs 53.9; k=2 N=1024 19.2
 # vs 19.9, N=2048 24.6 vs 24.8, N=8192 56.3 vs 53.7.
-STACKED_TILED_MAX_ROW_RANK = 2048 * 16
+STACKED_TILED_MAX_TOKENS = 2048
 # Projections sharing x (P of them): the gather kernel while rows * r * P <= GROUP_GATHER_MAX_ROW_RANK. H200,
 # 2026-12-01 (RESULTS.md, issue 13 third pass), q/k/v at d=4096, graph replay, metadata prebuilt, median us:
 #   r=16: N=4 gather 11.55, stacked 11.90, grouped 15.23;  N=16 gather 13.98, stacked 12.16, grouped 15.49
@@ -101,15 +103,15 @@ GROUP_GATHER_MAX_ROW_RANK = 256
 # grouped one (r=16: N=16 stacked 12.16 vs grouped 15.49; N=256 q/k/v with their GEMMs grouped 75.2 vs stacked 80.5)
 GROUP_STACKED_MAX_ROW_RANK = 256
 # Top-k (k > 1) above the gather kernel's rows: the stacked form, whose cost does not depend on k (S/k times the
-# routed arithmetic): the stacked kernel up to STACKED_TOPK_MAX_TOKENS tokens on hot sets up to
-# STACKED_TOPK_MAX_WIDTH stacked columns (narrow ones: by N * r, above), the gemm path (kernels/stacked_gemm.py:
-# cuBLAS) above that and on wider hot sets. k = 1 without prebuilt metadata takes the stacked kernel there too
-# where it has measured wide tiles (STACKED_TILES): r=64 N=128 stacked 18.1 vs grouped (sorting in the call) 19.4,
-# N=256 18.3 vs 20.8. H200, 2026-12-02, S=4, metadata built in the call, median us; r=64 (256 columns), stacked
-# (wide tiles) vs grouped (slot sets) vs gemm, k=2: N=64 15.3 vs 25.8 vs 27.9, N=256 18.4 vs 28.5 vs 30.2; N=2048
-# grouped 57.7, gemm 41.6 (k=4 62.5 vs 42.5), N=8192 91.6 vs 85.2 (k=4 215.1 vs 85.1), gemm then with B copied by
-# torch (14.5 us of it). r=128 (512 columns) grouped (slot sets) vs gemm, k=2: N=8 31.0 vs 18.5, N=256 36.7 vs
-# 21.8, N=2048 84.6 vs 40.9, N=8192 166.8 vs 113.7 (k=4 at N=8192: the slot-set tiles ran out of shared memory).
+# routed arithmetic): the stacked kernel up to STACKED_TOPK_MAX_TOKENS tokens on hot sets up to STACKED_TOPK_MAX_WIDTH
+# stacked columns (narrow ones: by N * r, above), the gemm path (kernels/stacked_gemm.py: cuBLAS) above that and on
+# wider hot sets up to GEMM_MAX_WIDTH. k = 1 without prebuilt metadata takes the stacked kernel there too where it has
+# measured wide tiles (STACKED_TILES): r=64 N=128 stacked 18.1 vs grouped (sorting in the call) 19.4, N=256 18.3 vs
+# 20.8. H200, 2026-12-02, S=4, metadata built in the call, median us; r=64 (256 columns), stacked (wide tiles) vs
+# grouped (slot sets) vs gemm, k=2: N=64 15.3 vs 25.8 vs 27.9, N=256 18.4 vs 28.5 vs 30.2; N=2048 grouped 57.7, gemm
+# 41.6 (k=4 62.5 vs 42.5), N=8192 91.6 vs 85.2 (k=4 215.1 vs 85.1), gemm then with B copied by torch (14.5 us of it).
+# r=128 (512 columns) grouped (slot sets) vs gemm, k=2: N=8 31.0 vs 18.5, N=256 36.7 vs 21.8, N=2048 84.6 vs 40.9,
+# N=8192 166.8 vs 113.7 (k=4 at N=8192: the slot-set tiles ran out of shared memory).
 STACKED_TOPK_MAX_WIDTH = 256
 STACKED_TOPK_MAX_TOKENS = 256
 # k = 1 without prebuilt metadata (the grouped kernel would sort in the call) takes the gemm path too above the
@@ -118,6 +120,10 @@ STACKED_TOPK_MAX_TOKENS = 256
 # N=8192 73.7 vs 61.9; r=128 N=256 21.8 vs 26.0, N=2048 40.7 vs 51.2, N=8192 113.0 vs 87.2. With the metadata
 # prebuilt the grouped kernel is faster (r=16 N=2048 20.9, r=64 26.8).
 GEMM_MAX_TOKENS = 2048
+# The gemm path does S/k times the routed arithmetic: measured up to 512 stacked columns (r=128 on 4 slots, where at
+# N=8192 it is already compute-bound: 113 us for k=2 against the grouped kernel's 87 for k=1); wider hot sets take
+# the grouped kernel.
+GEMM_MAX_WIDTH = 512
 # Eager decode calls (CUDA, N <= EAGER_MAX_TOKENS, not in graph mode): an eager step is host-bound, so these take
 # the path with the least host time. EAGER_DECODE_PATH "fused": one Triton launch per group call through the
 # compiled kernel's launcher (FusedLaunch) on hot sets up to EAGER_FUSED_MAX_WIDTH = S*r, the dense torch form
@@ -193,10 +199,10 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
         if rows * k <= GATHER_MAX_ROWS_STACKED:
             return "gather"
         if has_meta and k == 1:
-            limit = STACKED_MAX_ROW_RANK_WITH_META
-        else:
-            limit = STACKED_TILED_MAX_ROW_RANK if measured_tiles(n, width) is not None else STACKED_MAX_ROW_RANK
-        if n * rank <= limit:
+            if n * rank <= STACKED_MAX_ROW_RANK_WITH_META:
+                return "stacked"
+        elif n * rank <= STACKED_MAX_ROW_RANK or \
+                (n <= STACKED_TILED_MAX_TOKENS and measured_tiles(n, width) is not None):
             return "stacked"
         return "gemm" if k > 1 or (not has_meta and n <= GEMM_MAX_TOKENS) else "grouped"
     if rows * k * rank <= (GATHER_MAX_ROW_RANK_WITH_META if has_meta and k == 1 else GATHER_MAX_ROW_RANK):
@@ -204,7 +210,7 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
     if width <= STACKED_TOPK_MAX_WIDTH and n <= STACKED_TOPK_MAX_TOKENS and \
             (k > 1 or (not has_meta and measured_tiles(n, width) is not None)):
         return "stacked"
-    if k > 1 or (not has_meta and n <= GEMM_MAX_TOKENS):
+    if width <= GEMM_MAX_WIDTH and (k > 1 or (not has_meta and n <= GEMM_MAX_TOKENS)):
         return "gemm"
     return "grouped"
 

@@ -8,7 +8,8 @@ For P projections sharing x (A [P, S, r, in], B [S, O, r], scale [P, S]; a plain
     delta_p = h[:, p] @ Bf[:, columns of p]
 The cost does not depend on k, and the arithmetic is S/k times what the routed work needs, which is free while
 the two GEMMs stay memory-bound: ~4 d S r flop against ~4 d bytes per token (x read, delta written), so up to
-S*r ~ 170 columns on an H200 (~790 TFLOP/s dense bf16 at 4.3 TB/s). There cuBLAS runs near the memory floor at
+S*r ~ 170 columns on an H200 (~790 TFLOP/s dense bf16 at 4.3 TB/s); wider, it still beats the slot-set tiles for
+top-k up to 512 columns (measured, GEMM_MAX_WIDTH in dispatch.py). There cuBLAS runs near the memory floor at
 large N, where the Triton kernels fall short of it (the grouped kernel's split-K partials and gathered rows, the
 stacked kernel's A re-read by every row tile): RESULTS.md, issue 13 seventh pass; kernels/dispatch.py picks it by
 shape. No sort and no metadata; every op is captured in a CUDA graph like any other.

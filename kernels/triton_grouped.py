@@ -195,19 +195,22 @@ if HAS_TRITON:
                     tl.store(base + tok[:, None] * s0 + offs_o[None, :] * s1, zero, mask=m2)
 
 
-# (BLOCK_M, OUT_SPLIT, num_warps) by (padded rank, row bucket), row bucket = the smallest of 64, 256, 1024, 4096,
-# 16384 holding the rows (a 64-row bucket without an entry takes the 256-row one). H200, d=4096, 4 slots, bf16,
-# metadata prebuilt, median us, BLOCK_M/OUT_SPLIT. 2026-12-01 (benchmarks/kernels.py --only sweep, 4 warps): N=256
-# r16 16/8 13.6 (32/8 13.55, 16/1 23.4), r32 16/8 14.4, r64 16/8 16.2 (64/8 20.5), r128 32/8 21.9 (16/8 22.0);
-# N=2048 r16 32/8 20.9 (16/4 21.0, 64/1 34.0), r32 16/4 22.8, r64 32/8 26.6 (16/4 27.2), r128 64/2 42.2 (32/4 42.8,
-# 16/8 51.1). 2026-12-02 (--only sweep32, N=32, /num_warps): r32 16/32/8 11.7 (the 256-row tiles 12.8; the gather
-# kernel 11.9), r64 16/32/8 12.6 (14.1; 16/32/4 13.2), r128 16/32/8 14.9 (18.7; 16/16/8 15.1). Buckets not measured
-# take the rule in grouped_config.
-GROUPED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
-    (32, 64): (16, 32, 8), (64, 64): (16, 32, 8), (128, 64): (16, 32, 8),
-    (16, 256): (16, 8, 4), (32, 256): (16, 8, 4), (64, 256): (16, 8, 4), (128, 256): (32, 8, 4),
-    (16, 4096): (32, 8, 4), (32, 4096): (16, 4, 4), (64, 4096): (32, 8, 4), (128, 4096): (64, 2, 4),
+# (BLOCK_M, OUT_SPLIT) by (padded rank, row bucket), row bucket = the smallest of 256, 1024, 4096, 16384 holding the
+# rows. H200, 2026-12-01, d=4096, 4 slots, bf16, metadata prebuilt, median us (benchmarks/kernels.py --only sweep,
+# BLOCK_M/OUT_SPLIT): N=256 r16 16/8 13.6 (32/8 13.55, 16/1 23.4), r32 16/8 14.4, r64 16/8 16.2 (64/8 20.5),
+# r128 32/8 21.9 (16/8 22.0); N=2048 r16 32/8 20.9 (16/4 21.0, 64/1 34.0), r32 16/4 22.8, r64 32/8 26.6 (16/4
+# 27.2), r128 64/2 42.2 (32/4 42.8, 16/8 51.1). Buckets not measured take the rule in grouped_config.
+GROUPED_TILES: dict[tuple[int, int], tuple[int, int]] = {
+    (16, 256): (16, 8), (32, 256): (16, 8), (64, 256): (16, 8), (128, 256): (32, 8),
+    (16, 4096): (32, 8), (32, 4096): (16, 4), (64, 4096): (32, 8), (128, 4096): (64, 2),
 }
+# One projection, k = 1, up to FEW_ROWS rows: (BLOCK_M, OUT_SPLIT, num_warps) by padded rank, OUT_SPLIT capped at
+# one BLOCK_N slice per program (more, thinner column slices: the rows alone give too few programs). H200,
+# 2026-12-02, N=32, d=4096, metadata prebuilt, median us (--only sweep32, BLOCK_M/OUT_SPLIT/SPLIT_K/num_warps):
+# r32 16/32/16/8 11.7 (GROUPED_TILES' 16/8/16/4 12.8; the gather kernel 11.9), r64 16/32/16/8 12.6 (14.1;
+# 16/32/16/4 13.2), r128 16/32/16/8 14.9 (18.7; 16/16/16/8 15.1). Groups and slot-set tiles were not measured here.
+FEW_ROWS = 64
+FEW_ROW_TILES: dict[int, tuple[int, int, int]] = {32: (16, 32, 8), 64: (16, 32, 8), 128: (16, 32, 8)}
 # Slot-set tiles (top-k), (BLOCK_M, OUT_SPLIT, SPLIT_K, num_warps) by (stacked columns, row bucket). H200,
 # 2026-12-02, r=64 k=2 (128 columns), metadata prebuilt, median us (kernels.py --only setsweep, BLOCK_M/OUT_SPLIT/
 # num_warps, SPLIT_K as the sweep's default config had it: 16, 16, 8, 2): N=64
@@ -216,13 +219,11 @@ GROUPED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
 GROUPED_SET_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (128, 256): (16, 8, 16, 4), (128, 4096): (32, 4, 8, 4), (128, 16384): (64, 2, 2, 8),
 }
-ROW_BUCKETS = (64, 256, 1024, 4096, 16384)
+ROW_BUCKETS = (256, 1024, 4096, 16384)
 
 
-def measured(table: dict, columns: int, m_rows: int) -> tuple[int, ...] | None:
-    """table's entry for (columns, the rows' bucket); the 64-row bucket falls back to the 256-row one."""
-    bucket = next((b for b in ROW_BUCKETS if m_rows <= b), ROW_BUCKETS[-1])
-    return table.get((columns, bucket)) or (table.get((columns, 256)) if bucket == 64 else None)
+def row_bucket(m_rows: int) -> int:
+    return next((b for b in ROW_BUCKETS if m_rows <= b), ROW_BUCKETS[-1])
 
 
 @functools.lru_cache(maxsize=1024)  # pure in its int arguments; saves host time per call
@@ -236,30 +237,36 @@ def grouped_config(m_rows: int, d_in: int, d_out: int, num_slots: int, rank: int
     H200, r=128 k=4 N=8192) and OUT_SPLIT spreads a row tile's columns over ~2 programs per SM of an H200 (132 SMs), in
     512-column steps. SPLIT_K splits the shrink over `in` the same way (chunks of at least 2 * BLOCK_K). A tile's
     stacked columns (slots_per_tile * padded rank) pick the GROUPED_TILES row as a rank would, and from 256 columns
-    on halve BLOCK_K and BLOCK_N (the A and B tiles stay within the H200's shared memory).
+    on halve BLOCK_K and BLOCK_N (the A and B tiles stay within the H200's shared memory). One projection with few
+    rows takes FEW_ROW_TILES where measured.
     """
     if interpreting():  # tiny tiles so interpreter tests walk every split and mask
         return dict(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, OUT_SPLIT=2 if d_out > 16 else 1, num_warps=1,
                     SPLIT_K=2 if d_in > 16 else 1)
     columns = slots_per_tile * max(16, next_pow2(rank))
     block_m = 16 if m_rows < 1024 else (32 if m_rows < 4096 or columns >= 512 else 64)
+    block_n = min(128 if columns < 256 else 64, max(16, next_pow2(d_out)))
     max_split = max(1, d_out // 512)
-    tuned = measured(GROUPED_TILES, columns, m_rows)
-    set_tiles = measured(GROUPED_SET_TILES, columns, m_rows) if slots_per_tile > 1 else None
+    tuned = GROUPED_TILES.get((columns, row_bucket(m_rows)))
+    set_tiles = GROUPED_SET_TILES.get((columns, row_bucket(m_rows))) if slots_per_tile > 1 else None
+    few = FEW_ROW_TILES.get(columns) if m_rows <= FEW_ROWS and proj == 1 and slots_per_tile == 1 else None
     if set_tiles is not None:
         block_m, split, split_k, warps = set_tiles
         return dict(BLOCK_M=block_m, BLOCK_K=128, BLOCK_N=128, OUT_SPLIT=min(split, max_split), num_warps=warps,
                     SPLIT_K=split_k)
-    block_n = min(128 if columns < 256 else 64, max(16, next_pow2(d_out)))
     warps = 4
-    if tuned is not None:
-        block_m, _, warps = tuned
+    if few is not None:
+        block_m, _, warps = few
+    elif tuned is not None:
+        block_m = tuned[0]
     tiles = cdiv(m_rows, block_m) + num_slots
     split = 1
     while split * 2 <= max_split and tiles * proj * split < 264:
         split *= 2
-    if tuned is not None:  # (measured splits go up to one BLOCK_N slice per program)
-        split = min(tuned[1], max(1, d_out // block_n))
+    if few is not None:
+        split = min(few[1], max(1, d_out // block_n))
+    elif tuned is not None:
+        split = min(tuned[1], max_split)
     block_k = min(128 if columns < 256 else 64, max(16, next_pow2(d_in)))
     split_k = 1
     while split_k * 2 * block_k * 2 <= d_in and tiles * split_k < 264:

@@ -186,21 +186,23 @@ def test_dispatcher_picks_by_shape_only(monkeypatch):
     assert pick(n_meta + 1, meta=True) == "grouped"
     assert pick(n_meta + 1) == "stacked"
     assert pick(n_meta + 1, k=2, meta=True) == "stacked"  # top-k reads no metadata
-    # without it, once N * r is larger still: STACKED_MAX_ROW_RANK, or STACKED_TILED_MAX_ROW_RANK on a stack with
-    # measured tiles (r = 16 on 4 slots)
-    assert pick(dispatch.STACKED_TILED_MAX_ROW_RANK // 16) == "stacked"
-    assert pick(dispatch.STACKED_TILED_MAX_ROW_RANK // 16 + 1) == "grouped"  # (and past GEMM_MAX_TOKENS, below)
+    # without it, once N * r is larger still: STACKED_MAX_ROW_RANK, or up to STACKED_TILED_MAX_TOKENS on a stack with
+    # measured tiles (64 columns: r = 16 on 4 slots, r = 8 on 8)
+    assert pick(dispatch.STACKED_TILED_MAX_TOKENS) == "stacked"
+    assert pick(dispatch.STACKED_TILED_MAX_TOKENS, s=8, r=8) == "stacked"
+    assert pick(dispatch.STACKED_TILED_MAX_TOKENS + 1) == "grouped"  # (and past GEMM_MAX_TOKENS, below)
     assert pick(dispatch.STACKED_MAX_ROW_RANK // 8, r=8) == "stacked"  # 32 columns: no measured tiles
     assert pick(dispatch.STACKED_MAX_ROW_RANK // 8 + 1, r=8) == "gemm"  # (k = 1 without metadata: cuBLAS, below)
     assert pick(dispatch.GEMM_MAX_TOKENS, r=8) == "gemm"
     assert pick(dispatch.GEMM_MAX_TOKENS + 1) == "grouped"
     assert pick(dispatch.GEMM_MAX_TOKENS, r=8, meta=True) == "grouped"
-    assert pick(dispatch.STACKED_TILED_MAX_ROW_RANK // 16, k=2, meta=True) == "stacked"
-    assert pick(dispatch.STACKED_TILED_MAX_ROW_RANK // 16 + 1, k=2, meta=True) == "gemm"  # top-k: cuBLAS
+    assert pick(dispatch.STACKED_TILED_MAX_TOKENS, k=2, meta=True) == "stacked"
+    assert pick(dispatch.STACKED_TILED_MAX_TOKENS + 1, k=2, meta=True) == "gemm"  # top-k: cuBLAS
     assert pick(2 * n_meta, r=8, meta=True) == "stacked"
     # wide hot sets: grouped for k=1 with metadata; up to STACKED_TOPK_MAX_WIDTH columns top-k (and k=1 without
     # metadata, where the stacked kernel has measured wide tiles) the stacked kernel up to STACKED_TOPK_MAX_TOKENS
-    # tokens, then the gemm path (k=1 up to GEMM_MAX_TOKENS); on wider hot sets top-k takes the gemm path
+    # tokens, then the gemm path (k=1 up to GEMM_MAX_TOKENS); on wider hot sets top-k takes the gemm path up to
+    # GEMM_MAX_WIDTH stacked columns, the grouped kernel's slot-set tiles beyond
     assert pick(300, s=4, r=32, meta=True) == "grouped"
     assert pick(300, s=4, r=32) == "gemm"
     assert pick(dispatch.GEMM_MAX_TOKENS + 1, s=4, r=64) == "grouped"
@@ -214,6 +216,8 @@ def test_dispatcher_picks_by_shape_only(monkeypatch):
     assert pick(8, k=2, s=4, r=128) == "gemm"
     assert pick(3000, k=2, s=4, r=128) == "gemm"
     assert pick(3000, k=4, s=8, r=64) == "gemm"
+    assert pick(300, k=2, s=8, r=128) == "grouped"  # 1024 columns: wider than GEMM_MAX_WIDTH
+    assert pick(300, s=8, r=128) == "grouped"
     assert pick(dispatch.GEMM_MAX_TOKENS, s=4, r=128) == "gemm"
     assert pick(dispatch.GEMM_MAX_TOKENS + 1, s=4, r=128) == "grouped"  # k = 1 past GEMM_MAX_TOKENS
 
@@ -225,6 +229,38 @@ def test_group_path_prefers_the_grouped_kernel_with_metadata(monkeypatch):
     assert dispatch.choose_group_path(x, 1, True, 4, 8, 3) == "grouped"  # q/k/v: x read once, no S-fold shrink
     assert dispatch.choose_group_path(x, 2, True, 4, 8, 3) == "stacked"  # top-k keeps the k-free kernel
     assert dispatch.choose_group_path(x, 1, True, 4, 8, 1) == "stacked"
+
+
+def test_measured_tiles_are_looked_up_by_shape(monkeypatch):
+    """The GPU tile tables (the interpreter has its own tiny tiles): the stacked kernel's by (columns, group or not)
+    with a group on a stack without group tiles taking the one-projection ones; the grouped kernel's few-row tiles
+    for one projection at k = 1 only, everything else as before."""
+    import molora.kernels.triton_grouped as grouped_mod
+    import molora.kernels.triton_stacked as stacked_mod
+    monkeypatch.setattr(stacked_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(grouped_mod, "interpreting", lambda: False)
+    stacked_mod.stacked_config.cache_clear()
+    grouped_mod.grouped_config.cache_clear()
+    try:
+        assert stacked_mod.measured_tiles(256, 64) == stacked_mod.STACKED_TILES[(64, False)][0][1]
+        assert stacked_mod.measured_tiles(2048, 64, proj=3) == stacked_mod.STACKED_TILES[(64, True)][1][1]
+        assert stacked_mod.measured_tiles(256, 256, proj=3) == stacked_mod.STACKED_TILES[(256, False)][1][1]
+        assert stacked_mod.measured_tiles(257, 256) is None and stacked_mod.measured_tiles(8, 128) is None
+        cfg = stacked_mod.stacked_config(2048, 4096, 4096, 64, 3)
+        assert (cfg["EXPAND_M"], cfg["BLOCK_N"], cfg["OUT_SPLIT"], cfg["num_warps"]) == (128, 64, 8, 4)
+        few = grouped_mod.grouped_config(32, 4096, 4096, 4, 64)
+        assert (few["BLOCK_M"], few["OUT_SPLIT"], few["num_warps"]) == (16, 32, 8)
+        assert grouped_mod.grouped_config(32, 4096, 1024, 4, 64)["OUT_SPLIT"] == 1024 // few["BLOCK_N"]
+        for cfg in (grouped_mod.grouped_config(32, 4096, 4096, 4, 64, proj=3),  # a group: the 256-row tiles
+                    grouped_mod.grouped_config(32, 4096, 4096, 4, 16),  # a rank without few-row tiles
+                    grouped_mod.grouped_config(65, 4096, 4096, 4, 64)):
+            assert (cfg["BLOCK_M"], cfg["OUT_SPLIT"], cfg["num_warps"]) == (16, 8, 4)
+        assert grouped_mod.grouped_config(32, 4096, 1024, 4, 64, proj=3)["OUT_SPLIT"] == 2  # 512-column steps
+        sets = grouped_mod.grouped_config(32, 4096, 4096, 15, 64, 1, 2)  # top-2 slot sets: their own table
+        assert (sets["BLOCK_M"], sets["OUT_SPLIT"], sets["SPLIT_K"]) == (16, 8, 16)
+    finally:
+        stacked_mod.stacked_config.cache_clear()
+        grouped_mod.grouped_config.cache_clear()
 
 
 def test_group_path_at_decode_sizes_leaves_the_gather_kernel_as_projections_multiply(monkeypatch):
