@@ -72,7 +72,7 @@ GRAD_CASES = {"grad_k1": (19, 33, 29, 4, 8, 1), "grad_topk3": (13, 27, 21, 3, 8,
 
 # path="auto" under the interpreter: (N, k, pass a prebuilt meta, S, r, path the dispatcher must pick). Hidden
 # sizes are tiny so the rows above kernels/dispatch.py's thresholds stay cheap for the interpreter; S*r = 384
-# is above every stacked width (a wide hot set takes the grouped kernel).
+# is above every stacked width (the gemm path without metadata), S*r = 640 above the gemm path's (the grouped kernel).
 AUTO_CASES = {"auto_one_token": (1, 1, False, 3, 4, "gather"), "auto_one_token_topk": (1, 3, False, 3, 4, "gather"),
               "auto_above_gather_stacked": (200, 1, False, 3, 4, "stacked"),
               "auto_above_gather_stacked_topk": (100, 3, True, 3, 4, "stacked"),
@@ -83,8 +83,10 @@ AUTO_CASES = {"auto_one_token": (1, 1, False, 3, 4, "gather"), "auto_one_token_t
               "auto_wide_few_rows_meta": (30, 1, True, 3, 64, "grouped"),
               "auto_wide_topk_stacked": (100, 2, False, 3, 32, "stacked"),
               "auto_wide_topk_gemm": (300, 2, False, 5, 32, "gemm"),
-              "auto_wide_above_gather_max": (600, 1, False, 3, 128, "grouped"),
-              "auto_wide_above_gather_max_topk": (200, 3, False, 3, 128, "grouped"),
+              "auto_wide_above_gather_max": (600, 1, False, 3, 128, "gemm"),
+              "auto_wide_above_gather_max_topk": (200, 3, False, 3, 128, "gemm"),
+              "auto_widest_above_gather_max": (600, 1, False, 5, 128, "grouped"),
+              "auto_widest_above_gather_max_topk": (200, 3, False, 5, 128, "grouped"),
               "auto_wide_meta": (300, 1, True, 3, 128, "grouped")}
 
 
