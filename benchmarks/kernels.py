@@ -30,6 +30,7 @@ Baselines for K1 (one LoRA pass per adapter, as a one-adapter-per-sequence serve
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -348,20 +349,29 @@ def run_tuning() -> None:
 
         def call(cfg):
             return stacked_mod.stacked_lora(x, A, B, slots, w, scale, None, cfg)
-        shrink = {(sm, bc, bk, sk): {**base, "SHRINK_M": sm, "BLOCK_C": bc, "BLOCK_K": bk, "SPLIT_K": sk}
-                  for sm in ([16] if ARGS.dry_run else [16, 32, 64]) for bc in ([16] if ARGS.dry_run else [64, 128])
-                  for bk in ([16] if ARGS.dry_run else [64, 128]) for sk in ([2] if ARGS.dry_run else [4, 8, 16])}
-        line, best = time_configs(tune, f"wide r{r} k2 N{n} shrink", shrink, call)
-        print(f"  r={r} k=2 N={n} shrink SHRINK_M/BLOCK_C/BLOCK_K/SPLIT_K (default {base['SHRINK_M']}/"
-              f"{base['BLOCK_C']}/{base['BLOCK_K']}/{base['SPLIT_K']}) best {best[1]} {best[0]:.2f}: " + line)
-        top = shrink[best[1]] if best[1] is not None else base
-        expand = {(em, bn, split, warps): {**top, "EXPAND_M": em, "BLOCK_N": bn, "OUT_SPLIT": split, "num_warps": warps}
-                  for em in ([16] if ARGS.dry_run else [16, 32]) for bn in ([16] if ARGS.dry_run else [64, 128])
-                  for split in ([2] if ARGS.dry_run else [8, 16, 32]) for warps in ([1] if ARGS.dry_run else [4, 8])}
-        line, best = time_configs(tune, f"wide r{r} k2 N{n} expand", expand, call)
-        print(f"  r={r} k=2 N={n} expand EXPAND_M/BLOCK_N/OUT_SPLIT/num_warps (default {base['EXPAND_M']}/"
-              f"{base['BLOCK_N']}/{base['OUT_SPLIT']}/{base['num_warps']}) best {best[1]} {best[0]:.2f}: " + line)
+        two_stage_sweep(tune, f"wide r{r} k2 N{n}", base, call,
+                        {"SHRINK_M": [16, 32, 64], "BLOCK_C": [64, 128], "BLOCK_K": [64, 128], "SPLIT_K": [4, 8, 16]},
+                        {"EXPAND_M": [16, 32], "BLOCK_N": [64, 128], "OUT_SPLIT": [8, 16, 32], "num_warps": [4, 8]})
     RESULTS["tuning"] = tune
+
+
+# The interpreter's tiles for a --dry-run of the sweeps
+DRY_TILES = {"SHRINK_M": [16], "BLOCK_C": [16], "BLOCK_K": [16], "SPLIT_K": [2], "EXPAND_M": [16], "BLOCK_N": [16],
+             "OUT_SPLIT": [2], "num_warps": [1]}
+
+
+def two_stage_sweep(tune: dict, name: str, base: dict, call, shrink: dict, expand: dict) -> None:
+    """The stacked kernel's two-phase tiles in two stages: every combination of the `shrink` grid (tile name ->
+    values) with the expand tiles of `base`, then every combination of the `expand` grid on the best shrink."""
+    top = base
+    for stage, grid in (("shrink", shrink), ("expand", expand)):
+        grid = {key: DRY_TILES[key] for key in grid} if ARGS.dry_run else grid
+        configs = {combo: {**top, **dict(zip(grid, combo))} for combo in itertools.product(*grid.values())}
+        line, best = time_configs(tune, f"{name} {stage}", configs, call)
+        print(f"  {name} {stage} {'/'.join(grid)} (default {'/'.join(str(base[key]) for key in grid)}) best "
+              f"{best[1]} {best[0]:.2f}: " + line)
+        if best[1] is not None:
+            top = configs[best[1]]
 
 
 def run_narrow_tuning() -> None:
@@ -387,21 +397,11 @@ def run_narrow_tuning() -> None:
                 return stacked_mod.stacked_lora_group(x, A, B, slots, None, scale, bounds, cfg)
         name = f"narrow r{r} P{p_count} N{n}"
         tune[f"{name} default"] = bench_us(lambda: call(base))
-        shrink = {(sm, bk, sk): {**base, "SHRINK_M": sm, "BLOCK_K": bk, "SPLIT_K": sk}
-                  for sm in ([16] if ARGS.dry_run else [16, 32, 64, 128]) for bk in ([16] if ARGS.dry_run else [64, 128])
-                  for sk in ([2] if ARGS.dry_run else [1, 2, 4, 8])}
-        line, best = time_configs(tune, f"{name} shrink", shrink, call)
-        print(f"  {name} shrink SHRINK_M/BLOCK_K/SPLIT_K (default {base['SHRINK_M']}/{base['BLOCK_K']}/"
-              f"{base['SPLIT_K']}: {tune[f'{name} default']:.2f}) best {best[1]} {best[0]:.2f}: "
-              + line)
-        top = shrink[best[1]] if best[1] is not None else base
-        expand = {(em, bn, split, warps): {**top, "EXPAND_M": em, "BLOCK_N": bn, "OUT_SPLIT": split, "num_warps": warps}
-                  for em in ([16] if ARGS.dry_run else [16, 32, 64, 128]) for bn in ([16] if ARGS.dry_run else [64, 128])
-                  for split in ([2] if ARGS.dry_run else [4, 8, 16, 32]) for warps in ([1] if ARGS.dry_run else [4, 8])}
-        line, best = time_configs(tune, f"{name} expand", expand, call)
-        print(f"  {name} expand EXPAND_M/BLOCK_N/OUT_SPLIT/num_warps (default {base['EXPAND_M']}/{base['BLOCK_N']}/"
-              f"{base['OUT_SPLIT']}/{base['num_warps']}: {tune[f'{name} default']:.2f}) best {best[1]} "
-              f"{best[0]:.2f}: " + line)
+        print(f"  {name} default tiles {tune[f'{name} default']:.2f}")
+        two_stage_sweep(tune, name, base, call,
+                        {"SHRINK_M": [16, 32, 64, 128], "BLOCK_K": [64, 128], "SPLIT_K": [1, 2, 4, 8]},
+                        {"EXPAND_M": [16, 32, 64, 128], "BLOCK_N": [64, 128], "OUT_SPLIT": [4, 8, 16, 32],
+                         "num_warps": [4, 8]})
     RESULTS["narrow_tuning"] = tune
 
 

@@ -254,8 +254,8 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
         _check_path(x, path)
     if path == "torch":
         if dense_fits(x, A, B, slots.shape[1]):
-            dense = routed_lora_torch_stacked if stacked_over_dense(x, B) else routed_lora_torch_dense
-            delta = dense(x, A, B, slots, weights, scale, meta, out)
+            all_slots = routed_lora_torch_stacked if stacked_over_dense(x, B) else routed_lora_torch_dense
+            delta = all_slots(x, A, B, slots, weights, scale, meta, out)
             return delta if out is not None else delta.to(x.dtype)
         delta = routed_lora_torch(x, A, B, slots, weights, scale, meta)
         if out is not None:
@@ -287,8 +287,8 @@ def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
         delta = FusedLaunch(A, B, scale, bounds)(x, slots, weights)
         return [delta] if A.shape[0] == 1 else list(delta.split(_widths(tuple(bounds)), 1))
     if path == "torch" and dense_fits(x, A, B, k):
-        dense = routed_lora_torch_group_stacked if stacked_over_dense(x, B) else routed_lora_torch_group_dense
-        deltas = dense(x, A, B, slots, weights, scale, bounds, meta)
+        all_slots = routed_lora_torch_group_stacked if stacked_over_dense(x, B) else routed_lora_torch_group_dense
+        deltas = all_slots(x, A, B, slots, weights, scale, bounds, meta)
         return deltas if deltas[0].dtype == x.dtype else [d.to(x.dtype) for d in deltas]
     bounds = tuple(bounds)
     if path == "gemm":
