@@ -63,7 +63,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--topk-ranks", default="16,64", help="comma-separated ranks of the topk section")
     p.add_argument("--profile", action="store_true", help="eager: cProfile the routed 1.7B-shaped step (top 25)")
     p.add_argument("--only", default="", help="comma-separated sections to run (default: all): correct, group, "
-                   "topk, ranks, k3, k1, dense, eager, tune, narrow, sweep, setsweep, sweep32")
+                   "topk, ranks, k3, linear, k1, dense, eager, tune, narrow, sweep, setsweep, sweep32")
     return p.parse_args()
 
 
@@ -78,6 +78,7 @@ import triton  # noqa: E402
 import molora.kernels.dispatch as dispatch  # noqa: E402
 import molora.kernels.triton_gather as gather_mod  # noqa: E402
 import molora.kernels.triton_grouped as grouped_mod  # noqa: E402
+import molora.kernels.triton_linear as linear_mod  # noqa: E402
 import molora.kernels.triton_stacked as stacked_mod  # noqa: E402
 from molora.kernels import build_routing_meta, routed_lora, routed_lora_group, routed_lora_topk  # noqa: E402
 from molora.kernels.checks import check_inputs  # noqa: E402
@@ -846,6 +847,92 @@ def run_k3() -> None:
     RESULTS["k3"] = res
 
 
+LINEAR_GRID = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128, 256], "num_warps": [4, 8], "num_stages": [3, 4]}
+LINEAR_GRID2 = {"BLOCK_K": [64, 128], "GROUP_M": [1, 4, 8, 32]}
+
+
+def run_linear() -> None:
+    """K3 as one GEMM (kernels/triton_linear.py: the stacked shrink, then the base GEMM with the delta's expand as
+    its last K steps), r = 16 on 4 slots, k = 1 (and k = 2 at the best tiles), against the base GEMMs alone (the
+    projections' cuBLAS GEMMs one by one, and as one cuBLAS GEMM over the concatenated weights) and today's
+    group call (delta, then each base GEMM onto it). Unless --no-tune the GEMM's tiles are swept in two stages
+    (BLOCK_M/BLOCK_N/warps/stages at BLOCK_K 64, GROUP_M 8; then BLOCK_K/GROUP_M), the best checked against
+    kernels/reference.py."""
+    print(f"\n== K3 as one GEMM: base + delta in one launch after the shrink (d={D}, r={R}, {S} slots, bf16, "
+          "median us) ==")
+    res = {}
+    cases = [(40, 3), (40, 1)] if ARGS.dry_run else [(256, 3), (2048, 3), (8192, 3), (256, 1), (2048, 1),
+                                                     (8192, 1), (32, 3)]
+    for n, p_count in cases:
+        x, A, B, scale, slots, _, bounds = group_inputs(n, (D,) * p_count, seed=31)
+        Ws = [torch.randn(D, D, device=DEV, dtype=torch.bfloat16) / D ** 0.5 for _ in range(p_count)]
+        Wcat = torch.cat(Ws)
+        ys = [torch.empty(n, D, device=DEV, dtype=torch.bfloat16) for _ in range(p_count)]
+        ycat = torch.empty(n, D * p_count, device=DEV, dtype=torch.bfloat16)
+        meta = build_routing_meta(slots, S)
+        meta_auto = meta if dispatch.reads_meta(x, 1, A) else None
+        name = f"P{p_count} N{n}"
+
+        def group_call():
+            deltas = dispatch.routed_lora_group_forward(x, A, B, slots, None, scale, bounds, meta_auto)
+            return [d.addmm_(x, W.t()) for d, W in zip(deltas, Ws)]
+
+        def linear(cfg=None, x=x, slots=slots, w=None):
+            return linear_mod.routed_linear_group(x, Ws, A, B, slots, w, scale, bounds, cfg)
+        row = {"bases": bench_us(lambda: [torch.mm(x, W.t(), out=y) for W, y in zip(Ws, ys)]),
+               "base_cat": bench_us(lambda: torch.mm(x, Wcat.t(), out=ycat)),
+               "group_call": bench_us(group_call),
+               "linear_default": bench_us(linear)}
+        best_cfg = linear_mod.linear_config(n, D, p_count)
+        if not ARGS.no_tune:
+            tune: dict = {}
+            for grid in (LINEAR_GRID, LINEAR_GRID2):
+                grid = {key: [vals[0]] for key, vals in grid.items()} if ARGS.dry_run else grid
+                configs = {combo: {**best_cfg, **dict(zip(grid, combo))}
+                           for combo in itertools.product(*grid.values())}
+                line, best = time_configs(tune, name, configs, linear)
+                print(f"  {name} {'/'.join(grid)}: best {best[1]} {best[0]:.2f}: {line}")
+                if best[1] is not None:
+                    best_cfg = configs[best[1]]
+            row["sweep"] = tune
+            row["best_cfg"] = best_cfg
+            row["linear_best"] = bench_us(lambda: linear(best_cfg))
+        else:
+            row["linear_best"] = row["linear_default"]
+        g2 = torch.Generator(device=DEV).manual_seed(5)
+        slots2 = torch.rand(n, S, device=DEV, generator=g2).argsort(1)[:, :2].int()
+        w2 = torch.softmax(torch.randn(n, 2, device=DEV, generator=g2), 1)
+        row["linear_best_k2"] = bench_us(lambda: linear(best_cfg, slots=slots2, w=w2))
+        errs = []
+        for sl, w in ((slots, None), (slots2, w2)):
+            flat = linear(best_cfg, slots=sl, w=w)
+            refs = routed_lora_group_reference(x, A, B, sl, w, scale, bounds)
+            for p, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+                ref = x.float() @ Ws[p].float().t() + refs[p].float()
+                got = flat[n * lo:n * hi].view(n, hi - lo).float()
+                errs.append(((got - ref).abs().max() / ref.abs().max()).item())
+        row["err"] = max(errs)
+        ok = row["err"] <= 2.5e-2
+        row["ok"] = ok
+        for key in ("bases", "base_cat"):
+            row[f"linear/{key}"] = row["linear_best"] / row[key]
+        row["group_call/bases"] = row["group_call"] / row["bases"]
+        res[name] = row
+        print(f"  {name}: bases {row['bases']:.2f}  one cat GEMM {row['base_cat']:.2f}  group call "
+              f"{row['group_call']:.2f} ({row['group_call/bases']:.3f}x)  linear default {row['linear_default']:.2f}"
+              f"  best {row['linear_best']:.2f} ({row['linear/bases']:.3f}x bases, {row['linear/base_cat']:.3f}x "
+              f"cat; k=2 {row['linear_best_k2']:.2f})  err {row['err']:.2e} {'ok' if ok else 'FAIL'}  tiles "
+              f"{best_cfg}")
+        if DEV == "cuda" and n in (256, 2048):
+            for label, fn in (("bases", lambda: [torch.mm(x, W.t(), out=y) for W, y in zip(Ws, ys)]),
+                              ("linear", lambda: linear(best_cfg))):
+                row[f"kernels {label}"] = kernels = kernel_times(fn)
+                print(f"    {name} {label}, GPU time per kernel (eager, L2 flushed, us): "
+                      + ", ".join(f"{k[:50]} {v:.2f}" for k, v in kernels.items()))
+        write_outputs()
+    RESULTS["linear"] = res
+
+
 def kernel_times(fn, calls: int = 20) -> dict[str, float]:
     """{kernel name: GPU microseconds per call of fn} from torch.profiler, fn called eagerly with the L2 flushed
     before each call (the flush's own int8 fill kernel left out), plus "sum": the kernels' total per call."""
@@ -1058,7 +1145,7 @@ def main() -> None:
         print("!! correctness FAILED: timings below are of wrong kernels")
     bw = copy_bandwidth()
     print(f"\ncopy bandwidth (read + write): {bw / 1e12:.2f} TB/s   [{time.perf_counter() - t0:.0f} s]")
-    sections = {"k3": run_k3, "ranks": lambda: run_rank_sweep(bw), "topk": run_topk, "sweep": run_sweep,
+    sections = {"k3": run_k3, "linear": run_linear, "ranks": lambda: run_rank_sweep(bw), "topk": run_topk, "sweep": run_sweep,
                 "setsweep": run_set_sweep, "narrow": run_narrow_tuning, "sweep32": run_small_sweep,
                 "k1": lambda: run_k1_k2(bw), "dense": run_dense_gpu, "eager": run_eager}
     sweeps = {"sweep", "setsweep", "narrow", "sweep32"}

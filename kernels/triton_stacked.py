@@ -274,33 +274,51 @@ def _fused_args(x, A4, B, scale2, out, bounds, k, has_w, accumulate, cfg) -> tup
                   cfg["SR_PAD"], next_pow2(r), cfg["SHRINK_M"], cfg["BLOCK_K"], cfg["BLOCK_N"])
 
 
-def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, cfg) -> None:
-    """Two phases for P = A4.shape[0] projections, or one launch when cfg says FUSED (out [N, O] then, strided)."""
+def _check_pad(A4: torch.Tensor, cfg: dict) -> None:
+    if A4.shape[1] * next_pow2(A4.shape[2]) > cfg["SR_PAD"]:
+        raise KernelInputError(f"config SR_PAD={cfg['SR_PAD']} holds fewer than the hot set's "
+                               f"{A4.shape[1] * next_pow2(A4.shape[2])} stacked columns")
+
+
+def stacked_shrink(x: torch.Tensor, A4: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None,
+                   scale2: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """The shrink phase for P = A4.shape[0] projections sharing x: float32 partials [SPLIT_K, N, P * SR_PAD]
+    whose sum over the first axis is the folded intermediate coef * (x Af^T) (see the module doc)."""
+    _check_pad(A4, cfg)
     n, d_in = x.shape
     p_count, s_count, r, _ = A4.shape
-    d_out = B.shape[1]
-    k = slots.shape[1]
-    slots = slots.contiguous()
-    w = weights.contiguous() if weights is not None else scale2
     sr_pad = cfg["SR_PAD"]
-    r_pad = next_pow2(r)
-    if s_count * r_pad > sr_pad:
-        raise KernelInputError(f"config SR_PAD={sr_pad} holds fewer than the hot set's {s_count * r_pad} stacked "
-                               "columns")
-    if cfg["FUSED"]:
-        grid, tail = _fused_args(x, A4, B, scale2, out, bounds, k, weights is not None, accumulate, cfg)
-        _stacked_fused_kernel[grid](x, A4, B, slots, w, scale2, out, n, *tail, num_warps=cfg["num_warps"])
-        return
+    w = weights.contiguous() if weights is not None else scale2
     dot_dtype, precision = dot_config(x.dtype)
     k_per = cdiv(cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split_k = cdiv(d_in, k_per)
     part = torch.empty(split_k, n, p_count * sr_pad, dtype=torch.float32, device=x.device)
     grid = (cdiv(n, cfg["SHRINK_M"]), p_count * sr_pad // cfg["BLOCK_C"], split_k)
     _stacked_shrink_kernel[grid](
-        x, A4, slots, w, scale2, part, n, d_in, r, s_count, k_per, x.stride(0), x.stride(1), A4.stride(0),
-        A4.stride(1), A4.stride(2), A4.stride(3), scale2.stride(0), K=k, P=p_count, HAS_W=weights is not None,
-        DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=sr_pad, R_PAD=r_pad, BLOCK_M=cfg["SHRINK_M"],
-        BLOCK_C=cfg["BLOCK_C"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+        x, A4, slots.contiguous(), w, scale2, part, n, d_in, r, s_count, k_per, x.stride(0), x.stride(1),
+        A4.stride(0), A4.stride(1), A4.stride(2), A4.stride(3), scale2.stride(0), K=slots.shape[1], P=p_count,
+        HAS_W=weights is not None, DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=sr_pad, R_PAD=next_pow2(r),
+        BLOCK_M=cfg["SHRINK_M"], BLOCK_C=cfg["BLOCK_C"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+    return part
+
+
+def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, cfg) -> None:
+    """Two phases for P = A4.shape[0] projections, or one launch when cfg says FUSED (out [N, O] then, strided)."""
+    n = x.shape[0]
+    p_count, s_count, r, _ = A4.shape
+    d_out = B.shape[1]
+    sr_pad = cfg["SR_PAD"]
+    r_pad = next_pow2(r)
+    if cfg["FUSED"]:
+        _check_pad(A4, cfg)
+        slots = slots.contiguous()
+        w = weights.contiguous() if weights is not None else scale2
+        grid, tail = _fused_args(x, A4, B, scale2, out, bounds, slots.shape[1], weights is not None, accumulate, cfg)
+        _stacked_fused_kernel[grid](x, A4, B, slots, w, scale2, out, n, *tail, num_warps=cfg["num_warps"])
+        return
+    part = stacked_shrink(x, A4, slots, weights, scale2, cfg)
+    split_k = part.shape[0]
+    dot_dtype, precision = dot_config(x.dtype)
     o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
     grid = (cdiv(n, cfg["EXPAND_M"]), p_count * cfg["OUT_SPLIT"])
     _stacked_expand_kernel[grid](
