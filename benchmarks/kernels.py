@@ -82,7 +82,7 @@ import molora.kernels.triton_linear as linear_mod  # noqa: E402
 import molora.kernels.triton_stacked as stacked_mod  # noqa: E402
 from molora.kernels import build_routing_meta, routed_lora, routed_lora_group, routed_lora_topk  # noqa: E402
 from molora.kernels.checks import check_inputs  # noqa: E402
-from molora.kernels.graphs import capture_graph  # noqa: E402
+from molora.kernels.graphs import capture_graph, graph_paths  # noqa: E402
 from molora.kernels.reference import routed_lora_group_reference, routed_lora_topk_reference  # noqa: E402
 
 DEV = "cpu" if ARGS.dry_run else "cuda"
@@ -683,15 +683,17 @@ def run_dense_gpu() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- K3
-def group_inputs(n: int, outs: tuple[int, ...], k: int = 1, seed: int = 0, r: int = R, dtype=torch.bfloat16):
-    """x [n, D], A [P, S, r, D], B [S, O, r], scale [P, S], slots [n, k], weights, bounds for projections `outs`."""
+def group_inputs(n: int, outs: tuple[int, ...], k: int = 1, seed: int = 0, r: int = R, dtype=torch.bfloat16,
+                 d_in: int = D):
+    """x [n, d_in], A [P, S, r, d_in], B [S, O, r], scale [P, S], slots [n, k], weights, bounds for projections
+    `outs`."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     p = len(outs)
     bounds = [0]
     for o in outs:
         bounds.append(bounds[-1] + o)
-    x = torch.randn(n, D, device=DEV, generator=g).to(dtype)
-    A = (torch.randn(p, S, r, D, device=DEV, generator=g) / D ** 0.5).to(dtype)
+    x = torch.randn(n, d_in, device=DEV, generator=g).to(dtype)
+    A = (torch.randn(p, S, r, d_in, device=DEV, generator=g) / d_in ** 0.5).to(dtype)
     B = (torch.randn(S, bounds[-1], r, device=DEV, generator=g) / r ** 0.5).to(dtype)
     scale = torch.rand(p, S, device=DEV, generator=g) + 0.5
     slots = torch.randint(0, S, (n, k), device=DEV, generator=g, dtype=torch.int32) if k == 1 else \
@@ -791,11 +793,17 @@ def run_k3() -> None:
                "base3": bench_us(lambda: [torch.mm(x, Ws[p].t(), out=ys[p]) for p in range(3)])}
 
         def qkv(path="auto"):
+            """The routed layers' group call (routing/lora.py): one GEMM with the deltas inside where fuses_base
+            says so, else the deltas and each base GEMM onto its own."""
+            if path == "auto" and dispatch.fuses_base(x, S, R, 3):
+                return linear_mod.routed_linear_group(x, Ws, A, B, slots, None, scale, bounds)
             deltas = dispatch.routed_lora_group_forward(x, A, B, slots, None, scale, bounds,
                                                         meta if path == "grouped" else meta3, path)
             return [d.addmm_(x, W.t()) for d, W in zip(deltas, Ws)]
         row["qkv"] = bench_us(qkv)
-        row["path"] = dispatch.choose_group_path(x, 1, meta3 is not None, S, R, 3)
+        with graph_paths():  # (the path a capture takes)
+            row["path"] = "linear" if dispatch.fuses_base(x, S, R, 3) else \
+                dispatch.choose_group_path(x, 1, meta3 is not None, S, R, 3)
         if DEV == "cuda":  # not built into routing/lora.py: measured to decide whether it should be
             side = torch.cuda.Stream()
 
@@ -861,17 +869,27 @@ def run_linear() -> None:
     print(f"\n== K3 as one GEMM: base + delta in one launch after the shrink (d={D}, r={R}, {S} slots, bf16, "
           "median us) ==")
     res = {}
-    cases = [(40, 3), (40, 1)] if ARGS.dry_run else [(256, 3), (2048, 3), (8192, 3), (256, 1), (2048, 1),
-                                                     (8192, 1), (32, 3)]
-    for n, p_count in cases:
-        x, A, B, scale, slots, _, bounds = group_inputs(n, (D,) * p_count, seed=31)
-        Ws = [torch.randn(D, D, device=DEV, dtype=torch.bfloat16) / D ** 0.5 for _ in range(p_count)]
+    d = D
+    if ARGS.dry_run:
+        cases = [(40, (d,) * 3, d), (40, (d,), d)]
+    elif ARGS.no_tune:  # the dispatcher's range and the Qwen3-1.7B shapes (q/k/v 2048 -> 2048/1024/1024, gate/up
+        # 2048 -> 6144 each) at the table's tiles
+        cases = [(n, (d,) * 3, d) for n in (1, 8, 16, 32, 64, 128, 256, 512)] + \
+            [(n, (2048, 1024, 1024), 2048) for n in (16, 32, 64, 256, 1024)] + \
+            [(n, (6144, 6144), 2048) for n in (32, 64, 256, 1024)]
+    else:
+        cases = [(n, (d,) * p, d) for n, p in ((256, 3), (2048, 3), (8192, 3), (256, 1), (2048, 1), (8192, 1),
+                                               (32, 3))]
+    for n, outs, d_in in cases:
+        p_count = len(outs)
+        x, A, B, scale, slots, _, bounds = group_inputs(n, outs, seed=31, d_in=d_in)
+        Ws = [torch.randn(o, d_in, device=DEV, dtype=torch.bfloat16) / d_in ** 0.5 for o in outs]
         Wcat = torch.cat(Ws)
-        ys = [torch.empty(n, D, device=DEV, dtype=torch.bfloat16) for _ in range(p_count)]
-        ycat = torch.empty(n, D * p_count, device=DEV, dtype=torch.bfloat16)
+        ys = [torch.empty(n, o, device=DEV, dtype=torch.bfloat16) for o in outs]
+        ycat = torch.empty(n, sum(outs), device=DEV, dtype=torch.bfloat16)
         meta = build_routing_meta(slots, S)
         meta_auto = meta if dispatch.reads_meta(x, 1, A) else None
-        name = f"P{p_count} N{n}"
+        name = f"P{p_count} N{n}" + ("" if d_in == D and outs[0] == D else f" {d_in}->{'/'.join(map(str, outs))}")
 
         def group_call():
             deltas = dispatch.routed_lora_group_forward(x, A, B, slots, None, scale, bounds, meta_auto)
@@ -883,7 +901,7 @@ def run_linear() -> None:
                "base_cat": bench_us(lambda: torch.mm(x, Wcat.t(), out=ycat)),
                "group_call": bench_us(group_call),
                "linear_default": bench_us(linear)}
-        best_cfg = linear_mod.linear_config(n, D, p_count)
+        best_cfg = linear_mod.linear_config(n)
         if not ARGS.no_tune:
             tune: dict = {}
             for grid in (LINEAR_GRID, LINEAR_GRID2):
@@ -923,7 +941,7 @@ def run_linear() -> None:
               f"  best {row['linear_best']:.2f} ({row['linear/bases']:.3f}x bases, {row['linear/base_cat']:.3f}x "
               f"cat; k=2 {row['linear_best_k2']:.2f})  err {row['err']:.2e} {'ok' if ok else 'FAIL'}  tiles "
               f"{best_cfg}")
-        if DEV == "cuda" and n in (256, 2048):
+        if DEV == "cuda" and n in (256, 2048) and not ARGS.no_tune:
             for label, fn in (("bases", lambda: [torch.mm(x, W.t(), out=y) for W, y in zip(Ws, ys)]),
                               ("linear", lambda: linear(best_cfg))):
                 row[f"kernels {label}"] = kernels = kernel_times(fn)

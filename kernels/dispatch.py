@@ -26,6 +26,8 @@ eager decode path, which is capture-safe too (no host read, the current stream).
 Projections that share x (routed_lora_group_forward) take the same choice, except at k = 1 (choose_group_path):
 the gather kernel only while N*r*P is small, and with prebuilt metadata the grouped kernel replaces the stacked one
 once N*r is large; every path then shrinks once for all of them (the fused path: in every program, from L2).
+A caller holding the base weights too (routing/lora.py) asks fuses_base whether the whole routed linear of its
+projections runs as one GEMM with the delta inside (kernels/triton_linear.py) instead of deltas plus base GEMMs.
 """
 
 from __future__ import annotations
@@ -154,6 +156,18 @@ EAGER_FUSED_MAX_WIDTH = 64
 CPU_STACKED_WASTE_PER_CHOICE = 32
 CPU_DENSE_MAX_MACS = 24_000_000
 
+# The whole routed linear of P projections sharing x as one GEMM (kernels/triton_linear.py: the stacked shrink,
+# then every projection's base GEMM with the delta's expand as its last K steps) against the group call plus each
+# base GEMM onto its delta (cuBLAS), from LINEAR_MIN_PROJECTIONS projections and up to LINEAR_MAX_TOKENS tokens on
+# narrow hot sets (stacked width <= STACKED_MAX_WIDTH); eager decode calls keep the fused path. H200, 2026-12-02,
+# d=4096, r=16, 4 slots, k=1, graph replay, median us (RESULTS.md, issue 13 ninth pass), three base GEMMs / group
+# call / one GEMM: q/k/v N=32 51.3 / 64.8 / 50.3, N=256 59.9 / 75.0 / 67.6; N=2048 272.1 / 309.2 / 337.2 (Triton's
+# GEMM falls behind cuBLAS's as N grows); one projection N=256 24.4 / 35.9 / 42.6 (one cuBLAS GEMM fills the GPU
+# alone; the gain is three GEMMs in one launch).
+LINEAR_MIN_PROJECTIONS = 3
+LINEAR_MIN_TOKENS = 17
+LINEAR_MAX_TOKENS = 256
+
 PATHS = ("auto", "torch", "fused", "gather", "stacked", "grouped", "gemm")
 
 
@@ -232,6 +246,17 @@ def choose_group_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, r
     if k == 1 and has_meta and path == "stacked" and x.shape[0] * rank > GROUP_STACKED_MAX_ROW_RANK:
         return "grouped"
     return path
+
+
+def fuses_base(x: torch.Tensor, num_slots: int, rank: int, proj: int) -> bool:
+    """Does the routed linear of `proj` projections sharing x [N, in] (16-bit, the base weights' dtype) run as one
+    GEMM with the delta inside (kernels/triton_linear.py)? Shapes and graph mode only; any k (the k choices only
+    change the shrink's coefficients). The kernel has no backward: callers use it without autograd."""
+    n = x.shape[0]
+    return (HAS_TRITON and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+            and proj >= LINEAR_MIN_PROJECTIONS and LINEAR_MIN_TOKENS <= n <= LINEAR_MAX_TOKENS
+            and stacked_width(num_slots, rank) <= STACKED_MAX_WIDTH
+            and not (n <= EAGER_MAX_TOKENS and not graph_mode()))
 
 
 def reads_meta(x: torch.Tensor, k: int, A: torch.Tensor) -> bool:

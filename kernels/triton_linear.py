@@ -99,25 +99,29 @@ if HAS_TRITON:
         tl.store(out, acc, mask=mm[:, None] & mn[None, :])
 
 
-# Measured tiles, by (projections sharing x, up to N tokens): (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps,
-# num_stages); more tokens, and shapes without an entry, take the rule in linear_config.
-LINEAR_TILES: dict[int, tuple[tuple[int, tuple[int, ...]], ...]] = {}
+# Measured tiles: ((up to N tokens, (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)), ...); more
+# tokens take the last. H200, 2026-12-02, q/k/v at d=4096, r=16, median us (benchmarks/kernels.py --only linear:
+# BLOCK_M/BLOCK_N/warps/stages, then BLOCK_K/GROUP_M): N=32 64/64/64/32/4/4 50.2 (128/256/64/8/8/4 63.6); N=256
+# 128/256/64/32/8/4 67.5 (64/128/64/8/4/4 92.3, 64/64 92.4); N=2048 128/256/64/32/8/3 338 (64/128: 489-523);
+# N=8192 the same, 1330. BLOCK_K 128 ran out of shared memory with 128x256 tiles; 128x256 with 4 warps took 4x.
+# One projection at N=256 liked 64/64/64/4/8/4 (42.3 vs 128/256's 64.4), but takes the one-GEMM path nowhere.
+LINEAR_TILES = ((64, (64, 64, 64, 32, 4, 4)), (256, (128, 256, 64, 32, 8, 4)), (1 << 62, (128, 256, 64, 32, 8, 3)))
 
 
 @functools.lru_cache(maxsize=256)
-def linear_config(n: int, d_in: int, proj: int) -> dict:
-    """GEMM tiles for N tokens, d_in input features, `proj` projections (the shrink takes stacked_config's)."""
+def linear_config(n: int) -> dict:
+    """GEMM tiles for N tokens (the shrink takes stacked_config's)."""
     if interpreting():  # tiny tiles so interpreter tests walk row groups, column tiles, K steps and masks
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)
-    tiles = next((t for rows, t in LINEAR_TILES.get(proj, ()) if n <= rows), None)
-    if tiles is None:
-        tiles = (64 if n <= 256 else 128, 128, 64, 8, 4, 4)
-    bm, bn, bk, gm, warps, stages = tiles
+    bm, bn, bk, gm, warps, stages = next(t for rows, t in LINEAR_TILES if n <= rows)
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
 
 
 def _check(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.Tensor, B: torch.Tensor,
            bounds: tuple[int, ...]) -> None:
+    if x.dim() != 2 or A.dim() != 4 or B.dim() != 3 or B.shape[1] != bounds[-1] or A.shape[3] != x.shape[1]:
+        raise KernelInputError(f"routed_linear_group takes x [N, in], A [P, S, r, in], B [S, O, r] with O = bounds[-1]; "
+                               f"got x {list(x.shape)}, A {list(A.shape)}, B {list(B.shape)}, bounds {bounds}")
     p_count = A.shape[0]
     if not 1 <= p_count <= MAX_PROJECTIONS or len(W) != p_count or len(bounds) != p_count + 1:
         raise KernelInputError(f"routed_linear_group takes 1..{MAX_PROJECTIONS} projections with one base weight and "
@@ -143,8 +147,8 @@ def routed_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.T
     Returns one flat buffer [N * O] in x's dtype, projection p's output the contiguous [N, width_p] block at
     N * bounds[p] (no bias). `config` / `shrink_config` override the GEMM's and the shrink's tiles."""
     W, bounds = tuple(W), tuple(bounds)
-    check_triton_device(x, "linear")
     _check(x, W, A, B, bounds)
+    check_triton_device(x, "linear")
     n, d_in = x.shape
     p_count, s_count, r, _ = A.shape
     d_out = B.shape[1]
@@ -152,7 +156,7 @@ def routed_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.T
     if n == 0 or d_out == 0:
         return flat
     widths = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
-    cfg = config or linear_config(n, d_in, p_count)
+    cfg = config or linear_config(n)
     scfg = shrink_config or stacked_config(n, d_in, max(widths), stacked_width(s_count, r), p_count, False)
     part = stacked_shrink(x, A, slots, weights, scale, scfg)
     bn = cfg["BLOCK_N"]

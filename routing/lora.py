@@ -35,7 +35,8 @@ from torch import nn
 
 from molora.kernels import reads_meta, routed_lora, routed_lora_topk
 from molora.kernels.autograd import needs_autograd
-from molora.kernels.dispatch import choose_group_path, routed_lora_group_forward
+from molora.kernels.dispatch import choose_group_path, fuses_base, routed_lora_group_forward
+from molora.kernels.triton_linear import routed_linear_group
 from molora.kernels.triton_stacked import FusedLaunch
 from molora.routing.context import CallRouting, SharedOutputs, current_routing
 from molora.routing.errors import RoutingError
@@ -146,22 +147,35 @@ class ProjectionGroup:
                 return out.split_with_sizes(widths, -1) if len(members) > 1 else [out]
             delta = launch(x2, slots, weights)
             deltas = delta.split_with_sizes(widths, 1) if len(members) > 1 else [delta]
+        elif not torch.is_grad_enabled() and fuses_base(x2, A.shape[1], A.shape[2], A.shape[0]):
+            # one GEMM per call: every member's base GEMM with its delta inside (no autograd: no backward there)
+            n = x2.shape[0]
+            flat = routed_linear_group(x2, [layer._parameters["weight"] for layer in members], A, B, slots,
+                                       weights, scale, bounds)
+            ys = [flat[n * lo:n * hi].view(n, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
+            return _with_bias(members, ys, lead)
         else:
             meta = routing.meta(block) if path == "grouped" or path == "torch" else None
             deltas = routed_lora_group_forward(x2, A, B, slots, weights, scale, bounds, meta, path)
-        outs = []
         grad = torch.is_grad_enabled()
-        for layer, delta, width in zip(members, deltas, widths):
-            params = layer._parameters
-            weight_t = params["weight"].t()
+        ys = []
+        for layer, delta in zip(members, deltas):
+            weight_t = layer._parameters["weight"].t()
             # the base GEMM accumulates onto the delta (cuBLAS beta = 1); in place unless grad is enabled (the deltas
             # can be views of one buffer, which autograd does not let an in-place op modify)
-            y = torch.addmm(delta, x2, weight_t) if grad else delta.addmm_(x2, weight_t)
-            bias = params.get("bias")
-            if bias is not None:
-                y.add_(bias)
-            outs.append(y.view(*lead, width))
-        return outs
+            ys.append(torch.addmm(delta, x2, weight_t) if grad else delta.addmm_(x2, weight_t))
+        return _with_bias(members, ys, lead)
+
+
+def _with_bias(members: Iterable[RoutedLoRALinear], ys: list[torch.Tensor], lead: torch.Size) -> list[torch.Tensor]:
+    """Each member's output [N, width] plus its bias (in place), viewed as x's leading dims + width."""
+    outs = []
+    for layer, y in zip(members, ys):
+        bias = layer._parameters.get("bias")
+        if bias is not None:
+            y.add_(bias)
+        outs.append(y.view(*lead, y.shape[1]))
+    return outs
 
 
 def group_projections(layers: Iterable[RoutedLoRALinear]) -> list[ProjectionGroup]:

@@ -456,6 +456,57 @@ def test_mixing_matrix_is_each_tokens_weight_per_slot():
     assert torch.equal(one, torch.tensor([[0, 0, 1], [0, 0, 0], [1, 0, 0]], dtype=torch.float16))
 
 
+def test_routed_linear_takes_q_k_v_between_decode_and_prefill_sizes_on_narrow_hot_sets(monkeypatch):
+    """fuses_base: three or more projections, 17..256 tokens (graph mode or not: eager decode calls keep the
+    one-launch delta kernel), stacked width <= STACKED_MAX_WIDTH, 16-bit activations on CUDA."""
+    from types import SimpleNamespace
+
+    from molora.kernels.graphs import graph_paths
+
+    monkeypatch.setattr(dispatch, "HAS_TRITON", True)
+
+    def cuda_x(n, dtype=torch.bfloat16):
+        return SimpleNamespace(shape=(n, 64), is_cuda=True, dtype=dtype)
+    lo, hi = dispatch.LINEAR_MIN_TOKENS, dispatch.LINEAR_MAX_TOKENS
+    assert dispatch.fuses_base(cuda_x(lo), 4, 16, 3) and dispatch.fuses_base(cuda_x(hi), 4, 16, 3)
+    assert dispatch.fuses_base(cuda_x(hi, torch.float16), 4, 8, 4)
+    assert not dispatch.fuses_base(cuda_x(hi + 1), 4, 16, 3)  # cuBLAS's GEMMs pull ahead
+    assert not dispatch.fuses_base(cuda_x(64), 4, 16, 2)  # gate/up: not measured
+    assert not dispatch.fuses_base(cuda_x(64), 4, 32, 3)  # 128 stacked columns: wider than measured
+    assert not dispatch.fuses_base(cuda_x(64, torch.float32), 4, 16, 3)
+    assert not dispatch.fuses_base(SimpleNamespace(shape=(64, 64), is_cuda=False, dtype=torch.bfloat16), 4, 16, 3)
+    assert not dispatch.fuses_base(cuda_x(dispatch.EAGER_MAX_TOKENS), 4, 16, 3)
+    with graph_paths():
+        assert not dispatch.fuses_base(cuda_x(lo - 1), 4, 16, 3) and dispatch.fuses_base(cuda_x(lo), 4, 16, 3)
+
+
+def test_routed_linear_refuses_bad_inputs_by_name():
+    from molora.kernels.triton_linear import routed_linear_group
+
+    x = torch.randn(5, 8, dtype=torch.float16)
+    A, B = torch.zeros(2, 4, 4, 8, dtype=torch.float16), torch.zeros(4, 12, 4, dtype=torch.float16)
+    slots, scale = torch.zeros(5, 1, dtype=torch.long), torch.ones(2, 4)
+    W = [torch.zeros(6, 8, dtype=torch.float16), torch.zeros(6, 8, dtype=torch.float16)]
+
+    def call(W=W, A=A, B=B, bounds=(0, 6, 12)):
+        return routed_linear_group(x, W, A, B, slots, None, scale, bounds)
+    with pytest.raises(KernelInputError, match=r"base weight 1 must be \[6, 8\]"):
+        call(W=[W[0], torch.zeros(6, 7, dtype=torch.float16)])
+    with pytest.raises(KernelInputError, match="base weight 0 must be .*float16"):
+        call(W=[W[0].float(), W[1]])
+    with pytest.raises(KernelInputError, match="share strides"):
+        call(W=[W[0], torch.zeros(8, 6, dtype=torch.float16).t()])
+    with pytest.raises(KernelInputError, match="one base weight and one bound each"):
+        call(W=W[:1])
+    with pytest.raises(KernelInputError, match="O = bounds"):
+        call(bounds=(0, 6, 11))
+    with pytest.raises(KernelInputError, match="at most 256 stacked columns"):
+        call(A=torch.zeros(2, 4, 128, 8, dtype=torch.float16), B=torch.zeros(4, 12, 128, dtype=torch.float16))
+    if not torch.cuda.is_available():  # valid shapes reach the device check
+        with pytest.raises(KernelInputError, match="CUDA"):
+            call()
+
+
 def test_eager_decode_calls_take_one_fused_launch_and_graph_mode_the_triton_kernels(monkeypatch):
     from types import SimpleNamespace
 

@@ -63,6 +63,10 @@ GROUP_CASES = {
     "group_rank_24_fp32": (7, 24, (20, 20, 12), 2, 24, 1, "random", "float32"),
 }
 
+# The whole routed linear as one GEMM (kernels/triton_linear.py) on the group cases, plus an input width the
+# K tiles divide (its unmasked K loop) with several row groups.
+LINEAR_CASES = {**GROUP_CASES, "linear_even_k_fp16": (70, 32, (48, 16, 16), 4, 16, 2, "random", "float16")}
+
 # Training on the GPU runs the Triton forward and the torch-path backward (kernels/autograd.py); float64 always
 # takes the torch path, so these fp32 cases are what covers that mix. Reference: kernels/reference.py under torch
 # autograd on float32 copies. Both sides accumulate in fp32 in a different order -> a few ulps; 1e-4 relative.
@@ -208,6 +212,40 @@ def _run_group_case(name: str, path: str, seed: int) -> dict:
             "dtype_ok": all(g.dtype == dtype and g.is_contiguous() for g in got),
             "unwritten": sum(int(torch.isnan(g).sum()) for g in got), "max_err": max(errs),
             "exact_zero": all(bool((g[none] == 0).all()) for g in got), "tol": TOLERANCE[dtype_name]}
+
+
+def _run_linear_case(name: str, seed: int) -> dict:
+    """routed_linear_group: each projection's output vs x W_p^T + its reference delta, the flat output poisoned."""
+    import torch
+
+    import molora.kernels.triton_linear as linear_mod
+    from molora.kernels.reference import routed_lora_group_reference
+
+    n, d_in, outs, s, r, k, pattern, dtype_name = LINEAR_CASES[name]
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(seed)
+    bounds = [0]
+    for o in outs:
+        bounds.append(bounds[-1] + o)
+    x = torch.randn(n, d_in, generator=gen).to(dtype)
+    W = [(torch.randn(o, d_in, generator=gen) / d_in ** 0.5).to(dtype) for o in outs]
+    A = (torch.randn(len(outs), s, r, d_in, generator=gen) / d_in ** 0.5).to(dtype)
+    B = torch.randn(s, bounds[-1], r, generator=gen).to(dtype)
+    scale = torch.rand(len(outs), s, generator=gen) + 0.5
+    slots = _slots(torch, pattern, n, s, k, gen)
+    weights = torch.rand(n, k, generator=gen) if k > 1 else None
+    refs = routed_lora_group_reference(x, A, B, slots, weights, scale, tuple(bounds))
+    real_empty = torch.empty
+    linear_mod.torch.empty = lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))
+    try:
+        flat = linear_mod.routed_linear_group(x, W, A, B, slots, weights, scale, tuple(bounds))
+    finally:
+        linear_mod.torch.empty = real_empty
+    got = [flat[n * lo:n * hi].view(n, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
+    wants = [x.float() @ w.float().t() + d.float() for w, d in zip(W, refs)]
+    return {"flat_ok": flat.shape == (n * bounds[-1],) and flat.dtype == dtype,
+            "unwritten": int(torch.isnan(flat).sum()), "max_err": max(_rel_err(g.float(), w) for g, w in zip(got, wants)),
+            "tol": TOLERANCE[dtype_name]}
 
 
 def _rel_err(got, want) -> float:
@@ -356,6 +394,12 @@ def main() -> None:
             except Exception as exc:
                 res = {"error": f"{type(exc).__name__}: {exc}"}
             print(json.dumps({"case": f"{name}-{path}", **res}), flush=True)
+    for i, name in enumerate(LINEAR_CASES):
+        try:
+            res = _run_linear_case(name, seed=5000 + i)
+        except Exception as exc:
+            res = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps({"case": f"{name}-linear", **res}), flush=True)
     print(json.dumps({"case": "metadata", **_run_meta_checks()}), flush=True)
     for i, name in enumerate(GRAD_CASES):
         for path in PATHS:
@@ -401,6 +445,17 @@ def test_triton_projection_group_matches_reference(interp_results: dict, case: s
     assert res["shapes_ok"] and res["dtype_ok"], res
     assert res["unwritten"] == 0, f"{res['unwritten']} output elements never written"
     assert res["exact_zero"], "tokens with only slot -1 must get an exact zero delta"
+    assert res["max_err"] <= res["tol"], res
+
+
+@pytest.mark.parametrize("case", list(LINEAR_CASES))
+def test_triton_routed_linear_matches_base_plus_reference(interp_results: dict, case: str) -> None:
+    """Base GEMMs with the delta's expand as their last K steps: every projection's x W_p^T + delta, every output
+    element written (the projections' column tiles, row groups, masked and unmasked K loops)."""
+    res = interp_results[f"{case}-linear"]
+    assert "error" not in res, res.get("error")
+    assert res["flat_ok"], res
+    assert res["unwritten"] == 0, f"{res['unwritten']} output elements never written"
     assert res["max_err"] <= res["tol"], res
 
 

@@ -158,12 +158,15 @@ def test_cuda_group_matches_cpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("n,k", [(1, 0), (1, 2), (5, 1), (16, 2)])  # k = 0: static routing ([N] slots, no weights)
-def test_cuda_eager_group_outputs_match_base_plus_reference_and_capture(n, k):
-    """The eager decode path on CUDA (N <= 16): the members' GEMMs into one buffer and the kept launcher adding the
-    deltas (direct launches after the first call), then a plain torch.cuda.graph capture of it replayed with new
-    slot values."""
+@pytest.mark.parametrize("n,k", [(1, 0), (1, 2), (5, 1), (16, 2), (64, 0), (200, 2)])  # k = 0: static routing
+def test_cuda_eager_group_outputs_match_base_plus_reference_and_capture(n, k, monkeypatch):
+    """On CUDA, N <= 16 (eager decode): the members' GEMMs into one buffer and the kept launcher adding the deltas
+    (direct launches after the first call); 17..256 tokens: one GEMM for the group with the deltas inside
+    (kernels/triton_linear.py). Then a plain torch.cuda.graph capture replayed with new slot values."""
     import molora.kernels.dispatch as dispatch
+    linear_calls = []
+    real_linear = lora_mod.routed_linear_group
+    monkeypatch.setattr(lora_mod, "routed_linear_group", lambda *a, **kw: linear_calls.append(1) or real_linear(*a, **kw))
     gen = torch.Generator().manual_seed(10 * n + k)
     layers = [RoutedLoRALinear(torch.nn.Linear(256, o, bias=bias), 4, 16, name=f"blk.{nm}", block=0)
               for nm, o, bias in (("q_proj", 256, True), ("k_proj", 64, False), ("v_proj", 64, True))]
@@ -177,7 +180,9 @@ def test_cuda_eager_group_outputs_match_base_plus_reference_and_capture(n, k):
     x = torch.randn(1, n, 256, generator=gen).to("cuda", torch.bfloat16)
     slots = torch.randint(-1, 4, (n, max(k, 1)), generator=gen).cuda()
     weights = torch.rand(n, max(k, 1), generator=gen).cuda()
-    assert dispatch.choose_group_path(x.view(n, 256), max(k, 1), True, 4, 16, 3) == "fused"
+    eager = n <= dispatch.EAGER_MAX_TOKENS
+    assert (dispatch.choose_group_path(x.view(n, 256), max(k, 1), True, 4, 16, 3) == "fused") == eager
+    assert dispatch.fuses_base(x.view(n, 256), 4, 16, 3) != eager
 
     def forward():
         routing = CallRouting(1, n, slots[:, 0], 4, k=max(k, 1))
@@ -204,7 +209,10 @@ def test_cuda_eager_group_outputs_match_base_plus_reference_and_capture(n, k):
         for _ in range(3):  # the first call compiles, the next ones take the kept launcher's direct launch
             assert errors(forward()) == []
             slots.copy_(torch.randint(-1, 4, slots.shape, generator=gen).cuda())
-        assert group._launches[None]._direct
+        if eager:
+            assert group._launches[None]._direct
+        else:
+            assert len(linear_calls) == 3 and not group._launches  # one call per group forward
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
