@@ -61,6 +61,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-tune", action="store_true", help="skip the tile sweeps (tune, narrow, sweep, setsweep, sweep32)")
     p.add_argument("--quick-correct", action="store_true", help="correctness on a few cases only")
     p.add_argument("--topk-ranks", default="16,64", help="comma-separated ranks of the topk section")
+    p.add_argument("--sweep-ranks", default="", help="comma-separated ranks of the ranks section (default: 8..128)")
+    p.add_argument("--sweep-n", default="", help="comma-separated token counts of the ranks section (default: "
+                   "1, 32, 128, 256, 2048, 8192)")
     p.add_argument("--profile", action="store_true", help="eager: cProfile the routed 1.7B-shaped step (top 25)")
     p.add_argument("--only", default="", help="comma-separated sections to run (default: all): correct, group, "
                    "topk, ranks, k3, linear, k1, dense, eager, tune, narrow, sweep, setsweep, sweep32")
@@ -90,8 +93,8 @@ D = 64 if ARGS.dry_run else 4096          # hidden size in and out
 R = 16                                    # rank
 S = 4                                     # adapters (hot-set slots)
 N_K1 = 40 if ARGS.dry_run else 2048
-SWEEP = [1, 8, 40] if ARGS.dry_run else SWEEP_N
-SWEEP_RANKS = [8, 16] if ARGS.dry_run else RANKS
+SWEEP = [1, 8, 40] if ARGS.dry_run else [int(v) for v in ARGS.sweep_n.split(",")] if ARGS.sweep_n else SWEEP_N
+SWEEP_RANKS = [8, 16] if ARGS.dry_run else [int(v) for v in ARGS.sweep_ranks.split(",")] if ARGS.sweep_ranks else RANKS
 RESULTS: dict = {"rows": {}}
 QKV = ["q_proj", "k_proj", "v_proj"]
 
