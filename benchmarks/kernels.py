@@ -904,7 +904,7 @@ def run_linear() -> None:
                "base_cat": bench_us(lambda: torch.mm(x, Wcat.t(), out=ycat)),
                "group_call": bench_us(group_call),
                "linear_default": bench_us(linear)}
-        best_cfg = linear_mod.linear_config(n)
+        best_cfg = linear_mod.linear_config(n, outs)
         if not ARGS.no_tune:
             tune: dict = {}
             grid = {key: [vals[0]] for key, vals in LINEAR_GRID.items()} if ARGS.dry_run else LINEAR_GRID

@@ -75,8 +75,11 @@ log = logging.getLogger(__name__)
 # Top-k calls take it while rows * k * r <= GATHER_MAX_ROW_RANK (each of a token's k rows costs more as k grows).
 # H200, 2026-12-02, r=64, metadata built in the call, median us: k=2 N=8 (2048) gather 13.7; k=4 N=1 (1024) 13.9,
 # N=8 (8192) 18.5 against the stacked kernel's 15.3 at N=64.
+# H200, 2026-12-02 (--only ranks --sweep-ranks 32,64,128 --sweep-n 8,16,32), gather vs meta at rows * r = 1024:
+# r=32 N=32 12.45 vs 12.11, r=64 N=16 13.02 vs 13.22, r=128 N=8 16.42 vs 14.94; at 512: r=64 N=8 11.20 vs 12.90,
+# r=32 N=16 11.07 vs 12.22.
 GATHER_MAX_ROW_RANK = 2048
-GATHER_MAX_ROW_RANK_WITH_META = 1024
+GATHER_MAX_ROW_RANK_WITH_META = 512
 # Narrow hot sets (S*r <= STACKED_MAX_WIDTH) take the gather kernel while rows * k <= GATHER_MAX_ROWS_STACKED, then
 # the stacked kernel. H200, 2026-12-02, r=16, median us, gather vs stacked: k=1 N=32 10.78 vs 11.74, N=64 13.3 vs
 # 11.8; k=2 N=8 10.6 vs 11.5, N=64 17.7 vs 12.0; k=4 N=1 11.5 vs 11.2, N=8 13.1 vs 11.6.
@@ -159,13 +162,17 @@ CPU_DENSE_MAX_MACS = 24_000_000
 # The whole routed linear of P projections sharing x as one GEMM (kernels/triton_linear.py: the stacked shrink,
 # then every projection's base GEMM with the delta's expand as its last K steps) against the group call plus each
 # base GEMM onto its delta (cuBLAS), from LINEAR_MIN_PROJECTIONS projections and up to LINEAR_MAX_TOKENS tokens on
-# narrow hot sets (stacked width <= STACKED_MAX_WIDTH); eager decode calls keep the fused path. H200, 2026-12-02,
-# d=4096, r=16, 4 slots, k=1, graph replay, median us (RESULTS.md, issue 13 ninth pass), three base GEMMs / group
-# call / one GEMM: q/k/v N=32 51.3 / 64.8 / 50.3, N=256 59.9 / 75.0 / 67.6; N=2048 272.1 / 309.2 / 337.2 (Triton's
-# GEMM falls behind cuBLAS's as N grows); one projection N=256 24.4 / 35.9 / 42.6 (one cuBLAS GEMM fills the GPU
-# alone; the gain is three GEMMs in one launch).
+# narrow hot sets (stacked width <= STACKED_MAX_WIDTH); eager decode calls keep the fused path (host time), graph
+# mode takes this one down to one token. H200, 2026-12-02, r=16, 4 slots, k=1, graph replay, median us (RESULTS.md,
+# issue 13 ninth pass), three base GEMMs / group call / one GEMM:
+#   d=4096 q/k/v: N=1 50.3 / 59.1 / 50.4, N=16 50.8 / 63.4 / 49.9, N=128 48.7 / 61.6 / 54.0, N=256 59.9 / 74.3 /
+#   66.9; N=512 78.9 / 99.9 / 115.0 and N=2048 272 / 309 / 337 (Triton's GEMM falls behind cuBLAS's as N grows)
+#   Qwen3-1.7B q/k/v (2048 -> 2048/1024/1024): N=1 36.3 / 42.9 / 23.5, N=128 23.7 / 34.8 / 24.7, N=256 25.0 /
+#   36.9 / 27.6
+#   gate/up (2048 -> 6144 each, P=2): N=32 27.1 / 37.8 / 33.1, N=64 26.9 / 38.1 / 40.1, N=256 30.9 / 43.4 / 43.1:
+#   no steady gain, so two projections keep the group call; one projection at d=4096, N=256: 24.4 / 35.9 / 42.6
 LINEAR_MIN_PROJECTIONS = 3
-LINEAR_MIN_TOKENS = 17
+LINEAR_MIN_TOKENS = 1
 LINEAR_MAX_TOKENS = 256
 
 PATHS = ("auto", "torch", "fused", "gather", "stacked", "grouped", "gemm")

@@ -99,21 +99,27 @@ if HAS_TRITON:
         tl.store(out, acc, mask=mm[:, None] & mn[None, :])
 
 
-# Measured tiles: ((up to N tokens, (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)), ...); more
-# tokens take the last. H200, 2026-12-02, q/k/v at d=4096, r=16, median us (benchmarks/kernels.py --only linear:
-# BLOCK_M/BLOCK_N/warps/stages, then BLOCK_K/GROUP_M): N=32 64/64/64/32/4/4 50.2 (128/256/64/8/8/4 63.6); N=256
-# 128/256/64/32/8/4 67.5 (64/128/64/8/4/4 92.3, 64/64 92.4); N=2048 128/256/64/32/8/3 338 (64/128: 489-523);
-# N=8192 the same, 1330. BLOCK_K 128 ran out of shared memory with 128x256 tiles; 128x256 with 4 warps took 4x.
-# One projection at N=256 liked 64/64/64/4/8/4 (42.3 vs 128/256's 64.4), but takes the one-GEMM path nowhere.
-LINEAR_TILES = ((64, (64, 64, 64, 32, 4, 4)), (256, (128, 256, 64, 32, 8, 4)), (1 << 62, (128, 256, 64, 32, 8, 3)))
+# Tiles (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): the small ones, unless the large ones still
+# give WIDE_MIN_PROGRAMS programs or more (then fewer, larger tiles read x and W fewer times). H200, 2026-12-02,
+# median us (benchmarks/kernels.py --only linear: BLOCK_M/BLOCK_N/warps/stages swept at BLOCK_K 64, GROUP_M 32):
+#   d=4096 q/k/v: N=32 small 50.2 (large 63.6); N=128 small 54.1 (large 66.2: 48 programs); N=256 large 67.0 (96
+#   programs; small 91.6); N=2048 large (3 stages) 338 (64x128: 489-523); 128x256 with 4 warps: 4-5x slower
+#   Qwen3-1.7B q/k/v (2048 -> 2048/1024/1024): N=1 small 24.4 (8 warps 23.4); N=128 25.2; N=256 27.7 (large 39.9:
+#   32 programs)
+# BLOCK_K 128 ran out of shared memory with the large tiles; GROUP_M 1..32 moved times by <= 2%.
+SMALL_TILES = (64, 64, 64, 32, 4, 4)
+LARGE_TILES = (128, 256, 64, 32, 8, 4)
+WIDE_MIN_PROGRAMS = 64
 
 
 @functools.lru_cache(maxsize=256)
-def linear_config(n: int) -> dict:
-    """GEMM tiles for N tokens (the shrink takes stacked_config's)."""
+def linear_config(n: int, widths: tuple[int, ...]) -> dict:
+    """GEMM tiles for N tokens and the projections' output widths (the shrink takes stacked_config's)."""
     if interpreting():  # tiny tiles so interpreter tests walk row groups, column tiles, K steps and masks
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)
-    bm, bn, bk, gm, warps, stages = next(t for rows, t in LINEAR_TILES if n <= rows)
+    bm, bn = LARGE_TILES[:2]
+    large = cdiv(n, bm) * sum(cdiv(w, bn) for w in widths) >= WIDE_MIN_PROGRAMS
+    bm, bn, bk, gm, warps, stages = LARGE_TILES if large else SMALL_TILES
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
 
 
@@ -156,7 +162,7 @@ def routed_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.T
     if n == 0 or d_out == 0:
         return flat
     widths = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
-    cfg = config or linear_config(n)
+    cfg = config or linear_config(n, tuple(widths))
     scfg = shrink_config or stacked_config(n, d_in, max(widths), stacked_width(s_count, r), p_count, False)
     part = stacked_shrink(x, A, slots, weights, scale, scfg)
     bn = cfg["BLOCK_N"]

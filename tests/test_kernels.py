@@ -457,8 +457,8 @@ def test_mixing_matrix_is_each_tokens_weight_per_slot():
 
 
 def test_routed_linear_takes_q_k_v_between_decode_and_prefill_sizes_on_narrow_hot_sets(monkeypatch):
-    """fuses_base: three or more projections, 17..256 tokens (graph mode or not: eager decode calls keep the
-    one-launch delta kernel), stacked width <= STACKED_MAX_WIDTH, 16-bit activations on CUDA."""
+    """fuses_base: three or more projections, up to 256 tokens (eager decode calls keep the one-launch delta kernel,
+    graph mode takes the one GEMM from one token), stacked width <= STACKED_MAX_WIDTH, 16-bit activations on CUDA."""
     from types import SimpleNamespace
 
     from molora.kernels.graphs import graph_paths
@@ -467,17 +467,18 @@ def test_routed_linear_takes_q_k_v_between_decode_and_prefill_sizes_on_narrow_ho
 
     def cuda_x(n, dtype=torch.bfloat16):
         return SimpleNamespace(shape=(n, 64), is_cuda=True, dtype=dtype)
-    lo, hi = dispatch.LINEAR_MIN_TOKENS, dispatch.LINEAR_MAX_TOKENS
-    assert dispatch.fuses_base(cuda_x(lo), 4, 16, 3) and dispatch.fuses_base(cuda_x(hi), 4, 16, 3)
+    eager, hi = dispatch.EAGER_MAX_TOKENS, dispatch.LINEAR_MAX_TOKENS
+    assert dispatch.fuses_base(cuda_x(eager + 1), 4, 16, 3) and dispatch.fuses_base(cuda_x(hi), 4, 16, 3)
     assert dispatch.fuses_base(cuda_x(hi, torch.float16), 4, 8, 4)
     assert not dispatch.fuses_base(cuda_x(hi + 1), 4, 16, 3)  # cuBLAS's GEMMs pull ahead
     assert not dispatch.fuses_base(cuda_x(64), 4, 16, 2)  # gate/up: not measured
     assert not dispatch.fuses_base(cuda_x(64), 4, 32, 3)  # 128 stacked columns: wider than measured
     assert not dispatch.fuses_base(cuda_x(64, torch.float32), 4, 16, 3)
     assert not dispatch.fuses_base(SimpleNamespace(shape=(64, 64), is_cuda=False, dtype=torch.bfloat16), 4, 16, 3)
-    assert not dispatch.fuses_base(cuda_x(dispatch.EAGER_MAX_TOKENS), 4, 16, 3)
+    assert not dispatch.fuses_base(cuda_x(1), 4, 16, 3) and not dispatch.fuses_base(cuda_x(eager), 4, 16, 3)
     with graph_paths():
-        assert not dispatch.fuses_base(cuda_x(lo - 1), 4, 16, 3) and dispatch.fuses_base(cuda_x(lo), 4, 16, 3)
+        assert dispatch.fuses_base(cuda_x(1), 4, 16, 3) and dispatch.fuses_base(cuda_x(eager), 4, 16, 3)
+        assert not dispatch.fuses_base(cuda_x(hi + 1), 4, 16, 3) and not dispatch.fuses_base(cuda_x(1), 4, 16, 2)
 
 
 def test_routed_linear_refuses_bad_inputs_by_name():
