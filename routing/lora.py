@@ -148,8 +148,10 @@ class ProjectionGroup:
                 return out.split_with_sizes(widths, -1) if len(members) > 1 else [out]
             delta = launch(x2, slots, weights)
             deltas = delta.split_with_sizes(widths, 1) if len(members) > 1 else [delta]
-        elif not torch.is_grad_enabled() and fuses_base(x2, A.shape[1], A.shape[2], A.shape[0]):
-            # one GEMM per call: every member's base GEMM with its delta inside (no autograd: no backward there)
+        elif not torch.is_grad_enabled() and fuses_base(x2, A.shape[1], A.shape[2], A.shape[0]) and \
+                len({layer._parameters["weight"].stride() for layer in members}) == 1:
+            # one GEMM per call: every member's base GEMM with its delta inside (no autograd: no backward there;
+            # the kernel reads the weights with one set of strides)
             n = x2.shape[0]
             flat = routed_linear_group(x2, [layer._parameters["weight"] for layer in members], A, B, slots,
                                        weights, scale, bounds)

@@ -174,15 +174,9 @@ def _run_case(name: str, path: str, seed: int) -> dict:
             "tol": TOLERANCE[dtype_name]}
 
 
-def _run_group_case(name: str, path: str, seed: int) -> dict:
-    import torch
-
-    import molora.kernels.triton_gather as gather_mod
-    import molora.kernels.triton_stacked as stacked_mod
-    from molora.kernels import routed_lora_group
-    from molora.kernels.reference import routed_lora_group_reference
-
-    n, d_in, outs, s, r, k, pattern, dtype_name = GROUP_CASES[name]
+def _group_case_inputs(torch, case: tuple, seed: int) -> tuple:
+    """x, A [P, S, r, in], B [S, O, r], scale [P, S], slots, weights, bounds and the generator for a group case."""
+    n, d_in, outs, s, r, k, pattern, dtype_name = case
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(seed)
     bounds = [0]
@@ -194,6 +188,20 @@ def _run_group_case(name: str, path: str, seed: int) -> dict:
     scale = torch.rand(len(outs), s, generator=gen) + 0.5
     slots = _slots(torch, pattern, n, s, k, gen)
     weights = torch.rand(n, k, generator=gen) if k > 1 else None
+    return x, A, B, scale, slots, weights, bounds, gen
+
+
+def _run_group_case(name: str, path: str, seed: int) -> dict:
+    import torch
+
+    import molora.kernels.triton_gather as gather_mod
+    import molora.kernels.triton_stacked as stacked_mod
+    from molora.kernels import routed_lora_group
+    from molora.kernels.reference import routed_lora_group_reference
+
+    n, _, outs, _, _, _, _, dtype_name = GROUP_CASES[name]
+    dtype = getattr(torch, dtype_name)
+    x, A, B, scale, slots, weights, bounds, _ = _group_case_inputs(torch, GROUP_CASES[name], seed)
     refs = [t.float() for t in routed_lora_group_reference(x, A, B, slots, weights, scale, tuple(bounds))]
     real_empty = torch.empty
 
@@ -221,26 +229,17 @@ def _run_linear_case(name: str, seed: int) -> dict:
     import molora.kernels.triton_linear as linear_mod
     from molora.kernels.reference import routed_lora_group_reference
 
-    n, d_in, outs, s, r, k, pattern, dtype_name = LINEAR_CASES[name]
+    n, d_in, outs, _, _, _, _, dtype_name = LINEAR_CASES[name]
     dtype = getattr(torch, dtype_name)
-    gen = torch.Generator().manual_seed(seed)
-    bounds = [0]
-    for o in outs:
-        bounds.append(bounds[-1] + o)
-    x = torch.randn(n, d_in, generator=gen).to(dtype)
+    x, A, B, scale, slots, weights, bounds, gen = _group_case_inputs(torch, LINEAR_CASES[name], seed)
     W = [(torch.randn(o, d_in, generator=gen) / d_in ** 0.5).to(dtype) for o in outs]
-    A = (torch.randn(len(outs), s, r, d_in, generator=gen) / d_in ** 0.5).to(dtype)
-    B = torch.randn(s, bounds[-1], r, generator=gen).to(dtype)
-    scale = torch.rand(len(outs), s, generator=gen) + 0.5
-    slots = _slots(torch, pattern, n, s, k, gen)
-    weights = torch.rand(n, k, generator=gen) if k > 1 else None
     refs = routed_lora_group_reference(x, A, B, slots, weights, scale, tuple(bounds))
     real_empty = torch.empty
-    linear_mod.torch.empty = lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))
+    torch.empty = lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))  # (every float buffer is written)
     try:
         flat = linear_mod.routed_linear_group(x, W, A, B, slots, weights, scale, tuple(bounds))
     finally:
-        linear_mod.torch.empty = real_empty
+        torch.empty = real_empty
     got = [flat[n * lo:n * hi].view(n, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
     wants = [x.float() @ w.float().t() + d.float() for w, d in zip(W, refs)]
     return {"flat_ok": flat.shape == (n * bounds[-1],) and flat.dtype == dtype,

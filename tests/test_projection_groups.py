@@ -145,6 +145,39 @@ def test_training_through_a_group_takes_the_autograd_path():
     assert q.lora_A.grad is not None and q.lora_A.grad.abs().sum() > 0
 
 
+def test_group_with_weights_of_different_strides_keeps_the_group_call(monkeypatch):
+    """The one-GEMM path reads every member's weight with one set of strides: a member whose weight is stored
+    transposed sends the group to the group call (correct outputs, no error), wherever fuses_base would say yes."""
+    calls = []
+    monkeypatch.setattr(lora_mod, "fuses_base", lambda *a: True)
+    monkeypatch.setattr(lora_mod, "routed_linear_group", lambda *a, **kw: calls.append(1))
+    gen = torch.Generator().manual_seed(3)
+    layers = []
+    for nm, o in (("q_proj", 24), ("k_proj", 8), ("v_proj", 8)):
+        base = torch.nn.Linear(16, o, bias=False)
+        if nm == "k_proj":  # same values, stored as the transpose of a [16, 8] tensor
+            base.weight = torch.nn.Parameter(base.weight.detach().t().contiguous().t())
+        layers.append(RoutedLoRALinear(base, 2, 4, name=f"blk.{nm}", block=0))
+    group_projections(layers)
+    with torch.no_grad():
+        for layer in layers:
+            layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=gen))
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen))
+            layer.lora_scale.fill_(0.5)
+        x = torch.randn(1, 20, 16, generator=gen)
+        slots = torch.randint(-1, 2, (20,), generator=gen)
+        token = set_routing(CallRouting(1, 20, slots, 2))
+        try:
+            ys = [layer(x) for layer in layers]
+        finally:
+            reset_routing(token)
+    assert calls == []
+    for layer, y in zip(layers, ys):
+        want = F.linear(x, layer.weight) + routed_lora_reference(x[0], layer.lora_A, layer.lora_B, slots,
+                                                                 layer.lora_scale)
+        assert torch.allclose(y, want, atol=1e-5), layer.name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_group_matches_cpu():
     routed = _routed()
