@@ -31,7 +31,6 @@ from molora.kernels.triton_common import (
     HAS_TRITON,
     MAX_PROJECTIONS,
     cdiv,
-    check_triton_device,
     dot_config,
     interpreting,
     next_pow2,
@@ -154,7 +153,10 @@ def routed_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.T
     N * bounds[p] (no bias). `config` / `shrink_config` override the GEMM's and the shrink's tiles."""
     W, bounds = tuple(W), tuple(bounds)
     _check(x, W, A, B, bounds)
-    check_triton_device(x, "linear")
+    if not HAS_TRITON or not (x.is_cuda or interpreting()):
+        raise KernelInputError(f"routed_linear_group runs a Triton kernel, which needs triton and CUDA tensors (x is "
+                               f"on {x.device}); elsewhere compute F.linear per projection plus routed_lora_group, "
+                               "as the routed layers do (routing/lora.py)")
     n, d_in = x.shape
     p_count, s_count, r, _ = A.shape
     d_out = B.shape[1]
