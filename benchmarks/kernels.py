@@ -799,7 +799,7 @@ def run_k3() -> None:
             """The routed layers' group call (routing/lora.py): one GEMM with the deltas inside where fuses_base
             says so, else the deltas and each base GEMM onto its own."""
             if path == "auto" and dispatch.fuses_base(x, S, R, 3):
-                return linear_mod.routed_linear_group(x, Ws, A, B, slots, None, scale, bounds)
+                return linear_mod.stacked_linear_group(x, Ws, A, B, slots, None, scale, bounds)
             deltas = dispatch.routed_lora_group_forward(x, A, B, slots, None, scale, bounds,
                                                         meta if path == "grouped" else meta3, path)
             return [d.addmm_(x, W.t()) for d, W in zip(deltas, Ws)]
@@ -899,7 +899,7 @@ def run_linear() -> None:
             return [d.addmm_(x, W.t()) for d, W in zip(deltas, Ws)]
 
         def linear(cfg=None, x=x, slots=slots, w=None):
-            return linear_mod.routed_linear_group(x, Ws, A, B, slots, w, scale, bounds, cfg)
+            return linear_mod.stacked_linear_group(x, Ws, A, B, slots, w, scale, bounds, cfg)
         row = {"bases": bench_us(lambda: [torch.mm(x, W.t(), out=y) for W, y in zip(Ws, ys)]),
                "base_cat": bench_us(lambda: torch.mm(x, Wcat.t(), out=ycat)),
                "group_call": bench_us(group_call),

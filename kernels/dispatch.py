@@ -46,7 +46,13 @@ from molora.kernels.torch_ops import (
     routed_lora_torch_group_stacked,
     routed_lora_torch_stacked,
 )
-from molora.kernels.triton_common import HAS_TRITON, check_triton_device, interpreting, stacked_width
+from molora.kernels.triton_common import (
+    HAS_TRITON,
+    MAX_PROJECTIONS,
+    check_triton_device,
+    interpreting,
+    stacked_width,
+)
 
 if HAS_TRITON:
     from molora.kernels.stacked_gemm import gemm_lora, gemm_lora_group
@@ -68,7 +74,8 @@ log = logging.getLogger(__name__)
 # call.
 #
 # Wide hot sets (S*r > STACKED_MAX_WIDTH): gather while rows * r <= GATHER_MAX_ROW_RANK (the gather kernel's cost
-# grows with rows * r), or <= GATHER_MAX_ROW_RANK_WITH_META when the metadata is prebuilt (k = 1):
+# grows with rows * r), or <= GATHER_MAX_ROW_RANK_WITH_META when the metadata is prebuilt (k = 1; 2026-12-01, before
+# the grouped kernel's few-row tiles, whose boundary measurement of 2026-12-02 below set it):
 #   r=32:  N=32 gather 12.35, meta 13.22, grp+meta 15.58;  N=128 23.52 vs 13.86 / 16.61
 #   r=64:  N=32 gather 15.17, meta 14.27, grp+meta 16.67;  N=128 34.94 vs 15.04 / 17.60
 #   r=128: N=1 gather 12.99, meta 16.93;  N=32 24.16 vs 18.82 / 20.93
@@ -261,7 +268,7 @@ def fuses_base(x: torch.Tensor, num_slots: int, rank: int, proj: int) -> bool:
     change the shrink's coefficients). The kernel has no backward: callers use it without autograd."""
     n = x.shape[0]
     return (HAS_TRITON and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-            and proj >= LINEAR_MIN_PROJECTIONS and LINEAR_MIN_TOKENS <= n <= LINEAR_MAX_TOKENS
+            and LINEAR_MIN_PROJECTIONS <= proj <= MAX_PROJECTIONS and LINEAR_MIN_TOKENS <= n <= LINEAR_MAX_TOKENS
             and stacked_width(num_slots, rank) <= STACKED_MAX_WIDTH
             and not (n <= EAGER_MAX_TOKENS and not graph_mode()))
 
@@ -325,22 +332,26 @@ def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     bounds = tuple(bounds)
     if path == "gemm":
         return gemm_lora_group(x, A, B, slots, weights, scale, bounds)
-    p_count, s_count, r, _ = A.shape
-    n = x.shape[0]
-    if path == "gather" or path == "grouped" or (path == "stacked" and stacked_width(s_count, r) <= MAX_WIDTH):
+    if path == "gather" or path == "grouped" or (path == "stacked" and stacked_width(A.shape[1], A.shape[2]) <= MAX_WIDTH):
         if path == "gather":
             flat = gather_lora_group(x, A, B, slots, weights, scale, bounds)
         elif path == "grouped":
             flat = grouped_lora_group(x, A, B, slots, weights, scale, bounds, meta)
         else:
             flat = stacked_lora_group(x, A, B, slots, weights, scale, bounds)
-        if p_count == 1:
-            return [flat.view(n, bounds[1])]
-        widths = _widths(bounds)
-        return [block.view(n, wd) for block, wd in zip(flat.split([n * wd for wd in widths]), widths)]
+        return flat_blocks(flat, x.shape[0], bounds)
     spans = list(zip(bounds, bounds[1:]))
     return [routed_lora_forward(x, A[p], B[:, lo:hi], slots, weights, scale[p], None, meta, path)
             for p, (lo, hi) in enumerate(spans)]
+
+
+def flat_blocks(flat: torch.Tensor, n: int, bounds: tuple[int, ...]) -> list[torch.Tensor]:
+    """The P outputs a group kernel wrote into one flat buffer: projection p's the contiguous [N, width_p] block at
+    N * bounds[p]."""
+    if len(bounds) == 2:
+        return [flat.view(n, bounds[1])]
+    widths = _widths(bounds)
+    return [block.view(n, wd) for block, wd in zip(flat.split([n * wd for wd in widths]), widths)]
 
 
 def _check_path(x: torch.Tensor, path: str) -> None:

@@ -34,6 +34,7 @@ def _check_meta(meta: RoutingMeta | None, slots: torch.Tensor, num_slots: int) -
 def _run(x, A, B, slots, weights, scale, out, meta, path):
     check_inputs(x, A, B, slots, weights, scale, out)
     _check_meta(meta, slots, A.shape[0])
+    scale = scale.contiguous()  # (the kernels read scale with unit stride; a no-op for the routed layers' buffers)
     if needs_autograd(x, A, B, weights):
         delta = RoutedLoRAFunction.apply(x, A, B, slots, weights, scale, meta, path)
         return delta if out is None else out.add_(delta)
@@ -81,6 +82,7 @@ def routed_lora_group(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: 
     for p in range(p_count):
         check_inputs(x, A[p], B[:, bounds[p]:bounds[p + 1]], slots2, weights, scale[p], None)
     _check_meta(meta, slots2, A.shape[1])
+    scale = scale.contiguous()  # (the kernels read each row of scale with unit stride)
     if needs_autograd(x, A, B, weights):
         return [RoutedLoRAFunction.apply(x, A[p], B[:, lo:hi], slots2, weights, scale[p], meta, path)
                 for p, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]

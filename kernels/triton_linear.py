@@ -102,7 +102,8 @@ if HAS_TRITON:
 # give WIDE_MIN_PROGRAMS programs or more (then fewer, larger tiles read x and W fewer times). H200, 2026-12-02,
 # median us (benchmarks/kernels.py --only linear: BLOCK_M/BLOCK_N/warps/stages swept at BLOCK_K 64, GROUP_M 32):
 #   d=4096 q/k/v: N=32 small 50.2 (large 63.6); N=128 small 54.1 (large 66.2: 48 programs); N=256 large 67.0 (96
-#   programs; small 91.6); N=2048 large (3 stages) 338 (64x128: 489-523); 128x256 with 4 warps: 4-5x slower
+#   programs; small 91.6); above the dispatcher's 256 tokens, N=2048: 128x256 with 3 stages 340, 4 stages 352
+#   (64x128: 489-523); 128x256 with 4 warps: 4-5x slower
 #   Qwen3-1.7B q/k/v (2048 -> 2048/1024/1024): N=1 small 24.4 (8 warps 23.4); N=128 25.2; N=256 27.7 (large 39.9:
 #   32 programs)
 # BLOCK_K 128 ran out of shared memory with the large tiles; GROUP_M 1..32 moved times by <= 2%.
@@ -125,14 +126,14 @@ def linear_config(n: int, widths: tuple[int, ...]) -> dict:
 def _check(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.Tensor, B: torch.Tensor,
            bounds: tuple[int, ...]) -> None:
     if x.dim() != 2 or A.dim() != 4 or B.dim() != 3 or B.shape[1] != bounds[-1] or A.shape[3] != x.shape[1]:
-        raise KernelInputError(f"routed_linear_group takes x [N, in], A [P, S, r, in], B [S, O, r] with O = bounds[-1]; "
+        raise KernelInputError(f"stacked_linear_group takes x [N, in], A [P, S, r, in], B [S, O, r] with O = bounds[-1]; "
                                f"got x {list(x.shape)}, A {list(A.shape)}, B {list(B.shape)}, bounds {bounds}")
     p_count = A.shape[0]
     if not 1 <= p_count <= MAX_PROJECTIONS or len(W) != p_count or len(bounds) != p_count + 1:
-        raise KernelInputError(f"routed_linear_group takes 1..{MAX_PROJECTIONS} projections with one base weight and "
+        raise KernelInputError(f"stacked_linear_group takes 1..{MAX_PROJECTIONS} projections with one base weight and "
                                f"one bound each; got A for {p_count}, {len(W)} weights, bounds {bounds}")
     if stacked_width(A.shape[1], A.shape[2]) > MAX_WIDTH:
-        raise KernelInputError(f"routed_linear_group takes hot sets of at most {MAX_WIDTH} stacked columns, got "
+        raise KernelInputError(f"stacked_linear_group takes hot sets of at most {MAX_WIDTH} stacked columns, got "
                                f"S={A.shape[1]}, r={A.shape[2]}")
     for p, (w, lo, hi) in enumerate(zip(W, bounds, bounds[1:])):
         if w.dim() != 2 or tuple(w.shape) != (hi - lo, x.shape[1]) or w.dtype != x.dtype or w.device != x.device:
@@ -143,18 +144,22 @@ def _check(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.Tensor, B: tor
                                    f"{W[0].stride()}")
 
 
-def routed_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.Tensor, B: torch.Tensor,
-                        slots: torch.Tensor, weights: torch.Tensor | None, scale: torch.Tensor,
-                        bounds: tuple[int, ...], config: dict | None = None,
-                        shrink_config: dict | None = None) -> torch.Tensor:
+def stacked_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.Tensor, B: torch.Tensor,
+                         slots: torch.Tensor, weights: torch.Tensor | None, scale: torch.Tensor,
+                         bounds: tuple[int, ...], config: dict | None = None,
+                         shrink_config: dict | None = None) -> torch.Tensor:
     """Base linear plus routed delta of P projections sharing x [N, in]: W (P base weights [width_p, in], x's
-    dtype), A [P, S, r, in], B [S, O, r], scale [P, S], slots [N, k] (-1: no adapter), weights [N, k] or None.
-    Returns one flat buffer [N * O] in x's dtype, projection p's output the contiguous [N, width_p] block at
-    N * bounds[p] (no bias). `config` / `shrink_config` override the GEMM's and the shrink's tiles."""
+    dtype), A [P, S, r, in], B [S, O, r], scale [P, S] (contiguous), slots [N, k] (-1: no adapter), weights [N, k]
+    or None. Returns one flat buffer [N * O] in x's dtype, projection p's output the contiguous [N, width_p] block
+    at N * bounds[p] (no bias). `config` / `shrink_config` override the GEMM's and the shrink's tiles.
+
+    A launcher, as stacked_lora_group is: it checks the weights and the shapes it lays out, not the routing inputs
+    (slots' and weights' shapes, dtypes and devices, scale's shape) that the public ops check
+    (kernels/checks.py); its caller (routing/lora.py) passes tensors it built itself."""
     W, bounds = tuple(W), tuple(bounds)
     _check(x, W, A, B, bounds)
     if not HAS_TRITON or not (x.is_cuda or interpreting()):
-        raise KernelInputError(f"routed_linear_group runs a Triton kernel, which needs triton and CUDA tensors (x is "
+        raise KernelInputError(f"stacked_linear_group runs a Triton kernel, which needs triton and CUDA tensors (x is "
                                f"on {x.device}); elsewhere compute F.linear per projection plus routed_lora_group, "
                                "as the routed layers do (routing/lora.py)")
     n, d_in = x.shape

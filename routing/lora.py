@@ -12,7 +12,8 @@ kernel call for all the deltas, x read once, and the members' base GEMMs next to
 theirs up from the call's CallRouting with no work of their own (an eager decode step is host-bound: each layer's
 reshape, checks and GEMM call cost host time).  The base GEMMs and the deltas meet without an extra pass over the
 output: on the eager decode path the GEMMs write one [N, O] buffer and the one-launch kernel adds the deltas into
-it; q/k/v up to a few hundred tokens (kernels.dispatch.fuses_base) run as one GEMM with the deltas inside
+it; groups of three or more (q/k/v) on narrow hot sets, 16-bit, up to 256 tokens (eager calls from 17, captured
+ones from 1; kernels.dispatch.fuses_base), with no gradient recorded, run as one GEMM with the deltas inside
 (kernels/triton_linear.py); on the others each GEMM runs *onto* its member's fresh delta (addmm_, beta = 1).
 
 The layer builds no routing metadata: it reads the per-call `CallRouting` (routing/context.py) that
@@ -36,8 +37,8 @@ from torch import nn
 
 from molora.kernels import reads_meta, routed_lora, routed_lora_topk
 from molora.kernels.autograd import needs_autograd
-from molora.kernels.dispatch import choose_group_path, fuses_base, routed_lora_group_forward
-from molora.kernels.triton_linear import routed_linear_group
+from molora.kernels.dispatch import choose_group_path, flat_blocks, fuses_base, routed_lora_group_forward
+from molora.kernels.triton_linear import stacked_linear_group
 from molora.kernels.triton_stacked import FusedLaunch
 from molora.routing.context import CallRouting, SharedOutputs, current_routing
 from molora.routing.errors import RoutingError
@@ -152,11 +153,9 @@ class ProjectionGroup:
                 len({layer._parameters["weight"].stride() for layer in members}) == 1:
             # one GEMM per call: every member's base GEMM with its delta inside (no autograd: no backward there;
             # the kernel reads the weights with one set of strides)
-            n = x2.shape[0]
-            flat = routed_linear_group(x2, [layer._parameters["weight"] for layer in members], A, B, slots,
-                                       weights, scale, bounds)
-            ys = [flat[n * lo:n * hi].view(n, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
-            return _with_bias(members, ys, lead)
+            flat = stacked_linear_group(x2, [layer._parameters["weight"] for layer in members], A, B, slots,
+                                        weights, scale, bounds)
+            return _with_bias(members, flat_blocks(flat, x2.shape[0], tuple(bounds)), lead)
         else:
             meta = routing.meta(block) if path == "grouped" or path == "torch" else None
             deltas = routed_lora_group_forward(x2, A, B, slots, weights, scale, bounds, meta, path)

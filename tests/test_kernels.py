@@ -482,7 +482,7 @@ def test_routed_linear_takes_q_k_v_between_decode_and_prefill_sizes_on_narrow_ho
 
 
 def test_routed_linear_refuses_bad_inputs_by_name():
-    from molora.kernels.triton_linear import routed_linear_group
+    from molora.kernels.triton_linear import stacked_linear_group
 
     x = torch.randn(5, 8, dtype=torch.float16)
     A, B = torch.zeros(2, 4, 4, 8, dtype=torch.float16), torch.zeros(4, 12, 4, dtype=torch.float16)
@@ -490,7 +490,7 @@ def test_routed_linear_refuses_bad_inputs_by_name():
     W = [torch.zeros(6, 8, dtype=torch.float16), torch.zeros(6, 8, dtype=torch.float16)]
 
     def call(W=W, A=A, B=B, bounds=(0, 6, 12)):
-        return routed_linear_group(x, W, A, B, slots, None, scale, bounds)
+        return stacked_linear_group(x, W, A, B, slots, None, scale, bounds)
     with pytest.raises(KernelInputError, match=r"base weight 1 must be \[6, 8\]"):
         call(W=[W[0], torch.zeros(6, 7, dtype=torch.float16)])
     with pytest.raises(KernelInputError, match="base weight 0 must be .*float16"):

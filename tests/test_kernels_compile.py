@@ -18,6 +18,7 @@ import molora.kernels.metadata as metadata  # noqa: E402
 import molora.kernels.stacked_gemm as stacked_gemm  # noqa: E402
 import molora.kernels.triton_gather as gather  # noqa: E402
 import molora.kernels.triton_grouped as grouped  # noqa: E402
+import molora.kernels.triton_linear as linear  # noqa: E402
 import molora.kernels.triton_stacked as stacked  # noqa: E402
 from molora.kernels.triton_common import interpreting, tl  # noqa: E402
 
@@ -41,6 +42,8 @@ KERNELS = {
     "grouped_expand_atomic": (grouped._grouped_expand_kernel, dict(K=2, KS=1, SETS=False, P=3, HAS_W=True, MODE=2,
                                                                    BLOCKS=True, **BF16, S_PAD=16, BLOCK_M=16,
                                                                    BLOCK_R=16, BLOCK_N=128)),
+    "linear_qkv": (linear._stacked_linear_kernel, dict(P=3, **BF16, SR_PAD=64, R_PAD=16, BLOCK_M=64, BLOCK_N=64,
+                                                       BLOCK_K=64, GROUP_M=32, EVEN_K=True)),
     "sort_count": (metadata._count_keys_kernel, dict(SETS_K=2, BLOCK=128, S_PAD=32)),
     "sort_place": (metadata._place_rows_kernel, dict(SETS_K=0, BLOCK=128, S_PAD=8, CHUNK_TILE=64)),
     "gemm_prepare": (stacked_gemm._prepare_kernel, dict(K=2, HAS_W=True, BLOCK_M=32, BLOCK_C=128, R_PAD=64,

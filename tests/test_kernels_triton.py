@@ -223,7 +223,7 @@ def _run_group_case(name: str, path: str, seed: int) -> dict:
 
 
 def _run_linear_case(name: str, seed: int) -> dict:
-    """routed_linear_group: each projection's output vs x W_p^T + its reference delta, the flat output poisoned."""
+    """stacked_linear_group: each projection's output vs x W_p^T + its reference delta, the flat output poisoned."""
     import torch
 
     import molora.kernels.triton_linear as linear_mod
@@ -237,7 +237,7 @@ def _run_linear_case(name: str, seed: int) -> dict:
     real_empty = torch.empty
     torch.empty = lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))  # (every float buffer is written)
     try:
-        flat = linear_mod.routed_linear_group(x, W, A, B, slots, weights, scale, tuple(bounds))
+        flat = linear_mod.stacked_linear_group(x, W, A, B, slots, weights, scale, tuple(bounds))
     finally:
         torch.empty = real_empty
     got = [flat[n * lo:n * hi].view(n, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
@@ -245,6 +245,31 @@ def _run_linear_case(name: str, seed: int) -> dict:
     return {"flat_ok": flat.shape == (n * bounds[-1],) and flat.dtype == dtype,
             "unwritten": int(torch.isnan(flat).sum()), "max_err": max(_rel_err(g.float(), w) for g, w in zip(got, wants)),
             "tol": TOLERANCE[dtype_name]}
+
+
+def _run_strided_scale_checks() -> dict:
+    """Public ops with a scale that is a strided view (every path): the kernels read scale with unit stride, so the
+    ops hand them a contiguous copy; error per path against the reference."""
+    import torch
+
+    from molora.kernels import routed_lora, routed_lora_group
+    from molora.kernels.reference import routed_lora_group_reference, routed_lora_reference
+
+    gen = torch.Generator().manual_seed(11)
+    n, d_in, s, r = 21, 24, 3, 8
+    x = torch.randn(n, d_in, generator=gen)
+    A = torch.randn(2, s, r, d_in, generator=gen) / d_in ** 0.5
+    B = torch.randn(s, 30, r, generator=gen)
+    slots = torch.randint(-1, s, (n,), generator=gen)
+    scale = (torch.rand(s, 2, generator=gen) + 0.5).t()  # [2, S] with strides (1, 2)
+    want = routed_lora_reference(x, A[0], B[:, :20], slots, scale[0])
+    wants = routed_lora_group_reference(x, A, B, slots, None, scale, (0, 20, 30))
+    res = {}
+    for path in PATHS:
+        res[path] = _rel_err(routed_lora(x, A[0], B[:, :20], slots, scale[0], path=path), want)
+        got = routed_lora_group(x, A, B, slots, None, scale, (0, 20, 30), path=path)
+        res[f"group-{path}"] = max(_rel_err(g, w) for g, w in zip(got, wants))
+    return res
 
 
 def _rel_err(got, want) -> float:
@@ -400,6 +425,7 @@ def main() -> None:
             res = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps({"case": f"{name}-linear", **res}), flush=True)
     print(json.dumps({"case": "metadata", **_run_meta_checks()}), flush=True)
+    print(json.dumps({"case": "strided_scale", **_run_strided_scale_checks()}), flush=True)
     for i, name in enumerate(GRAD_CASES):
         for path in PATHS:
             try:
@@ -456,6 +482,11 @@ def test_triton_routed_linear_matches_base_plus_reference(interp_results: dict, 
     assert res["flat_ok"], res
     assert res["unwritten"] == 0, f"{res['unwritten']} output elements never written"
     assert res["max_err"] <= res["tol"], res
+
+
+def test_public_ops_read_a_strided_scale_right_on_every_path(interp_results: dict) -> None:
+    res = {k: v for k, v in interp_results["strided_scale"].items() if k != "case"}
+    assert res and all(err <= TOLERANCE["float32"] for err in res.values()), res
 
 
 def test_triton_metadata_builder_matches_torch_sort(interp_results: dict) -> None:

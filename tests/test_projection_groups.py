@@ -150,7 +150,7 @@ def test_group_with_weights_of_different_strides_keeps_the_group_call(monkeypatc
     transposed sends the group to the group call (correct outputs, no error), wherever fuses_base would say yes."""
     calls = []
     monkeypatch.setattr(lora_mod, "fuses_base", lambda *a: True)
-    monkeypatch.setattr(lora_mod, "routed_linear_group", lambda *a, **kw: calls.append(1))
+    monkeypatch.setattr(lora_mod, "stacked_linear_group", lambda *a, **kw: calls.append(1))
     gen = torch.Generator().manual_seed(3)
     layers = []
     for nm, o in (("q_proj", 24), ("k_proj", 8), ("v_proj", 8)):
@@ -198,8 +198,8 @@ def test_cuda_eager_group_outputs_match_base_plus_reference_and_capture(n, k, mo
     (kernels/triton_linear.py). Then a plain torch.cuda.graph capture replayed with new slot values."""
     import molora.kernels.dispatch as dispatch
     linear_calls = []
-    real_linear = lora_mod.routed_linear_group
-    monkeypatch.setattr(lora_mod, "routed_linear_group", lambda *a, **kw: linear_calls.append(1) or real_linear(*a, **kw))
+    real_linear = lora_mod.stacked_linear_group
+    monkeypatch.setattr(lora_mod, "stacked_linear_group", lambda *a, **kw: linear_calls.append(1) or real_linear(*a, **kw))
     gen = torch.Generator().manual_seed(10 * n + k)
     layers = [RoutedLoRALinear(torch.nn.Linear(256, o, bias=bias), 4, 16, name=f"blk.{nm}", block=0)
               for nm, o, bias in (("q_proj", 256, True), ("k_proj", 64, False), ("v_proj", 64, True))]
@@ -283,7 +283,7 @@ def _fused_group_interpreter_checks() -> list[str]:
     buffer, the kept launcher adding every delta) against base + reference under the interpreter, fp32 / fp16,
     biases on some members: shared x; with grad enabled (deltas first, GEMMs onto them); members on different inputs
     (one kept launcher per member, reused by the next forward). Returns the failures (run by
-    test_fused_group_outputs_and_kept_launchers_under_the_interpreter)."""
+    test_group_paths_under_the_interpreter)."""
     lora_mod.choose_group_path = lambda *a: "fused"  # what a CUDA decode call picks; the interpreter runs it
     fails = []
     for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 5e-3)):
@@ -315,7 +315,54 @@ def _fused_group_interpreter_checks() -> list[str]:
     return fails
 
 
-def test_fused_group_outputs_and_kept_launchers_under_the_interpreter():
+def _linear_group_interpreter_checks() -> list[str]:
+    """The one-GEMM path of a group (routing/lora.py: kernels/triton_linear.py, what a CUDA call of 17..256 tokens
+    takes) against base + reference under the interpreter, fp32 / fp16, biases on some members, static routing and
+    top-2, one kernel call per group forward; with grad enabled the group call instead (no backward in the kernel).
+    Returns the failures (run by test_group_paths_under_the_interpreter)."""
+    calls = []
+    real = lora_mod.stacked_linear_group
+    lora_mod.fuses_base = lambda *a: True  # what a CUDA call of these sizes decides; the interpreter runs it
+    lora_mod.stacked_linear_group = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    fails = []
+    for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 5e-3)):
+        gen = torch.Generator().manual_seed(6)
+        layers = [RoutedLoRALinear(torch.nn.Linear(24, o, bias=bias).to(dtype), 3, 8, name=f"blk.{n}", block=0)
+                  for n, o, bias in (("q_proj", 40, True), ("k_proj", 12, False), ("v_proj", 12, True))]
+        group_projections(layers)
+        with torch.no_grad():
+            for layer in layers:
+                layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=gen) / 5)
+                layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen))
+                layer.lora_scale.copy_(torch.rand(3, generator=gen) + 0.5)
+        slots = torch.tensor([0, 2, -1, 1, 1, 0])
+        x = torch.randn(2, 3, 24, generator=gen).to(dtype)
+        calls.clear()
+        fails += [f"{dtype} static: {e}" for e in _group_errors(layers, [x] * 3, slots, dtype, tol)]
+        fails += [] if len(calls) == 1 else [f"{dtype}: {len(calls)} one-GEMM calls for one group forward"]
+        fails += [f"{dtype} grad enabled: {e}" for e in _group_errors(layers, [x] * 3, slots, dtype, tol, grad=True)]
+        fails += [] if len(calls) == 1 else [f"{dtype}: the one-GEMM path ran with grad enabled"]
+        top2, weights = torch.randint(-1, 3, (6, 2), generator=gen), torch.rand(6, 2, generator=gen)
+        routing = CallRouting(2, 3, top2[:, 0], 3, k=2)
+        routing.learned = [None]
+        routing.block_slots = {0: (top2, weights)}
+        token = set_routing(routing)
+        try:
+            with torch.no_grad():
+                ys = [layer(x) for layer in layers]
+        finally:
+            reset_routing(token)
+        for layer, y in zip(layers, ys):
+            want = F.linear(x, layer.weight, layer.bias).double().reshape(6, -1) + routed_lora_topk_reference(
+                x.view(6, 24), layer.lora_A, layer.lora_B, top2, weights, layer.lora_scale).double()
+            err = ((y.double().reshape(6, -1) - want).abs().max() / want.abs().max()).item()
+            if not (y.shape == (2, 3, layer.out_features) and y.is_contiguous() and err <= tol):
+                fails.append(f"{dtype} top-2 {layer.name}: err {err:.2e} shape {tuple(y.shape)}")
+    return fails
+
+
+@pytest.mark.parametrize("checks", ["_fused_group_interpreter_checks", "_linear_group_interpreter_checks"])
+def test_group_paths_under_the_interpreter(checks):
     import json
     import os
     import subprocess
@@ -324,7 +371,7 @@ def test_fused_group_outputs_and_kept_launchers_under_the_interpreter():
 
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
-    code = "import json, tests.test_projection_groups as t; print('FAILS=' + json.dumps(t._fused_group_interpreter_checks()))"
+    code = f"import json, tests.test_projection_groups as t; print('FAILS=' + json.dumps(t.{checks}()))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
     assert proc.returncode == 0, proc.stderr[-3000:]
