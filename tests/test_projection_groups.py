@@ -19,6 +19,16 @@ from molora.routing.lora import ProjectionGroup, group_projections
 IDS = torch.tensor([[1, 7, 9, 3, 33, 40, 57, 63, 4, 8, 30, 2], [1, 3, 32, 35, 36, 50, 4, 11, 12, 13, 14, 2]])
 
 
+def _run_layers(layers, xs, routing: CallRouting, grad: bool = False) -> list[torch.Tensor]:
+    """Each layer called on its input under `routing` (gradients recorded only with grad)."""
+    token = set_routing(routing)
+    try:
+        with torch.set_grad_enabled(grad):
+            return [layer(x) for layer, x in zip(layers, xs)]
+    finally:
+        reset_routing(token)
+
+
 def _adapter(model, name: str, rank: int, seed: int) -> LoraAdapter:
     gen = torch.Generator().manual_seed(seed)
     weights = {n: (torch.randn(rank, m.in_features, generator=gen) * 0.3,
@@ -87,12 +97,7 @@ def test_group_layer_matches_base_plus_reference_delta():
             layer.lora_scale.copy_(torch.rand(3, generator=gen))
     x = torch.randn(2, 5, 24, generator=gen)
     slots = torch.tensor([0, 1, 2, -1, 1, 0, 0, 2, -1, 1])
-    token = set_routing(CallRouting(2, 5, slots, 3))
-    try:
-        with torch.no_grad():
-            ys = [layer(x) for layer in layers]
-    finally:
-        reset_routing(token)
+    ys = _run_layers(layers, [x] * len(layers), CallRouting(2, 5, slots, 3))
     for layer, y in zip(layers, ys):
         want = F.linear(x, layer.weight, layer.bias).reshape(10, -1) + routed_lora_reference(
             x.reshape(10, 24), layer.lora_A, layer.lora_B, slots, layer.lora_scale)
@@ -110,12 +115,7 @@ def test_members_called_on_different_inputs_stop_sharing_and_stay_correct():
             layer.lora_scale.fill_(1.0 + i)
     x1, x2 = torch.randn(3, 16), torch.randn(3, 16)
     slots = torch.tensor([0, 1, -1])
-    token = set_routing(CallRouting(1, 3, slots, 2))
-    try:
-        with torch.no_grad():
-            y_gate, y_up = layers[0](x1), layers[1](x2)
-    finally:
-        reset_routing(token)
+    y_gate, y_up = _run_layers(layers, [x1, x2], CallRouting(1, 3, slots, 2))
     assert layers[0].group.shares_input is False
     for layer, x, y in ((layers[0], x1, y_gate), (layers[1], x2, y_up)):
         want = F.linear(x, layer.weight) + routed_lora_reference(x, layer.lora_A, layer.lora_B, slots, layer.lora_scale)
@@ -166,11 +166,7 @@ def test_group_with_weights_of_different_strides_keeps_the_group_call(monkeypatc
             layer.lora_scale.fill_(0.5)
         x = torch.randn(1, 20, 16, generator=gen)
         slots = torch.randint(-1, 2, (20,), generator=gen)
-        token = set_routing(CallRouting(1, 20, slots, 2))
-        try:
-            ys = [layer(x) for layer in layers]
-        finally:
-            reset_routing(token)
+        ys = _run_layers(layers, [x] * 3, CallRouting(1, 20, slots, 2))
     assert calls == []
     for layer, y in zip(layers, ys):
         want = F.linear(x, layer.weight) + routed_lora_reference(x[0], layer.lora_A, layer.lora_B, slots,
@@ -261,12 +257,7 @@ def test_cuda_eager_group_outputs_match_base_plus_reference_and_capture(n, k, mo
 
 def _group_errors(layers, xs, slots, dtype, tol, grad=False) -> list[str]:
     """Run the layers on inputs xs under one static routing (slots for 2x3 tokens); their outputs' problems."""
-    token = set_routing(CallRouting(2, 3, slots, 3))
-    try:
-        with torch.set_grad_enabled(grad):
-            ys = [layer(x) for layer, x in zip(layers, xs)]
-    finally:
-        reset_routing(token)
+    ys = _run_layers(layers, xs, CallRouting(2, 3, slots, 3), grad)
     errors = []
     for layer, x, y in zip(layers, xs, ys):
         with torch.no_grad():
@@ -346,12 +337,7 @@ def _linear_group_interpreter_checks() -> list[str]:
         routing = CallRouting(2, 3, top2[:, 0], 3, k=2)
         routing.learned = [None]
         routing.block_slots = {0: (top2, weights)}
-        token = set_routing(routing)
-        try:
-            with torch.no_grad():
-                ys = [layer(x) for layer in layers]
-        finally:
-            reset_routing(token)
+        ys = _run_layers(layers, [x] * 3, routing)
         for layer, y in zip(layers, ys):
             want = F.linear(x, layer.weight, layer.bias).double().reshape(6, -1) + routed_lora_topk_reference(
                 x.view(6, 24), layer.lora_A, layer.lora_B, top2, weights, layer.lora_scale).double()
