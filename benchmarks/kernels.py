@@ -10,8 +10,11 @@ projection's reference); copy bandwidth; ranks (every path across N and r = 8..1
 metadata, GB/s, the memory floor, and vLLM's numbers beside ours); topk; sweep (gather and grouped tiles per
 rank); setsweep (the grouped kernel's slot-set tiles, top-k); tune (stacked tiles); narrow (stacked tiles, r=16,
 k=1, N >= 256); sweep32 (grouped tiles at N = 32, r = 32..128); k1 (K1/K2); k3 (base linear + delta: per layer,
-and q/k/v sharing one group call, by path, with the delta on a side stream, and each kernel's GPU time); dense (GPU time of the dense torch form vs the Triton paths at
-decode sizes); eager (host cost per op call, per routed layer, and per decode step of 1.7B-shaped blocks).
+and q/k/v sharing one group call as the routed layers make it, by path, with the delta on a side stream, and each
+kernel's GPU time); linear (the routed linear as one GEMM, kernels/triton_linear.py, against the base GEMMs and the
+group call: a tile sweep, or with --no-tune the dispatcher's range and the Qwen3-1.7B shapes); dense (GPU time of
+the dense torch form vs the Triton paths at decode sizes); eager (host cost per op call, per routed layer, and per
+decode step of 1.7B-shaped blocks). --sweep-ranks / --sweep-n pick the ranks section's points.
 
 Every timed function is captured in a CUDA graph and its replays are timed with triton.testing.do_bench
 (median; do_bench clears the L2 before each replay, so inputs come from HBM). Correctness against
@@ -58,7 +61,8 @@ VLLM_US = {(8, 1): 15.5, (8, 32): 15.8, (8, 128): 25.9, (8, 256): 26.6, (8, 2048
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU smoke run under TRITON_INTERPRET=1, tiny sizes")
-    p.add_argument("--no-tune", action="store_true", help="skip the tile sweeps (tune, narrow, sweep, setsweep, sweep32)")
+    p.add_argument("--no-tune", action="store_true", help="skip the tile sweeps (tune, narrow, sweep, setsweep, sweep32; "
+                   "linear times the table's tiles instead of sweeping)")
     p.add_argument("--quick-correct", action="store_true", help="correctness on a few cases only")
     p.add_argument("--topk-ranks", default="16,64", help="comma-separated ranks of the topk section")
     p.add_argument("--sweep-ranks", default="", help="comma-separated ranks of the ranks section (default: 8..128)")
