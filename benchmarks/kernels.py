@@ -854,11 +854,8 @@ def run_k3() -> None:
               f"{row['base3']:8.2f}  qkv[{row['path']}] {row['qkv']:8.2f} ({row['qkv/base3']:.3f}x, <= 1.15x at "
               f"N >= 256){extra}")
         if DEV == "cuda" and n in (256, 2048):
-            for label, fn in (("3 bases", lambda: [torch.mm(x, Ws[p].t(), out=ys[p]) for p in range(3)]),
-                              (f"qkv[{row['path']}]", qkv)):
-                row[f"kernels {label}"] = kernels = kernel_times(fn)
-                print(f"    N={n} {label}, GPU time per kernel (eager, L2 flushed, us): "
-                      + ", ".join(f"{k[:60]} {v:.2f}" for k, v in kernels.items()))
+            record_kernel_times(row, f"N={n}", {"3 bases": lambda: [torch.mm(x, Ws[p].t(), out=ys[p]) for p in range(3)],
+                                                f"qkv[{row['path']}]": qkv})
     RESULTS["k3"] = res
 
 
@@ -904,7 +901,10 @@ def run_linear() -> None:
 
         def linear(cfg=None, x=x, slots=slots, w=None):
             return linear_mod.stacked_linear_group(x, Ws, A, B, slots, w, scale, bounds, cfg)
-        row = {"bases": bench_us(lambda: [torch.mm(x, W.t(), out=y) for W, y in zip(Ws, ys)]),
+
+        def bases():
+            return [torch.mm(x, W.t(), out=y) for W, y in zip(Ws, ys)]
+        row = {"bases": bench_us(bases),
                "base_cat": bench_us(lambda: torch.mm(x, Wcat.t(), out=ycat)),
                "group_call": bench_us(group_call),
                "linear_default": bench_us(linear)}
@@ -931,10 +931,9 @@ def run_linear() -> None:
         for sl, w in ((slots, None), (slots2, w2)):
             flat = linear(best_cfg, slots=sl, w=w)
             refs = routed_lora_group_reference(x, A, B, sl, w, scale, bounds)
-            for p, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-                ref = x.float() @ Ws[p].float().t() + refs[p].float()
-                got = flat[n * lo:n * hi].view(n, hi - lo).float()
-                errs.append(((got - ref).abs().max() / ref.abs().max()).item())
+            for got, W, delta in zip(dispatch.flat_blocks(flat, n, bounds), Ws, refs):
+                ref = x.float() @ W.float().t() + delta.float()
+                errs.append(((got.float() - ref).abs().max() / ref.abs().max()).item())
         row["err"] = max(errs)
         ok = row["err"] <= 2.5e-2
         row["ok"] = ok
@@ -948,13 +947,17 @@ def run_linear() -> None:
               f"cat; k=2 {row['linear_best_k2']:.2f})  err {row['err']:.2e} {'ok' if ok else 'FAIL'}  tiles "
               f"{best_cfg}")
         if DEV == "cuda" and n in (256, 2048) and not ARGS.no_tune:
-            for label, fn in (("bases", lambda: [torch.mm(x, W.t(), out=y) for W, y in zip(Ws, ys)]),
-                              ("linear", lambda: linear(best_cfg))):
-                row[f"kernels {label}"] = kernels = kernel_times(fn)
-                print(f"    {name} {label}, GPU time per kernel (eager, L2 flushed, us): "
-                      + ", ".join(f"{k[:50]} {v:.2f}" for k, v in kernels.items()))
+            record_kernel_times(row, name, {"bases": bases, "linear": lambda: linear(best_cfg)})
         write_outputs()
     RESULTS["linear"] = res
+
+
+def record_kernel_times(row: dict, name: str, fns: dict) -> None:
+    """kernel_times of each labelled function into row["kernels <label>"], printed a line each."""
+    for label, fn in fns.items():
+        row[f"kernels {label}"] = kernels = kernel_times(fn)
+        print(f"    {name} {label}, GPU time per kernel (eager, L2 flushed, us): "
+              + ", ".join(f"{k[:60]} {v:.2f}" for k, v in kernels.items()))
 
 
 def kernel_times(fn, calls: int = 20) -> dict[str, float]:

@@ -155,7 +155,7 @@ class ProjectionGroup:
             # the kernel reads the weights with one set of strides)
             flat = stacked_linear_group(x2, [layer._parameters["weight"] for layer in members], A, B, slots,
                                         weights, scale, bounds)
-            return _with_bias(members, flat_blocks(flat, x2.shape[0], tuple(bounds)), lead)
+            return _with_bias(members, flat_blocks(flat, x2.shape[0], bounds), lead)
         else:
             meta = routing.meta(block) if path == "grouped" or path == "torch" else None
             deltas = routed_lora_group_forward(x2, A, B, slots, weights, scale, bounds, meta, path)
