@@ -11,7 +11,8 @@ metadata, GB/s, the memory floor, and vLLM's numbers beside ours); topk; sweep (
 rank); setsweep (the grouped kernel's slot-set tiles, top-k); tune (stacked tiles); narrow (stacked tiles, r=16,
 k=1, N >= 256); sweep32 (grouped tiles at N = 32, r = 32..128); k1 (K1/K2); k3 (base linear + delta: per layer,
 and q/k/v sharing one group call as the routed layers make it, by path, with the delta on a side stream, and each
-kernel's GPU time); linear (the routed linear as one GEMM, kernels/triton_linear.py, against the base GEMMs and the
+kernel's GPU time); pdl (programmatic dependent launch off vs on for the two-phase calls, and K2 against one copy
+of x); linear (the routed linear as one GEMM, kernels/triton_linear.py, against the base GEMMs and the
 group call: a tile sweep, or with --no-tune the dispatcher's range and the Qwen3-1.7B shapes); dense (GPU time of
 the dense torch form vs the Triton paths at decode sizes); eager (host cost per op call, per routed layer, and per
 decode step of 1.7B-shaped blocks). --sweep-ranks / --sweep-n pick the ranks section's points.
@@ -70,7 +71,7 @@ def parse_args() -> argparse.Namespace:
                    "1, 32, 128, 256, 2048, 8192)")
     p.add_argument("--profile", action="store_true", help="eager: cProfile the routed 1.7B-shaped step (top 25)")
     p.add_argument("--only", default="", help="comma-separated sections to run (default: all): correct, group, "
-                   "topk, ranks, k3, linear, k1, dense, eager, tune, narrow, sweep, setsweep, sweep32")
+                   "topk, ranks, k3, linear, k1, pdl, dense, eager, tune, narrow, sweep, setsweep, sweep32")
     return p.parse_args()
 
 
@@ -91,6 +92,7 @@ from molora.kernels import build_routing_meta, routed_lora, routed_lora_group, r
 from molora.kernels.checks import check_inputs  # noqa: E402
 from molora.kernels.graphs import capture_graph, graph_paths  # noqa: E402
 from molora.kernels.reference import routed_lora_group_reference, routed_lora_topk_reference  # noqa: E402
+from molora.kernels.triton_common import set_dependent_launch  # noqa: E402
 
 DEV = "cpu" if ARGS.dry_run else "cuda"
 D = 64 if ARGS.dry_run else 4096          # hidden size in and out
@@ -1082,6 +1084,60 @@ def run_set_sweep() -> None:
     RESULTS["set_sweep"] = res
 
 
+# ----------------------------------------------------------------------------------------------- PDL
+def run_pdl(bw: float) -> None:
+    """Programmatic dependent launch (kernels/triton_common.py) off vs on, side by side, for the two-phase calls
+    the targets measure: K2's delta, the vLLM-side point r = 32 N = 32 (grouped, metadata prebuilt), top-k r = 128
+    N = 8192 (k = 1 and 2), a wide grouped call, the q/k/v routed linear (one GEMM, N = 256) and the q/k/v group
+    call at N = 2048; plus one copy of x (one kernel reading x and writing as many bytes: the delta's bytes in one
+    pass) as the practical floor of K2, and each kernel's GPU time for K2's call."""
+    print(f"\n== programmatic dependent launch: off vs on (d={D}, {S} slots, bf16, median us, graph replay) ==")
+    cases = {}
+    x, A, B, slots, _, scale = make_inputs(N_K1, seed=1)
+    slot = slots[:, 0]
+    k2_name = f"K2 delta r{R} N{N_K1}"
+    cases[k2_name] = lambda: routed_lora(x, A, B, slot, scale)
+    copy_dst = torch.empty_like(x)
+    x32, A32, B32, slots32, _, scale32 = make_inputs(8 if ARGS.dry_run else 32, seed=2, r=32)
+    meta32 = build_routing_meta(slots32, S)
+    cases[f"r32 N{x32.shape[0]} +meta"] = lambda: routed_lora(x32, A32, B32, slots32[:, 0], scale32, meta=meta32)
+    n_top = 40 if ARGS.dry_run else 8192
+    r_top = 16 if ARGS.dry_run else 128
+    for k in (1, 2):
+        xt, At, Bt, st, wt, sct = make_inputs(n_top, k, seed=k, r=r_top)
+        cases[f"top-k r{r_top} N{n_top} k{k}"] = \
+            lambda xt=xt, At=At, Bt=Bt, st=st, wt=wt, sct=sct: routed_lora_topk(xt, At, Bt, st, wt, sct)
+    xg, Ag, Bg, sg, _, scg = make_inputs(N_K1, seed=3, r=64)
+    metag = build_routing_meta(sg, S)
+    cases[f"grouped r64 N{N_K1} +meta"] = lambda: routed_lora(xg, Ag, Bg, sg[:, 0], scg, meta=metag)
+    Ws = [torch.randn(D, D, device=DEV, dtype=torch.bfloat16) / D ** 0.5 for _ in range(3)]
+    for n in ([8] if ARGS.dry_run else [256, 2048]):
+        xq, Aq, Bq, scq, sq, _, bq = group_inputs(n, (D, D, D), seed=11)
+        if n <= 256:
+            cases[f"qkv linear N{n}"] = lambda xq=xq, Aq=Aq, Bq=Bq, sq=sq, scq=scq, bq=bq: \
+                linear_mod.stacked_linear_group(xq, Ws, Aq, Bq, sq, None, scq, bq)
+        else:
+            cases[f"qkv group N{n}"] = lambda xq=xq, Aq=Aq, Bq=Bq, sq=sq, scq=scq, bq=bq: \
+                routed_lora_group(xq, Aq, Bq, sq, None, scq, bq)
+    res = {}
+    for name, fn in cases.items():
+        row = {}
+        for mode in (False, True):
+            set_dependent_launch(mode)
+            row["on" if mode else "off"] = bench_us(fn)
+        res[name] = row
+        print(f"  {name:28s} off {row['off']:8.2f}  on {row['on']:8.2f}  ({row['off'] / row['on']:.3f}x)")
+    copy_us = bench_us(lambda: copy_dst.copy_(x))
+    floor_us = delta_bytes(N_K1, 1, R) / bw * 1e6
+    k2 = res[k2_name]["on"]
+    print(f"  one copy of x ({2 * x.numel() * 2 / 1e6:.1f} MB moved) {copy_us:.2f} us; K2's floor {floor_us:.2f} us: "
+          f"K2 {k2 / floor_us:.2f}x the floor, {k2 / copy_us:.2f}x one copy of x")
+    res["copy_x_us"] = copy_us
+    if DEV == "cuda":
+        record_kernel_times(res[k2_name], "K2 delta (PDL on)", {"": cases[k2_name]})
+    RESULTS["pdl"] = res
+
+
 # ----------------------------------------------------------------------------------------------- K1/K2
 def baselines(x, A, B, slots, scale):
     """The three per-adapter-pass baselines (see module docstring), each writing a preallocated delta."""
@@ -1174,7 +1230,7 @@ def main() -> None:
     print(f"\ncopy bandwidth (read + write): {bw / 1e12:.2f} TB/s   [{time.perf_counter() - t0:.0f} s]")
     sections = {"k3": run_k3, "linear": run_linear, "ranks": lambda: run_rank_sweep(bw), "topk": run_topk, "sweep": run_sweep,
                 "setsweep": run_set_sweep, "narrow": run_narrow_tuning, "sweep32": run_small_sweep,
-                "k1": lambda: run_k1_k2(bw), "dense": run_dense_gpu, "eager": run_eager}
+                "k1": lambda: run_k1_k2(bw), "pdl": lambda: run_pdl(bw), "dense": run_dense_gpu, "eager": run_eager}
     sweeps = {"sweep", "setsweep", "narrow", "sweep32"}
     for name, section in sections.items():
         if wanted(name) and not (ARGS.no_tune and name in sweeps):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -26,6 +27,31 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The Triton expand kernels read a group's column boundaries as three scalars (O1, O2, O3): at most four projections
 # share one call.
 MAX_PROJECTIONS = 4
+
+
+# Programmatic dependent launch (Hopper and later; kernels/*: the two-phase launchers). The second phase of a call
+# is launched with launch_pdl and waits on griddepcontrol.wait before it reads the first phase's partials; the first
+# phase lets it be scheduled (griddepcontrol.launch_dependents) as soon as all its own programs have started, so the
+# second launch's latency and set-up overlap the first's tail (and the routed linear's base GEMM runs beside the
+# shrink). Benchmarks switch it off to measure what it saves (set_dependent_launch).
+_DEPENDENT_LAUNCH = True
+
+
+def set_dependent_launch(enabled: bool) -> None:
+    """Turn programmatic dependent launch on or off for the launches that follow (on by default)."""
+    global _DEPENDENT_LAUNCH
+    _DEPENDENT_LAUNCH = bool(enabled)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm90_or_later(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def dependent_launch(x: torch.Tensor) -> bool:
+    """Whether the two-phase launchers chain their phases by programmatic dependent launch for tensors like x: on a
+    CUDA device of compute capability 9.0 or later, not under the interpreter, unless switched off."""
+    return _DEPENDENT_LAUNCH and not _INTERPRETING and x.is_cuda and _sm90_or_later(x.get_device())
 
 
 def interpreting() -> bool:

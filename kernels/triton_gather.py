@@ -21,13 +21,25 @@ import functools
 
 import torch
 
-from molora.kernels.triton_common import HAS_TRITON, cdiv, delta_target, interpreting, next_pow2, tl, triton
+from molora.kernels.triton_common import (
+    HAS_TRITON,
+    cdiv,
+    delta_target,
+    dependent_launch,
+    interpreting,
+    next_pow2,
+    tl,
+    triton,
+)
 
 if HAS_TRITON:
     @triton.jit
     def _bgmv_shrink_kernel(x_ptr, a_ptr, slot_ptr, part_ptr, M, IN, R, S,
                             sx0, sx1, sap, sa0, sa1, sa2,
-                            K: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                            K: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PDL: tl.constexpr):
+        if PDL:  # the expand may be scheduled now; it waits for this grid's writes (triton_common)
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         ks = tl.program_id(1)
         s = tl.load(slot_ptr + row).to(tl.int32)
@@ -57,7 +69,9 @@ if HAS_TRITON:
                             sb0, sb1, sb2, ssp, so0, so1,
                             K: tl.constexpr, P: tl.constexpr, HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr,
                             BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                            BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # launched before the shrink ends: wait for its partials
+            tl.extra.cuda.gdc_wait()
         n = tl.program_id(0).to(tl.int64)
         offs_o = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mo = offs_o < OUT
@@ -123,16 +137,18 @@ def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, c
     split_k = cdiv(d_in, cfg["BLOCK_K"])
     part = torch.empty(split_k, m_rows, p_count, block_r, dtype=torch.float32, device=x.device)
     sx, sa, sb = x.stride(), A4.stride(), B.stride()
+    pdl = dependent_launch(x)
     _bgmv_shrink_kernel[(m_rows, split_k)](
         x, A4, slots, part, m_rows, d_in, r, s_count, sx[0], sx[1], sa[0], sa[1], sa[2], sa[3],
-        K=k, P=p_count, BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+        K=k, P=p_count, BLOCK_R=block_r, BLOCK_K=cfg["BLOCK_K"], PDL=pdl, num_warps=cfg["num_warps"])
     o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
     so = out.stride()
     _bgmv_expand_kernel[(n, cdiv(d_out, cfg["BLOCK_N"]))](
         B, slots, w, scale2, part, out, m_rows, d_out, r, s_count, o1, o2, o3, sb[0], sb[1], sb[2],
         scale2.stride(0), so[0] if len(so) == 2 else 0, so[-1],
         K=k, P=p_count, HAS_W=weights is not None, ACCUMULATE=accumulate, BLOCKS=blocks, SPLIT_K=split_k,
-        SPLIT_PAD=max(2, next_pow2(split_k)), BLOCK_R=block_r, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+        SPLIT_PAD=max(2, next_pow2(split_k)), BLOCK_R=block_r, BLOCK_N=cfg["BLOCK_N"], PDL=pdl,
+        num_warps=cfg["num_warps"], launch_pdl=pdl)
 
 
 def gather_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,

@@ -32,6 +32,7 @@ from molora.kernels.triton_common import (
     HAS_TRITON,
     cdiv,
     choice_weights,
+    dependent_launch,
     dot_config,
     interpreting,
     next_pow2,
@@ -102,9 +103,12 @@ if HAS_TRITON:
                                sx0, sx1, sap, sa0, sa1, sa2,
                                K: tl.constexpr, KS: tl.constexpr, SETS: tl.constexpr, P: tl.constexpr,
                                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, S_PAD: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                               BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                               PDL: tl.constexpr):
         """Two phases, first: part[ks, sorted row, p, :] = x[tok, chunk_ks] @ A[p, tile slots][:, chunk_ks]^T
         (float32; the tile's KS slots' rank rows side by side)."""
+        if PDL:  # the expand may be scheduled now; it waits for this grid's writes (triton_common)
+            tl.extra.cuda.gdc_launch_dependents()
         found, key, row0, seg_end = _segment_tile(tl.program_id(0), offsets_ptr, NKEYS, S_PAD, BLOCK_M)
         if found & (key < NKEYS):
             offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -137,8 +141,11 @@ if HAS_TRITON:
                                K: tl.constexpr, KS: tl.constexpr, SETS: tl.constexpr, P: tl.constexpr,
                                HAS_W: tl.constexpr, MODE: tl.constexpr, BLOCKS: tl.constexpr,
                                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, S_PAD: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                               BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                               PDL: tl.constexpr):
         """Two phases, second: grid (row tiles, P * OUT_SPLIT); one slice of one projection's columns."""
+        if PDL:  # launched before the shrink ends: wait for its partials
+            tl.extra.cuda.gdc_wait()
         found, key, row0, seg_end = _segment_tile(tl.program_id(0), offsets_ptr, NKEYS, S_PAD, BLOCK_M)
         active = found
         if MODE != 0:
@@ -294,11 +301,12 @@ def _launch(x, A4, B, slots, weights, scale2, meta, target, mode, bounds, blocks
     k_per = cdiv(cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split_k = cdiv(d_in, k_per)
     part = torch.empty(split_k, m_rows, p_count, ks * block_r, dtype=torch.float32, device=x.device)
+    pdl = dependent_launch(x)
     _grouped_shrink_kernel[(tiles, split_k)](
         x, A4, rows, offsets, part, m_rows, d_in, r, s_count, nkeys, k_per, x.stride(0), x.stride(1),
         A4.stride(0), A4.stride(1), A4.stride(2), A4.stride(3), K=k, KS=ks, SETS=sets, P=p_count,
         DOT_DTYPE=dot_dtype, PRECISION=precision, S_PAD=s_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=block_r,
-        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+        BLOCK_K=cfg["BLOCK_K"], PDL=pdl, num_warps=cfg["num_warps"])
     o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
     _grouped_expand_kernel[(tiles, p_count * cfg["OUT_SPLIT"])](
         B, rows, offsets, slots.contiguous(), w, scale2, part, target, m_rows, d_out, r, s_count, nkeys, o1, o2, o3,
@@ -306,7 +314,7 @@ def _launch(x, A4, B, slots, weights, scale2, meta, target, mode, bounds, blocks
         target.stride(0) if target.dim() == 2 else 0, target.stride(-1),
         K=k, KS=ks, SETS=sets, P=p_count, HAS_W=weights is not None, MODE=mode, BLOCKS=blocks, DOT_DTYPE=dot_dtype,
         PRECISION=precision, S_PAD=s_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=block_r, BLOCK_N=cfg["BLOCK_N"],
-        num_warps=cfg["num_warps"])
+        PDL=pdl, num_warps=cfg["num_warps"], launch_pdl=pdl)
 
 
 def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,

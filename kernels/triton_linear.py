@@ -34,6 +34,7 @@ from molora.kernels.triton_common import (
     HAS_TRITON,
     MAX_PROJECTIONS,
     cdiv,
+    dependent_launch,
     dot_config,
     interpreting,
     next_pow2,
@@ -51,7 +52,7 @@ if HAS_TRITON:
                                P: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
                                SR_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                               EVEN_K: tl.constexpr):
+                               EVEN_K: tl.constexpr, PDL: tl.constexpr):
         """One output tile: projection p's columns (bounds 0, O1, O2, O3, OUT; its first column tile T_p) for a
         row tile; the base GEMM over IN, then the stacked expand of the shrink's partials (summed over SPLIT_K)."""
         pid = tl.program_id(0)
@@ -86,6 +87,8 @@ if HAS_TRITON:
                 wt = tl.load(w_cols + offs_k[:, None] * sw1, mask=mk[:, None] & mn[None, :], other=0.0)
             acc += tl.dot(xt.to(DOT_DTYPE), wt.to(DOT_DTYPE), input_precision=PRECISION)
         # the delta: T_p [BLOCK_M, SR_PAD] (the shrink's split-K partials summed) @ Bf_p [SR_PAD, BLOCK_N]
+        if PDL:  # launched beside the shrink: the base GEMM above ran meanwhile; wait for its partials now
+            tl.extra.cuda.gdc_wait()
         offs_c = tl.arange(0, SR_PAD)
         t = tl.zeros([BLOCK_M, SR_PAD], dtype=tl.float32)
         for ks in range(0, SPLIT_K):
@@ -184,10 +187,12 @@ def stacked_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.
     w0, w1, w2, w3 = (W + (W[0],) * 3)[:4]
     dot_dtype, precision = dot_config(x.dtype)
     grid = (cdiv(n, cfg["BLOCK_M"]) * starts[-1],)
+    pdl = dependent_launch(x)
     _stacked_linear_kernel[grid](
         x, w0, w1, w2, w3, B, part, flat, n, d_in, d_out, r, s_count, part.shape[0], o1, o2, o3, t1, t2, t3,
         starts[-1], x.stride(0), x.stride(1), W[0].stride(0), W[0].stride(1), B.stride(0), B.stride(1),
         B.stride(2), P=p_count, DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=scfg["SR_PAD"],
         R_PAD=next_pow2(r), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        EVEN_K=d_in % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        EVEN_K=d_in % cfg["BLOCK_K"] == 0, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        launch_pdl=pdl)
     return flat

@@ -38,6 +38,7 @@ from molora.kernels.triton_common import (
     check_triton_device,
     choice_weights,
     delta_target,
+    dependent_launch,
     dot_config,
     interpreting,
     next_pow2,
@@ -114,7 +115,10 @@ if HAS_TRITON:
                                sx0, sx1, sap, sa0, sa1, sa2, ssp,
                                K: tl.constexpr, P: tl.constexpr, HAS_W: tl.constexpr, DOT_DTYPE: tl.constexpr,
                                PRECISION: tl.constexpr, SR_PAD: tl.constexpr, R_PAD: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+                               BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+                               PDL: tl.constexpr):
+        if PDL:  # the next phase may be scheduled now; it waits for this grid's writes (triton_common)
+            tl.extra.cuda.gdc_launch_dependents()
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mm = offs_m < N
         offs_m64 = offs_m.to(tl.int64)
@@ -131,8 +135,11 @@ if HAS_TRITON:
                                sb0, sb1, sb2, so0, so1,
                                P: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCKS: tl.constexpr,
                                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SR_PAD: tl.constexpr,
-                               R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                               R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               PDL: tl.constexpr):
         """Grid (row tiles, P * OUT_SPLIT): each program expands one slice of one projection's columns."""
+        if PDL:  # launched before the shrink ends: wait for its partials
+            tl.extra.cuda.gdc_wait()
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mm = offs_m < N
         offs_m64 = offs_m.to(tl.int64)
@@ -298,7 +305,8 @@ def stacked_shrink(x: torch.Tensor, A4: torch.Tensor, slots: torch.Tensor, weigh
         x, A4, slots.contiguous(), w, scale2, part, n, d_in, r, s_count, k_per, x.stride(0), x.stride(1),
         A4.stride(0), A4.stride(1), A4.stride(2), A4.stride(3), scale2.stride(0), K=slots.shape[1], P=p_count,
         HAS_W=weights is not None, DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=sr_pad, R_PAD=next_pow2(r),
-        BLOCK_M=cfg["SHRINK_M"], BLOCK_C=cfg["BLOCK_C"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+        BLOCK_M=cfg["SHRINK_M"], BLOCK_C=cfg["BLOCK_C"], BLOCK_K=cfg["BLOCK_K"], PDL=dependent_launch(x),
+        num_warps=cfg["num_warps"])
     return part
 
 
@@ -321,11 +329,12 @@ def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, c
     dot_dtype, precision = dot_config(x.dtype)
     o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
     grid = (cdiv(n, cfg["EXPAND_M"]), p_count * cfg["OUT_SPLIT"])
+    pdl = dependent_launch(x)
     _stacked_expand_kernel[grid](
         B, part, out, n, d_out, r, s_count, o1, o2, o3, cfg["OUT_SPLIT"], split_k, B.stride(0), B.stride(1),
         B.stride(2), out.stride(0) if out.dim() == 2 else 0, out.stride(-1), P=p_count, ACCUMULATE=accumulate,
         BLOCKS=blocks, DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=sr_pad, R_PAD=r_pad, BLOCK_M=cfg["EXPAND_M"],
-        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+        BLOCK_N=cfg["BLOCK_N"], PDL=pdl, num_warps=cfg["num_warps"], launch_pdl=pdl)
 
 
 def _config(x, A4, bounds, fused: bool) -> dict:
