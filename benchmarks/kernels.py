@@ -1087,8 +1087,8 @@ def run_set_sweep() -> None:
 # ----------------------------------------------------------------------------------------------- PDL
 def run_pdl() -> None:
     """Programmatic dependent launch (kernels/triton_common.py) off vs on, side by side, for the two-phase calls
-    the targets measure: K2's delta, the vLLM-side point r = 32 N = 32 (grouped, metadata prebuilt), top-k r = 128
-    N = 8192 (k = 1 and 2), a wide grouped call, the q/k/v routed linear (one GEMM, N = 256) and the q/k/v group
+    the targets measure: K2's delta, the vLLM comparison's wide ranks (r = 32..128, N = 32..2048, metadata
+    prebuilt), top-k r = 128 N = 8192 (k = 1 and 2), the q/k/v routed linear (one GEMM, N = 256) and the q/k/v group
     call at N = 2048."""
     print(f"\n== programmatic dependent launch: off vs on (d={D}, {S} slots, bf16, median us, graph replay) ==")
     cases = {}
@@ -1096,18 +1096,18 @@ def run_pdl() -> None:
     slot = slots[:, 0]
     k2_name = f"K2 delta r{R} N{N_K1}"
     cases[k2_name] = lambda: routed_lora(x, A, B, slot, scale)
-    x32, A32, B32, slots32, _, scale32 = make_inputs(8 if ARGS.dry_run else 32, seed=2, r=32)
-    meta32 = build_routing_meta(slots32, S)
-    cases[f"r32 N{x32.shape[0]} +meta"] = lambda: routed_lora(x32, A32, B32, slots32[:, 0], scale32, meta=meta32)
+    for r in ([16] if ARGS.dry_run else [32, 64, 128]):  # vLLM's side of the table: metadata prebuilt
+        for n in ([8, 40] if ARGS.dry_run else [32, 128, 256, 2048]):
+            xm, Am, Bm, sm, _, scm = make_inputs(n, seed=2, r=r)
+            metam = build_routing_meta(sm, S)
+            cases[f"r{r} N{n} +meta"] = lambda xm=xm, Am=Am, Bm=Bm, sm=sm, scm=scm, metam=metam: \
+                routed_lora(xm, Am, Bm, sm[:, 0], scm, meta=metam)
     n_top = 40 if ARGS.dry_run else 8192
     r_top = 16 if ARGS.dry_run else 128
     for k in (1, 2):
         xt, At, Bt, st, wt, sct = make_inputs(n_top, k, seed=k, r=r_top)
         cases[f"top-k r{r_top} N{n_top} k{k}"] = \
             lambda xt=xt, At=At, Bt=Bt, st=st, wt=wt, sct=sct: routed_lora_topk(xt, At, Bt, st, wt, sct)
-    xg, Ag, Bg, sg, _, scg = make_inputs(N_K1, seed=3, r=64)
-    metag = build_routing_meta(sg, S)
-    cases[f"grouped r64 N{N_K1} +meta"] = lambda: routed_lora(xg, Ag, Bg, sg[:, 0], scg, meta=metag)
     Ws = [torch.randn(D, D, device=DEV, dtype=torch.bfloat16) / D ** 0.5 for _ in range(3)]
     for n in ([8] if ARGS.dry_run else [256, 2048]):
         xq, Aq, Bq, scq, sq, _, bq = group_inputs(n, (D, D, D), seed=11)
@@ -1119,12 +1119,15 @@ def run_pdl() -> None:
                 routed_lora_group(xq, Aq, Bq, sq, None, scq, bq)
     res = {}
     for name, fn in cases.items():
-        row = {}
-        for mode in (False, True):
+        row = {"off": [], "on": []}
+        for mode in (False, True, False, True):  # twice each, interleaved: the spread between rounds shows noise
             set_dependent_launch(mode)
-            row["on" if mode else "off"] = bench_us(fn)
+            row["on" if mode else "off"].append(bench_us(fn))
         res[name] = row
-        print(f"  {name:28s} off {row['off']:8.2f}  on {row['on']:8.2f}  ({row['off'] / row['on']:.3f}x)")
+        off, on = statistics.mean(row["off"]), statistics.mean(row["on"])
+        print(f"  {name:28s} off {row['off'][0]:8.2f} {row['off'][1]:8.2f}  on {row['on'][0]:8.2f} {row['on'][1]:8.2f}  "
+              f"(off/on {off / on:.3f}x)")
+    set_dependent_launch(True)
     RESULTS["pdl"] = res
 
 
