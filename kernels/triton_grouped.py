@@ -227,6 +227,13 @@ GROUPED_SET_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (128, 256): (16, 8, 16, 4), (128, 4096): (32, 4, 8, 4), (128, 16384): (64, 2, 2, 8),
 }
 ROW_BUCKETS = (256, 1024, 4096, 16384)
+# The grouped kernel chains its phases by programmatic dependent launch (triton_common) only while rows * r <=
+# PDL_MAX_ROW_RANK. H200, 2026-12-02, 4 slots, d=4096, k=1, metadata prebuilt, median us off / on (kernels.py --only
+# pdl, each twice, interleaved, rounds within 0.5%): rows * r <= 8192 gained 2-6% (r32 N32 12.66 / 11.92, N256
+# 14.74 / 14.02; r64 N32 12.99 / 12.28, N128 15.35 / 15.01; r128 N32 15.28 / 14.74), above it lost up to 18% (r64
+# N256 16.62 / 16.96; r128 N128 20.53 / 22.46, N256 22.18 / 27.22; r32 N2048 25.36 / 25.73) or gained <= 1.3% (r64
+# N2048 26.78 / 26.43, r128 N2048 45.28 / 44.82): the expand's programs, scheduled early, sit beside a longer shrink.
+PDL_MAX_ROW_RANK = 8192
 
 
 def row_bucket(m_rows: int) -> int:
@@ -301,7 +308,7 @@ def _launch(x, A4, B, slots, weights, scale2, meta, target, mode, bounds, blocks
     k_per = cdiv(cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split_k = cdiv(d_in, k_per)
     part = torch.empty(split_k, m_rows, p_count, ks * block_r, dtype=torch.float32, device=x.device)
-    pdl = dependent_launch(x)
+    pdl = m_rows * r <= PDL_MAX_ROW_RANK and dependent_launch(x)
     _grouped_shrink_kernel[(tiles, split_k)](
         x, A4, rows, offsets, part, m_rows, d_in, r, s_count, nkeys, k_per, x.stride(0), x.stride(1),
         A4.stride(0), A4.stride(1), A4.stride(2), A4.stride(3), K=k, KS=ks, SETS=sets, P=p_count,
