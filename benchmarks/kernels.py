@@ -138,6 +138,17 @@ def _bench_us(fn) -> float:
     return triton.testing.do_bench(replay, warmup=10, rep=40, return_mode="median") * 1e3
 
 
+def interleaved_us(fns: list, rounds: int = 2) -> list[list[float]]:
+    """bench_us of each function `rounds` times, interleaved (a, b, a, b, ...), so that functions compared in a
+    ratio are timed under the same conditions: the GPU's clocks drift within a run (the same q/k/v call replayed at
+    303 and at 327 us a minute apart, H200, 2026-12-02)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for slot, fn in zip(times, fns):
+            slot.append(bench_us(fn))
+    return times
+
+
 def copy_bandwidth() -> float:
     """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written (best of two ways)."""
     n = (1 << 20) if DEV == "cpu" else (1 << 31)
@@ -798,8 +809,7 @@ def run_k3() -> None:
                "old": bench_us(lambda: routed_lora(x, A1, B1, slot, sc1, out=torch.mm(x, Ws[0].t(), out=ys[0]),
                                                    meta=meta1)),
                "solo": bench_us(lambda: dispatch.routed_lora_group_forward(
-                   x, A[:1], B1, slots, None, scale[:1], (0, D), meta1)[0].addmm_(x, Ws[0].t())),
-               "base3": bench_us(lambda: [torch.mm(x, Ws[p].t(), out=ys[p]) for p in range(3)])}
+                   x, A[:1], B1, slots, None, scale[:1], (0, D), meta1)[0].addmm_(x, Ws[0].t()))}
 
         def qkv(path="auto"):
             """The routed layers' group call (routing/lora.py): one GEMM with the deltas inside where fuses_base
@@ -809,7 +819,10 @@ def run_k3() -> None:
             deltas = dispatch.routed_lora_group_forward(x, A, B, slots, None, scale, bounds,
                                                         meta if path == "grouped" else meta3, path)
             return [d.addmm_(x, W.t()) for d, W in zip(deltas, Ws)]
-        row["qkv"] = bench_us(qkv)
+        # the target's ratio from interleaved rounds (medians), the two timed under the same conditions
+        base3, routed3 = interleaved_us([lambda: [torch.mm(x, Ws[p].t(), out=ys[p]) for p in range(3)], qkv], 3)
+        row["base3_rounds"], row["qkv_rounds"] = base3, routed3
+        row["base3"], row["qkv"] = statistics.median(base3), statistics.median(routed3)
         with graph_paths():  # (the path a capture takes)
             row["path"] = "linear" if dispatch.fuses_base(x, S, R, 3) else \
                 dispatch.choose_group_path(x, 1, meta3 is not None, S, R, 3)
@@ -851,10 +864,11 @@ def run_k3() -> None:
             if f"qkv_{p}" in row)
         if "solo_overlap" in row:
             extra += f"  | solo_overlap {row['solo_overlap']:.2f} ({row['solo_overlap'] / row['base']:.3f}x)"
+        rounds = " ".join(f"{a / b:.3f}" for a, b in zip(routed3, base3))
         print(f"  N={n:5d} base {row['base']:8.2f} (beta=1 {row['base_beta1']:8.2f})  old {row['old']:8.2f} "
               f"({row['old/base']:.3f}x)  solo {row['solo']:8.2f} ({row['solo/base']:.3f}x)  | 3 bases "
               f"{row['base3']:8.2f}  qkv[{row['path']}] {row['qkv']:8.2f} ({row['qkv/base3']:.3f}x, <= 1.15x at "
-              f"N >= 256){extra}")
+              f"N >= 256; rounds {rounds}){extra}")
         if DEV == "cuda" and n in (256, 2048):
             record_kernel_times(row, f"N={n}", {"3 bases": lambda: [torch.mm(x, Ws[p].t(), out=ys[p]) for p in range(3)],
                                                 f"qkv[{row['path']}]": qkv})
@@ -1119,11 +1133,13 @@ def run_pdl() -> None:
                 routed_lora_group(xq, Aq, Bq, sq, None, scq, bq)
     res = {}
     for name, fn in cases.items():
-        row = {"off": [], "on": []}
-        for mode in (False, True, False, True):  # twice each, interleaved: the spread between rounds shows noise
-            set_dependent_launch(mode)
-            row["on" if mode else "off"].append(bench_us(fn))
-        res[name] = row
+        def switched(mode, fn=fn):
+            def call():
+                set_dependent_launch(mode)  # read when the call launches, i.e. when bench_us captures it
+                return fn()
+            return call
+        off_us, on_us = interleaved_us([switched(False), switched(True)])
+        row = res[name] = {"off": off_us, "on": on_us}
         off, on = statistics.mean(row["off"]), statistics.mean(row["on"])
         print(f"  {name:28s} off {row['off'][0]:8.2f} {row['off'][1]:8.2f}  on {row['on'][0]:8.2f} {row['on'][1]:8.2f}  "
               f"(off/on {off / on:.3f}x)")

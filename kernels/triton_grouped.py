@@ -6,8 +6,8 @@ most k slots, whose rank rows sit side by side as one stacked tile of KS * r col
 two). Each program takes BLOCK_M rows of one segment and finds that segment itself from the offsets (a vector scan,
 no host help). Two launches, for P >= 1 projections sharing x (A [P, S, r, in], B [S, O, r], projection p owning
 output columns bounds[p]:bounds[p+1]; a plain call is P = 1):
-  shrink  grid (tiles, SPLIT_K): part[ks, sorted row, p, :] = x[tok, chunk_ks] @ A[p, tile slots][:, chunk_ks]^T
-          (float32)
+  shrink  grid (tiles, SPLIT_K, P): part[ks, sorted row, p, :] = x[tok, chunk_ks] @ A[p, tile slots][:, chunk_ks]^T
+          (float32; the P programs of a tile and chunk run side by side, x from L2 after the first)
   expand  grid (tiles, P * OUT_SPLIT): t = sum_ks part * scale[p, slot] * weight, then t @ B[tile slots]^T for one
           slice of projection p's columns (tl.dot per output tile; a slot-set tile sums its k slots in that dot)
 The tile grid is cdiv(M, BLOCK_M) + the number of segments besides the no-adapter one: every segment adds at most
@@ -106,7 +106,7 @@ if HAS_TRITON:
                                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                                PDL: tl.constexpr):
         """Two phases, first: part[ks, sorted row, p, :] = x[tok, chunk_ks] @ A[p, tile slots][:, chunk_ks]^T
-        (float32; the tile's KS slots' rank rows side by side)."""
+        (float32; the tile's KS slots' rank rows side by side), p = program_id(2)."""
         if PDL:  # the expand may be scheduled now; it waits for this grid's writes (triton_common)
             tl.extra.cuda.gdc_launch_dependents()
         found, key, row0, seg_end = _segment_tile(tl.program_id(0), offsets_ptr, NKEYS, S_PAD, BLOCK_M)
@@ -120,19 +120,19 @@ if HAS_TRITON:
             q = tl.arange(0, KS * BLOCK_R)
             k_lo = tl.program_id(1) * K_PER
             k_hi = tl.minimum(k_lo + K_PER, IN)
-            for p in tl.static_range(P):  # x comes from HBM once, then from L2
-                acc = tl.zeros([BLOCK_M, KS * BLOCK_R], dtype=tl.float32)
-                for k0 in range(k_lo, k_hi, BLOCK_K):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    mk = offs_k < k_hi
-                    xt = tl.load(x_ptr + tok[:, None] * sx0 + offs_k[None, :] * sx1,
-                                 mask=mrow[:, None] & mk[None, :], other=0.0)
-                    at = tl.load(a_ptr + p * sap + a_col[None, :] + offs_k[:, None] * sa2,
-                                 mask=mk[:, None] & mq[None, :], other=0.0)
-                    acc += tl.dot(xt.to(DOT_DTYPE), at.to(DOT_DTYPE), input_precision=PRECISION)
-                ptrs = part_ptr + ((tl.program_id(1) * M + offs_m[:, None].to(tl.int64)) * P + p) * (KS * BLOCK_R) \
-                    + q[None, :]
-                tl.store(ptrs, acc, mask=mrow[:, None])
+            p = tl.program_id(2)
+            acc = tl.zeros([BLOCK_M, KS * BLOCK_R], dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mk = offs_k < k_hi
+                xt = tl.load(x_ptr + tok[:, None] * sx0 + offs_k[None, :] * sx1,
+                             mask=mrow[:, None] & mk[None, :], other=0.0)
+                at = tl.load(a_ptr + p * sap + a_col[None, :] + offs_k[:, None] * sa2,
+                             mask=mk[:, None] & mq[None, :], other=0.0)
+                acc += tl.dot(xt.to(DOT_DTYPE), at.to(DOT_DTYPE), input_precision=PRECISION)
+            ptrs = part_ptr + ((tl.program_id(1) * M + offs_m[:, None].to(tl.int64)) * P + p) * (KS * BLOCK_R) \
+                + q[None, :]
+            tl.store(ptrs, acc, mask=mrow[:, None])
 
     @triton.jit
     def _grouped_expand_kernel(b_ptr, rows_ptr, offsets_ptr, slot_ptr, w_ptr, scale_ptr, part_ptr, out_ptr,
@@ -309,7 +309,7 @@ def _launch(x, A4, B, slots, weights, scale2, meta, target, mode, bounds, blocks
     split_k = cdiv(d_in, k_per)
     part = torch.empty(split_k, m_rows, p_count, ks * block_r, dtype=torch.float32, device=x.device)
     pdl = m_rows * r <= PDL_MAX_ROW_RANK and dependent_launch(x)
-    _grouped_shrink_kernel[(tiles, split_k)](
+    _grouped_shrink_kernel[(tiles, split_k, p_count)](
         x, A4, rows, offsets, part, m_rows, d_in, r, s_count, nkeys, k_per, x.stride(0), x.stride(1),
         A4.stride(0), A4.stride(1), A4.stride(2), A4.stride(3), K=k, KS=ks, SETS=sets, P=p_count,
         DOT_DTYPE=dot_dtype, PRECISION=precision, S_PAD=s_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=block_r,
