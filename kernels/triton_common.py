@@ -33,8 +33,10 @@ MAX_PROJECTIONS = 4
 # is launched with launch_pdl and waits on griddepcontrol.wait before it reads the first phase's partials; the first
 # phase lets it be scheduled (griddepcontrol.launch_dependents) as soon as all its own programs have started, so the
 # second launch's latency and set-up overlap the first's tail (and the routed linear's base GEMM runs beside the
-# shrink). Benchmarks switch it off to measure what it saves (set_dependent_launch).
+# shrink). Benchmarks switch it off to measure what it saves (set_dependent_launch). Triton before 3.3 has no
+# griddepcontrol ops (tl.extra.cuda.gdc_wait): the launchers then run the phases as plain launches.
 _DEPENDENT_LAUNCH = True
+_HAS_GDC = HAS_TRITON and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
 
 
 def set_dependent_launch(enabled: bool) -> None:
@@ -50,8 +52,9 @@ def _sm90_or_later(device_index: int) -> bool:
 
 def dependent_launch(x: torch.Tensor) -> bool:
     """Whether the two-phase launchers chain their phases by programmatic dependent launch for tensors like x: on a
-    CUDA device of compute capability 9.0 or later, not under the interpreter, unless switched off."""
-    return _DEPENDENT_LAUNCH and not _INTERPRETING and x.is_cuda and _sm90_or_later(x.get_device())
+    CUDA device of compute capability 9.0 or later, with a triton that has the ops, not under the interpreter,
+    unless switched off."""
+    return _DEPENDENT_LAUNCH and _HAS_GDC and not _INTERPRETING and x.is_cuda and _sm90_or_later(x.get_device())
 
 
 def interpreting() -> bool:

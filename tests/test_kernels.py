@@ -687,6 +687,75 @@ def test_cuda_gemm_path_captured_matches_reference(n, k, r):
         assert y.shape == ref.shape and rel_err(y, ref.double()) <= 2.5e-2
 
 
+def test_dependent_launch_is_off_on_the_cpu_and_switchable():
+    from molora.kernels.triton_common import dependent_launch, set_dependent_launch
+
+    x = torch.zeros(2, 8)
+    assert not dependent_launch(x)  # CPU tensors (and the interpreter) launch the phases plainly
+    set_dependent_launch(False)
+    try:
+        assert not dependent_launch(x)
+    finally:
+        set_dependent_launch(True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("path,n,r,group", [("gather", 8, 16, False), ("stacked", 300, 16, False),
+                                            ("grouped", 64, 32, False), ("grouped", 64, 16, True),
+                                            ("linear", 200, 16, True)])
+def test_cuda_dependent_launch_gives_the_plain_launches_results_in_captured_graphs(path, n, r, group):
+    """Each two-phase path captured with programmatic dependent launch on and off: the same bits on every replay
+    (slot values changed between replays where the path reads no metadata), and the reference's values. A second
+    phase reading its partials before the first phase wrote them would differ."""
+    from molora.kernels import routed_lora_group, routed_lora_group_reference
+    from molora.kernels.graphs import capture_graph
+    from molora.kernels.triton_common import dependent_launch, set_dependent_launch
+    from molora.kernels.triton_linear import stacked_linear_group
+
+    x, A, B, scale, g = make(n, 512, 384, 4, r, torch.bfloat16, seed=n + r)
+    x, A, B, scale = x.cuda(), A.cuda(), B.cuda(), scale.cuda()
+    slots = torch.randint(-1, 4, (n, 1), generator=g).cuda()
+    meta = build_routing_meta(slots, 4)
+    A3, B3, s3 = torch.stack([A, A.flip(0), A]), torch.cat([B, B[:, :64]], 1), torch.stack([scale, scale * 2, scale])
+    bounds = (0, 384, 416, 448)
+    W = [torch.randn(hi - lo, 512, dtype=torch.bfloat16, device="cuda") / 512 ** 0.5
+         for lo, hi in zip(bounds, bounds[1:])]
+
+    def call():
+        if path == "linear":
+            return stacked_linear_group(x, W, A3, B3, slots, None, s3, bounds)
+        if group:
+            return torch.cat(routed_lora_group(x, A3, B3, slots, None, s3, bounds, meta=meta, path=path), 1)
+        return routed_lora(x, A, B, slots[:, 0], scale, meta=meta, path=path)
+
+    def want():
+        if path == "linear":
+            deltas = routed_lora_group_reference(x, A3, B3, slots, None, s3, bounds)
+            return torch.cat([(x.double() @ w.double().t()).flatten() + d.double().flatten()
+                              for w, d in zip(W, deltas)])
+        if group:
+            return torch.cat(routed_lora_group_reference(x, A3, B3, slots, None, s3, bounds), 1).double()
+        return routed_lora_reference(x, A, B, slots[:, 0], scale).double()
+
+    captures = {}
+    try:
+        for mode in (False, True):
+            set_dependent_launch(mode)
+            captures[mode] = capture_graph(call)
+    finally:
+        set_dependent_launch(True)
+    assert dependent_launch(x) == (torch.cuda.get_device_capability()[0] >= 9)
+    for _ in range(4):
+        if path != "grouped":  # (the grouped graphs read the metadata built for the slots they were captured with)
+            slots.copy_(torch.randint(-1, 4, (n, 1), generator=g).cuda())
+        outs = []
+        for graph, out in captures.values():
+            graph.replay()
+            outs.append(out.clone())
+        assert torch.equal(outs[0], outs[1])
+        assert rel_err(outs[1], want()) <= 2.5e-2
+
+
 @pytest.mark.parametrize("n,k", [(40, 2), (33, 1), (0, 1)])
 def test_cpu_stacked_form_matches_reference_adds_in_place_and_serves_groups(n, k):
     """The CPU's all-slots form above 2 r rows: one shrink GEMM against every slot, one expand GEMM."""
