@@ -36,7 +36,17 @@ MAX_PROJECTIONS = 4
 # shrink). Benchmarks switch it off to measure what it saves (set_dependent_launch). Triton before 3.3 has no
 # griddepcontrol ops (tl.extra.cuda.gdc_wait): the launchers then run the phases as plain launches.
 _DEPENDENT_LAUNCH = True
-_HAS_GDC = HAS_TRITON and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
+
+
+def _triton_has_gdc() -> bool:
+    try:
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+
+
+_HAS_GDC = HAS_TRITON and _triton_has_gdc()
 
 
 def set_dependent_launch(enabled: bool) -> None:
