@@ -1103,7 +1103,7 @@ def run_pdl() -> None:
     """Programmatic dependent launch (kernels/triton_common.py) off vs on, side by side, for the two-phase calls
     the targets measure: K2's delta, the vLLM comparison's wide ranks (r = 32..128, N = 32..2048, metadata
     prebuilt), top-k r = 128 N = 8192 (k = 1 and 2), the q/k/v routed linear (one GEMM, N = 256) and the q/k/v group
-    call at N = 2048."""
+    call at N = 2048 with its metadata built in the call (the stacked kernel)."""
     print(f"\n== programmatic dependent launch: off vs on (d={D}, {S} slots, bf16, median us, graph replay) ==")
     cases = {}
     x, A, B, slots, _, scale = make_inputs(N_K1, seed=1)
