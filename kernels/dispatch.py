@@ -28,6 +28,9 @@ the gather kernel only while N*r*P is small, and with prebuilt metadata the grou
 once N*r is large; every path then shrinks once for all of them (the fused path: in every program, from L2).
 A caller holding the base weights too (routing/lora.py) asks fuses_base whether the whole routed linear of its
 projections runs as one GEMM with the delta inside (kernels/triton_linear.py) instead of deltas plus base GEMMs.
+On sm_90 and later the two-launch paths chain their launches by programmatic dependent launch (the second phase
+scheduled while the first runs; kernels/triton_common.py: dependent_launch), the grouped kernel only at the sizes
+where that was measured faster (triton_grouped.PDL_MAX_ROW_RANK).
 """
 
 from __future__ import annotations
