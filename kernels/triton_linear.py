@@ -177,7 +177,8 @@ def stacked_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.
     widths = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
     cfg = config or linear_config(n, tuple(widths))
     scfg = shrink_config or stacked_config(n, d_in, max(widths), stacked_width(s_count, r), p_count, False)
-    part = stacked_shrink(x, A, slots, weights, scale, scfg)
+    pdl = dependent_launch(x)
+    part = stacked_shrink(x, A, slots, weights, scale, scfg, pdl)
     bn = cfg["BLOCK_N"]
     starts = [0]
     for wd in widths:
@@ -187,7 +188,6 @@ def stacked_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.
     w0, w1, w2, w3 = (W + (W[0],) * 3)[:4]
     dot_dtype, precision = dot_config(x.dtype)
     grid = (cdiv(n, cfg["BLOCK_M"]) * starts[-1],)
-    pdl = dependent_launch(x)
     _stacked_linear_kernel[grid](
         x, w0, w1, w2, w3, B, part, flat, n, d_in, d_out, r, s_count, part.shape[0], o1, o2, o3, t1, t2, t3,
         starts[-1], x.stride(0), x.stride(1), W[0].stride(0), W[0].stride(1), B.stride(0), B.stride(1),

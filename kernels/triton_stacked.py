@@ -288,9 +288,10 @@ def _check_pad(A4: torch.Tensor, cfg: dict) -> None:
 
 
 def stacked_shrink(x: torch.Tensor, A4: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None,
-                   scale2: torch.Tensor, cfg: dict) -> torch.Tensor:
+                   scale2: torch.Tensor, cfg: dict, pdl: bool) -> torch.Tensor:
     """The shrink phase for P = A4.shape[0] projections sharing x: float32 partials [SPLIT_K, N, P * SR_PAD]
-    whose sum over the first axis is the folded intermediate coef * (x Af^T) (see the module doc)."""
+    whose sum over the first axis is the folded intermediate coef * (x Af^T) (see the module doc). `pdl`: the
+    next launch, which reads the partials, is a dependent launch (triton_common.dependent_launch)."""
     _check_pad(A4, cfg)
     n, d_in = x.shape
     p_count, s_count, r, _ = A4.shape
@@ -305,8 +306,7 @@ def stacked_shrink(x: torch.Tensor, A4: torch.Tensor, slots: torch.Tensor, weigh
         x, A4, slots.contiguous(), w, scale2, part, n, d_in, r, s_count, k_per, x.stride(0), x.stride(1),
         A4.stride(0), A4.stride(1), A4.stride(2), A4.stride(3), scale2.stride(0), K=slots.shape[1], P=p_count,
         HAS_W=weights is not None, DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=sr_pad, R_PAD=next_pow2(r),
-        BLOCK_M=cfg["SHRINK_M"], BLOCK_C=cfg["BLOCK_C"], BLOCK_K=cfg["BLOCK_K"], PDL=dependent_launch(x),
-        num_warps=cfg["num_warps"])
+        BLOCK_M=cfg["SHRINK_M"], BLOCK_C=cfg["BLOCK_C"], BLOCK_K=cfg["BLOCK_K"], PDL=pdl, num_warps=cfg["num_warps"])
     return part
 
 
@@ -324,12 +324,12 @@ def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, c
         grid, tail = _fused_args(x, A4, B, scale2, out, bounds, slots.shape[1], weights is not None, accumulate, cfg)
         _stacked_fused_kernel[grid](x, A4, B, slots, w, scale2, out, n, *tail, num_warps=cfg["num_warps"])
         return
-    part = stacked_shrink(x, A4, slots, weights, scale2, cfg)
+    pdl = dependent_launch(x)
+    part = stacked_shrink(x, A4, slots, weights, scale2, cfg, pdl)
     split_k = part.shape[0]
     dot_dtype, precision = dot_config(x.dtype)
     o1, o2, o3 = (tuple(bounds[1:-1]) + (d_out,) * 3)[:3]
     grid = (cdiv(n, cfg["EXPAND_M"]), p_count * cfg["OUT_SPLIT"])
-    pdl = dependent_launch(x)
     _stacked_expand_kernel[grid](
         B, part, out, n, d_out, r, s_count, o1, o2, o3, cfg["OUT_SPLIT"], split_k, B.stride(0), B.stride(1),
         B.stride(2), out.stride(0) if out.dim() == 2 else 0, out.stride(-1), P=p_count, ACCUMULATE=accumulate,
