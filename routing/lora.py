@@ -150,11 +150,9 @@ class ProjectionGroup:
             delta = launch(x2, slots, weights)
             deltas = delta.split_with_sizes(widths, 1) if len(members) > 1 else [delta]
         elif not torch.is_grad_enabled() and fuses_base(x2, A.shape[1], A.shape[2], A.shape[0]) and \
-                len({layer._parameters["weight"].stride() for layer in members}) == 1:
-            # one GEMM per call: every member's base GEMM with its delta inside (no autograd: no backward there;
-            # the kernel reads the weights with one set of strides)
-            flat = stacked_linear_group(x2, [layer._parameters["weight"] for layer in members], A, B, slots,
-                                        weights, scale, bounds)
+                (base := _weights_of_one_layout(members)) is not None:
+            # one GEMM per call: every member's base GEMM with its delta inside (no autograd: no backward there)
+            flat = stacked_linear_group(x2, base, A, B, slots, weights, scale, bounds)
             return _with_bias(members, flat_blocks(flat, x2.shape[0], bounds), lead)
         else:
             meta = routing.meta(block) if path == "grouped" or path == "torch" else None
@@ -167,6 +165,13 @@ class ProjectionGroup:
             # can be views of one buffer, which autograd does not let an in-place op modify)
             ys.append(torch.addmm(delta, x2, weight_t) if grad else delta.addmm_(x2, weight_t))
         return _with_bias(members, ys, lead)
+
+
+def _weights_of_one_layout(members: Iterable[RoutedLoRALinear]) -> list[torch.Tensor] | None:
+    """The members' base weights when they share one set of strides (the one-GEMM kernel reads every weight with
+    the first one's), else None."""
+    base = [layer._parameters["weight"] for layer in members]
+    return base if all(w.stride() == base[0].stride() for w in base[1:]) else None
 
 
 def _with_bias(members: Iterable[RoutedLoRALinear], ys: list[torch.Tensor], lead: torch.Size) -> list[torch.Tensor]:
