@@ -20,14 +20,18 @@ import random
 import resource
 import socket
 import statistics
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from gradio_client import Client
 
-from molora.app.server import load_pipeline, serve, warm_up
-from molora.models.runtime import configure_cpu_threads
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's molora, as `python benchmarks/x.py`
+
+from molora.app.server import load_pipeline, serve, warm_up  # noqa: E402
+from molora.models.engine.runtime import configure_cpu_threads  # noqa: E402
 
 PROMPTS = ["Draw a red circle at the top left.", "Show me two blue squares.", "A green triangle in the center:",
            "Tell me about a yellow star.", "Arr, a purple diamond:", "Three pink circles on the right."]

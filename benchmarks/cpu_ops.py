@@ -13,11 +13,15 @@ and a 2048-wide model with 8 slots of rank 16.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from molora.kernels.torch_ops import routed_lora_torch, routed_lora_torch_dense, routed_lora_torch_stacked
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's molora, as `python benchmarks/x.py`
+
+from molora.kernels.torch_ops import routed_lora_torch, routed_lora_torch_dense, routed_lora_torch_stacked  # noqa: E402
 
 SHAPES = [  # (N, in, out, S, r, k)
     (32, 256, 256, 5, 8, 2), (32, 256, 1024, 5, 8, 2), (256, 256, 256, 5, 8, 2), (256, 256, 1024, 5, 8, 2),

@@ -12,12 +12,16 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from molora.models import InterleavedPipeline
-from molora.models.runtime import configure_cpu_threads
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's molora, as `python benchmarks/x.py`
+
+from molora.models import InterleavedPipeline  # noqa: E402
+from molora.models.engine.runtime import configure_cpu_threads  # noqa: E402
 
 TEXT_TOKENS = 83  # ~64 words at this tokenizer's 1.15 ids per word (+ <eos>)
 

@@ -3,10 +3,10 @@
     python3 benchmarks/device_map_check.py                 # GPU rows when CUDA is there; CPU rows always
     python3 benchmarks/device_map_check.py --shape tiny --new 8 --requests 2      # a quick run (the CPU test's)
 
-A random Qwen3ForCausalLM (models/synthetic.py shapes; "small" by default on CUDA, "tiny" on the CPU), saved with
+A random Qwen3ForCausalLM (models/engine/synthetic.py shapes; "small" by default on CUDA, "tiny" on the CPU), saved with
 save_pretrained and loaded back for each placement, routed on all 7 projections with two random rank-16 adapters
 by vocabulary range (models.synthetic.id_range_vocab: the last 1/16 of the ids are "image" ids), served by the
-engine (models/engine.py); --requests greedy requests at once, each --new tokens, float32 (so a layer computed
+engine (models/engine/core.py); --requests greedy requests at once, each --new tokens, float32 (so a layer computed
 on the CPU rounds as close to the GPU as it can).  Each row is compared with the one-device row of its kind:
 
     cpu                         the reference on the CPU
@@ -36,10 +36,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from molora.models.engine import Done, Engine, EngineConfig  # noqa: E402
-from molora.models.generation import GenerationConfig, Request  # noqa: E402
-from molora.models.sampling import SamplingConfig  # noqa: E402
-from molora.models.synthetic import SHAPES, id_range_vocab, random_adapters  # noqa: E402
+from molora.models.engine.core import Done, Engine, EngineConfig  # noqa: E402
+from molora.models.engine.generation import GenerationConfig, Request  # noqa: E402
+from molora.models.engine.sampling import SamplingConfig  # noqa: E402
+from molora.models.engine.synthetic import SHAPES, id_range_vocab, random_adapters  # noqa: E402
 from molora.routing import VocabRangeRouter, attach_routed_lora  # noqa: E402
 
 GREEDY = dict(text=SamplingConfig(0.0), image=SamplingConfig(0.0), cfg_scale=1.0)

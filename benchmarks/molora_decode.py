@@ -38,8 +38,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from eval_molora import arrow_model, fresh_lm  # noqa: E402
 from train_router import load_routed  # noqa: E402
 
-from molora.models.runtime import device_name  # noqa: E402
-from molora.models.shapes.domains import mixed_items  # noqa: E402
+from molora.models.engine.runtime import device_name  # noqa: E402
+from molora.models.families.shapes.domains import mixed_items  # noqa: E402
 from molora.routing import LearnedGates, LearnedRouter  # noqa: E402
 
 

@@ -35,10 +35,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from molora.models.engine import Done, Engine, EngineConfig  # noqa: E402
-from molora.models.generation import GenerationConfig, Request  # noqa: E402
-from molora.models.sampling import SamplingConfig  # noqa: E402
-from molora.models.synthetic import SHAPES, random_adapters, random_routed_model  # noqa: E402
+from molora.models.engine.core import Done, Engine, EngineConfig  # noqa: E402
+from molora.models.engine.generation import GenerationConfig, Request  # noqa: E402
+from molora.models.engine.sampling import SamplingConfig  # noqa: E402
+from molora.models.engine.synthetic import SHAPES, random_adapters, random_routed_model  # noqa: E402
 from molora.routing import VocabRangeRouter  # noqa: E402
 
 GREEDY = dict(text=SamplingConfig(0.0), image=SamplingConfig(0.0), cfg_scale=1.0)

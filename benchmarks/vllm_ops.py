@@ -18,7 +18,7 @@ Per (r, N): d_in = d_out = 4096, 4 slots, bf16, k = 1 (a seeded random slot per 
         prepared outside the timed region.
 Both are checked against kernels/reference.py (eagerly, and after one replay of the captured graph), then each
 captured graph's replays are timed with triton.testing.do_bench (median, L2 flushed before each), as in
-benchmarks/kernels.py. Writes vllm_ops.json to $OUT when set.
+benchmarks/lora_kernels.py. Writes vllm_ops.json to $OUT when set.
 """
 
 from __future__ import annotations

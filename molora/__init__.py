@@ -1,13 +1,11 @@
 """MoLoRA: per-token LoRA routing for models that write text and images.
 
-The code lives in four packages, imported as `molora.kernels`, `molora.routing`, `molora.models` and `molora.app`.
-An installed copy (`pip install .`) holds them inside this package, so it adds one top-level name, `molora`, and
-shadows nothing (Hugging Face's `kernels` distribution included). A source checkout keeps them at the top of the
-repository, the layout the project is browsed in; for that case this package also searches the checkout's root.
+    molora.kernels   routed-LoRA kernels (PyTorch reference, torch CPU path, Triton GPU)
+    molora.routing   routers, the routed linear layer, the hot-set adapter cache
+    molora.models    the Python API (pipeline, document, batch, CLI), the serving engine, the model families
+    molora.app       the Gradio demo
+
+Every package of ours lives inside this one, so a checkout or an installed copy adds ONE top-level name, `molora`,
+to the import path: a generic name such as `kernels` (Hugging Face's package, which transformers imports) is never
+shadowed, whichever folder Python starts in.
 """
-
-from pathlib import Path
-
-_HERE = Path(__file__).resolve().parent
-if not (_HERE / "kernels").is_dir() and (_HERE.parent / "kernels" / "__init__.py").is_file():
-    __path__.append(str(_HERE.parent))  # a checkout: molora.kernels is <root>/kernels

@@ -20,7 +20,7 @@ def _generate(argv: list[str]) -> int:
 
 
 def _evaluate(argv: list[str]) -> int:
-    from molora.models.shapes.eval import main
+    from molora.models.families.shapes.eval import main
     return main(argv)
 
 

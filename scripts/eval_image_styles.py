@@ -1,8 +1,8 @@
 """Per-picture learned routing among image adapters: does each picture come out in the style its words asked for?
 
-Held-out requests (models/shapes/styles.py, split "heldout"), a third "outlined"/"hollow", a third
+Held-out requests (models/families/shapes/styles.py, split "heldout"), a third "outlined"/"hollow", a third
 "filled"/"solid", a third "negative"/"inverted". Each row generates the pictures with the model's defaults and a
-fixed seed, and ShapesEval's exact reader judges the style (models/shapes/styles.drawn_style); `content` also checks
+fixed seed, and ShapesEval's exact reader judges the style (models/families/shapes/styles.drawn_style); `content` also checks
 the picture shows what the style draws for the words (shape, size, cell; the named colour, or its complement for
 "negative").
 
@@ -30,13 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from molora.models.engine.runtime import device_name  # noqa: E402
+from molora.models.families.shapes import world  # noqa: E402
+from molora.models.families.shapes.analyse import analyse_image  # noqa: E402
+from molora.models.families.shapes.eval import score_text_to_image  # noqa: E402
+from molora.models.families.shapes.prompts import EvalPrompt  # noqa: E402
+from molora.models.families.shapes.styles import STYLES, StyleItem, drawn_style, style_items  # noqa: E402
 from molora.models.pipeline import InterleavedPipeline  # noqa: E402
-from molora.models.runtime import device_name  # noqa: E402
-from molora.models.shapes import world  # noqa: E402
-from molora.models.shapes.analyse import analyse_image  # noqa: E402
-from molora.models.shapes.eval import score_text_to_image  # noqa: E402
-from molora.models.shapes.prompts import EvalPrompt  # noqa: E402
-from molora.models.shapes.styles import STYLES, StyleItem, drawn_style, style_items  # noqa: E402
 
 log = logging.getLogger("eval_image_styles")
 ROWS = ("base", "outline everywhere", "oracle (requested style's expert)", "learned image gates")

@@ -1,8 +1,8 @@
 """Evaluate learned MoLoRA routing against the oracle and what a user can already do with `peft` alone.
 
-Same held-out items for every row (models/shapes/domains.py, split "heldout", seed "eval"): --n per domain
+Same held-out items for every row (models/families/shapes/domains.py, split "heldout", seed "eval"): --n per domain
 (one question each) and --n mixed requests (two questions of two domains). Exact match of greedy decoding, scored
-from one teacher-forced forward per batch (models/shapes/domain_batches.py: identical to greedy exact match for
+from one teacher-forced forward per batch (models/families/shapes/domain_batches.py: identical to greedy exact match for
 every causal routing). Rows:
 
     base              no adapter
@@ -50,9 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_router import GateAgreement, load_routed  # noqa: E402
 
-from molora.models.runtime import device_name  # noqa: E402
-from molora.models.shapes.domain_batches import EncodedItem, encode_item, exact_matches, make_batch  # noqa: E402
-from molora.models.shapes.domains import DOMAINS, domain_items, mixed_items  # noqa: E402
+from molora.models.engine.runtime import device_name  # noqa: E402
+from molora.models.families.shapes.domain_batches import EncodedItem, encode_item, exact_matches, make_batch  # noqa: E402
+from molora.models.families.shapes.domains import DOMAINS, domain_items, mixed_items  # noqa: E402
 from molora.routing import LabelRouter, LearnedGates, LearnedRouter, SequenceRouter  # noqa: E402
 
 log = logging.getLogger("eval_molora")
@@ -127,7 +127,7 @@ def summarise(hits: Hits, encoded: list[EncodedItem]) -> dict:
 def fresh_lm(model_dir: Path, device: str):
     from transformers import LlamaForCausalLM
 
-    from molora.models.testing import set_base_model_name
+    from molora.models.families.shapes.testing import set_base_model_name
     lm = LlamaForCausalLM.from_pretrained(model_dir / "lm", dtype=torch.float32).to(device)
     set_base_model_name(lm)
     return lm.eval().requires_grad_(False)

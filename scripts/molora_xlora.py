@@ -22,8 +22,8 @@ import torch
 from tqdm import tqdm
 from train_router import shapes_data
 
-from molora.models.data import Schedule
-from molora.models.shapes.domain_batches import answer_loss, make_batch
+from molora.models.families.shapes.data import Schedule
+from molora.models.families.shapes.domain_batches import answer_loss, make_batch
 
 
 def xlora_row(args, adapters: list[str], tok, encoded, pad: int, record) -> None:

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_router import answer_positions, load_routed, shapes_data  # noqa: E402
 
-from molora.models.shapes.domain_batches import make_batch  # noqa: E402
-from molora.models.shapes.domains import DOMAINS  # noqa: E402
+from molora.models.families.shapes.domain_batches import make_batch  # noqa: E402
+from molora.models.families.shapes.domains import DOMAINS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

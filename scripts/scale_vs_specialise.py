@@ -34,10 +34,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from molora.models.data import ExampleSpec, length_batches, sample_examples  # noqa: E402
-from molora.models.shapes.domain_batches import encode_item  # noqa: E402
-from molora.models.shapes.domains import DOMAINS, domain_items, mixed_items  # noqa: E402
-from molora.models.tokenizer import UnifiedTokenizer  # noqa: E402
+from molora.models.families.shapes.data import ExampleSpec, length_batches, sample_examples  # noqa: E402
+from molora.models.families.shapes.domain_batches import encode_item  # noqa: E402
+from molora.models.families.shapes.domains import DOMAINS, domain_items, mixed_items  # noqa: E402
+from molora.models.families.shapes.tokenizer import UnifiedTokenizer  # noqa: E402
 
 log = logging.getLogger("scale_vs_specialise")
 REPO = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def eval_base(args: argparse.Namespace) -> dict:
     from eval_molora import eval_items, score, summarise, table
     from transformers import LlamaForCausalLM
 
-    from molora.models.runtime import device_name
+    from molora.models.engine.runtime import device_name
 
     torch.set_num_threads(args.threads)
     tok = UnifiedTokenizer.load(args.model_dir)

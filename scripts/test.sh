@@ -7,9 +7,11 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-python -m pip install -q torch==2.13.0
+# the README's CPU command: torch from its CPU index (PyPI's Linux torch is the multi-GB CUDA build)
+python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 python -m pip install -q -r requirements-dev.txt
-# Hugging Face's `kernels` wheel, downloaded only: tests/test_install.py installs the project beside it elsewhere
+# Hugging Face's `kernels` wheel (transformers requires it), also kept as a file: tests/test_install.py installs the
+# project beside it in a folder of its own
 python -m pip download -q --no-deps -d .venv/wheels kernels
 
 if [ ! -x /usr/bin/chromium ]; then

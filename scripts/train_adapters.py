@@ -3,7 +3,7 @@
     pirate   (text adapter)  captions and document text in the pirate register
     outline  (image adapter) shapes drawn as outlines
 
-Vocabulary routing (models/vocab.py modality_table) applies the image adapter at positions whose input is
+Vocabulary routing (models/engine/vocab.py modality_table) applies the image adapter at positions whose input is
 <boi> or an image code and the text adapter everywhere else.  Training does exactly that: both adapters live
 in one peft model, and a forward hook on every lora_B multiplies its output by a per-token mask
 [B,T,1] = (the adapter is on for this sequence) x (the position routes to the adapter's modality).  The data mixes
@@ -40,7 +40,8 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from molora.models.data import (  # noqa: E402
+from molora.models.engine.vocab import IMAGE, TEXT, UnifiedVocab  # noqa: E402
+from molora.models.families.shapes.data import (  # noqa: E402
     ADAPTER_MIX,
     Example,
     ExampleSpec,
@@ -52,11 +53,10 @@ from molora.models.data import (  # noqa: E402
     prompt_length,
     sample_examples,
 )
-from molora.models.image_tokenizer import ImageTokenizer  # noqa: E402
-from molora.models.shapes.world import STYLES  # noqa: E402
-from molora.models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
-from molora.models.tokenizer import UnifiedTokenizer  # noqa: E402
-from molora.models.vocab import IMAGE, TEXT, UnifiedVocab  # noqa: E402
+from molora.models.families.shapes.image_tokenizer import ImageTokenizer  # noqa: E402
+from molora.models.families.shapes.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
+from molora.models.families.shapes.tokenizer import UnifiedTokenizer  # noqa: E402
+from molora.models.families.shapes.world import STYLES  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_lm import encode_scenes  # noqa: E402

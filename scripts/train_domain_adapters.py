@@ -1,4 +1,4 @@
-"""Train one LoRA per question domain (models/shapes/domains.py), each independently on its own domain only,
+"""Train one LoRA per question domain (models/families/shapes/domains.py), each independently on its own domain only,
 through the project's routed path: RoutedModel + LabelRouter, the LoRA living in the hot-set slot and trained
 through the kernels' autograd (kernels/autograd.py). The base stays frozen; the routing rule exists once.
 
@@ -9,7 +9,7 @@ trained on (the learned gates send context positions to their base expert).
 
 Per domain: a fresh PEFT-initialised LoRA (A kaiming-uniform, B zero, scale alpha / r) on every routed linear,
 AdamW on the answer ids (prompt = context), warmup + cosine, then exact-match accuracy (greedy, teacher-forced:
-models/shapes/domain_batches.py) on held-out items. Writes OUT/<domain>/adapter_config.json +
+models/families/shapes/domain_batches.py) on held-out items. Writes OUT/<domain>/adapter_config.json +
 adapter_model.safetensors (PEFT format, routing.adapters.save_peft_adapter) + molora.json, and
 OUT/domain_metrics.json (one entry per domain, merged with what is already there).
 
@@ -34,12 +34,12 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from molora.models.data import Schedule  # noqa: E402
-from molora.models.runtime import device_name  # noqa: E402
-from molora.models.shapes.domain_batches import answer_loss, encode_item, exact_matches, make_batch  # noqa: E402
-from molora.models.shapes.domains import ALL_DOMAINS, DESCRIPTIONS, domain_items  # noqa: E402
-from molora.models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
-from molora.models.tokenizer import UnifiedTokenizer  # noqa: E402
+from molora.models.engine.runtime import device_name  # noqa: E402
+from molora.models.families.shapes.data import Schedule  # noqa: E402
+from molora.models.families.shapes.domain_batches import answer_loss, encode_item, exact_matches, make_batch  # noqa: E402
+from molora.models.families.shapes.domains import ALL_DOMAINS, DESCRIPTIONS, domain_items  # noqa: E402
+from molora.models.families.shapes.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
+from molora.models.families.shapes.tokenizer import UnifiedTokenizer  # noqa: E402
 from molora.routing import LabelRouter  # noqa: E402
 from molora.routing.adapters import LoraAdapter, save_peft_adapter  # noqa: E402
 from molora.routing.lora import RoutedLoRALinear  # noqa: E402

@@ -3,7 +3,7 @@ the LoRA in the hot-set slot and trained through the kernels' autograd, acting o
 (`<boi>`, codes, row markers: the positions the image gates route), so it composes with the text router and the
 other image adapters in one pass.
 
-Data (models/shapes/styles.py): the requests of one style ("Here is a negative small red circle at the top left:")
+Data (models/families/shapes/styles.py): the requests of one style ("Here is a negative small red circle at the top left:")
 and the picture that style draws (for `negative`, the shape filled in the complementary colour), half of them after
 another request's sentence and picture in another style (context, not trained on); next-token loss on the picture's
 ids only. A fresh PEFT-initialised LoRA (A kaiming-uniform, B zero, scale alpha / r) on every routed linear, AdamW,
@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_domain_adapters import fresh_adapter, read_slot, train_slot, trainable_slot  # noqa: E402
 from train_image_router import batch_of, encode, picture_loss  # noqa: E402
 
-from molora.models.image_tokenizer import ImageTokenizer  # noqa: E402
-from molora.models.runtime import device_name  # noqa: E402
-from molora.models.shapes.styles import STYLE_ADAPTERS, style_items  # noqa: E402
-from molora.models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
-from molora.models.tokenizer import UnifiedTokenizer  # noqa: E402
+from molora.models.engine.runtime import device_name  # noqa: E402
+from molora.models.families.shapes.image_tokenizer import ImageTokenizer  # noqa: E402
+from molora.models.families.shapes.styles import STYLE_ADAPTERS, style_items  # noqa: E402
+from molora.models.families.shapes.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
+from molora.models.families.shapes.tokenizer import UnifiedTokenizer  # noqa: E402
 from molora.routing import LabelRouter  # noqa: E402
 from molora.routing.adapters import save_peft_adapter  # noqa: E402
 from molora.routing.model import RoutedModel, attach_routed_lora  # noqa: E402

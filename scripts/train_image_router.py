@@ -2,7 +2,7 @@
 text positions among the domain adapters, and these gates route image positions among the image adapters and the
 base expert, per picture, from what the words before it asked for. Base, adapters and text gates stay frozen.
 
-Data (models/shapes/styles.py): "Here is an outlined small red circle at the top left:" + the picture in that
+Data (models/families/shapes/styles.py): "Here is an outlined small red circle at the top left:" + the picture in that
 style; the shipped `outline` LoRA draws outlined shapes, the `negative` LoRA shapes in the complementary colour, the
 base model filled ones (the base expert). Per block a gate Linear(d_model, 3) on the block input of image positions (`<boi>`, codes, row markers, `<eoi>`), and with
 --context-decays also on a routing state updated by the text positions (the words before the picture); loss =
@@ -35,14 +35,14 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from molora.models.data import Schedule  # noqa: E402
-from molora.models.image_tokenizer import ImageTokenizer  # noqa: E402
-from molora.models.loading import adapter_weights_hash  # noqa: E402
+from molora.models.engine.runtime import device_name  # noqa: E402
+from molora.models.families.loading import adapter_weights_hash  # noqa: E402
+from molora.models.families.shapes import world  # noqa: E402
+from molora.models.families.shapes.data import Schedule  # noqa: E402
+from molora.models.families.shapes.image_tokenizer import ImageTokenizer  # noqa: E402
+from molora.models.families.shapes.styles import STYLE_ADAPTERS, StyleItem, style_items  # noqa: E402
+from molora.models.families.shapes.tokenizer import UnifiedTokenizer  # noqa: E402
 from molora.models.pipeline import InterleavedPipeline  # noqa: E402
-from molora.models.runtime import device_name  # noqa: E402
-from molora.models.shapes import world  # noqa: E402
-from molora.models.shapes.styles import STYLE_ADAPTERS, StyleItem, style_items  # noqa: E402
-from molora.models.tokenizer import UnifiedTokenizer  # noqa: E402
 from molora.routing import LearnedGates, LearnedRouter  # noqa: E402
 
 log = logging.getLogger("train_image_router")
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
         "context_decays": list(gates.context_decays), "state_updated_by": "text positions",
         "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed, "second": args.second, "steps": step,
         "train_records": len(train),
-        "val_records": len(val), "data": "models/shapes/styles.py", "adapter_sha256_16": hashes,
+        "val_records": len(val), "data": "models/families/shapes/styles.py", "adapter_sha256_16": hashes,
         "seconds": round(time.time() - t0, 1), "device": device_name(args.device), "threads": args.threads,
         "torch": torch.__version__, "curve": curve, "val": val_metrics}
     config_path.write_text(json.dumps(config, indent=2))

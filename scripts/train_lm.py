@@ -3,7 +3,7 @@
 Base data (plain register, filled style only; the adapters learn the rest):
     38% text->image from an instruction, 14% text->image from a caption, 29% image->text captions,
     14% interleaved documents, 5% text-only pirate sentences (never beside a picture: they train the output rows
-    of pirate words so a LoRA can use them; see models/data.py); text before <boi> dropped 10% of the time
+    of pirate words so a LoRA can use them; see models/families/shapes/data.py); text before <boi> dropped 10% of the time
     (classifier-free guidance).
 Image spans are the VQ codes row by row, each row closed by its row marker (vocab.json row_end_ids).
 Needs tokenizer.json, vocab.json and vq/ in the model directory (train_tokenizer.py, train_vq.py); writes
@@ -19,7 +19,7 @@ losses every --val-every steps).
     python scripts/train_lm.py --model-dir runs/big --hidden 512 --intermediate 2048 --heads 8 --domain-share 0.04
                                 # a base that also reads the question domains (scripts/scale_vs_specialise.sh)
 
---domain-share F mixes the question-domain items of models/shapes/domains.py (train split) into the training
+--domain-share F mixes the question-domain items of models/families/shapes/domains.py (train split) into the training
 sequences, F of the training ids of every epoch: the very items scripts/train_domain_adapters.py and
 scripts/train_router.py train on with --seed --domain-seed (prefixes of their generators), a share
 --domain-router-share of the domain ids as the router's data (each domain, and as many mixed requests), the rest as
@@ -55,7 +55,8 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from molora.models.data import (  # noqa: E402
+from molora.models.engine.vocab import IMAGE  # noqa: E402
+from molora.models.families.shapes.data import (  # noqa: E402
     ExampleSpec,
     Schedule,
     collate,
@@ -69,10 +70,9 @@ from molora.models.data import (  # noqa: E402
     sample_examples,
     save_checkpoint,
 )
-from molora.models.image_tokenizer import ImageTokenizer  # noqa: E402
-from molora.models.testing import llama_config  # noqa: E402
-from molora.models.tokenizer import UnifiedTokenizer  # noqa: E402
-from molora.models.vocab import IMAGE  # noqa: E402
+from molora.models.families.shapes.image_tokenizer import ImageTokenizer  # noqa: E402
+from molora.models.families.shapes.testing import llama_config  # noqa: E402
+from molora.models.families.shapes.tokenizer import UnifiedTokenizer  # noqa: E402
 
 log = logging.getLogger("train_lm")
 VAL_SEED = "lm-val0"  # the same held-out sequences whatever --seed is, so stages and runs compare
@@ -110,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "picture are context, as in train_adapters (validation still scores every target)")
     p.add_argument("--domain-share", type=float, default=0.0,
                    help="share of each epoch's training ids that are question-domain items (the adapters' and the "
-                        "router's train data, models/shapes/domains.py); 0 = none (see the module docstring)")
+                        "router's train data, models/families/shapes/domains.py); 0 = none (see the module docstring)")
     p.add_argument("--domain-router-share", type=float, default=0.2,
                    help="with --domain-share: share of the domain ids drawn as train_router.py's data, the rest as "
                         "train_domain_adapters.py's")
@@ -158,8 +158,8 @@ def domain_sequences(tok: UnifiedTokenizer, n_ids: int, *, router_share: float, 
     requests of two domains: its default --n-mixed), the rest train_domain_adapters.py's (per domain, 40% also
     asking another domain's question): prefixes of the same seeded generators, so these are the items those scripts
     train on, up to the count that fills the budget. The counts come from the mean length of the first 64 items of each kind."""
-    from molora.models.shapes.domain_batches import encode_item
-    from molora.models.shapes.domains import DOMAINS, domain_items, mixed_items
+    from molora.models.families.shapes.domain_batches import encode_item
+    from molora.models.families.shapes.domains import DOMAINS, domain_items, mixed_items
 
     def adapter_items(n: int) -> list:
         return [it for d in DOMAINS for it in domain_items(d, n, seed=f"{seed}", split="train", foreign=0.4)]

@@ -15,7 +15,7 @@ the prompt positions, which domain adapters read as the base model wrote them (s
 Top-k is the k of training; the gates are trained at k = 2 (softmax over the two kept logits: at k = 1 the kept
 weight is always 1 and the next-token loss gives the gate no gradient) and serve at k = 1 or 2.
 
-Data: by default the shapes question domains (models/shapes/domains.py, train split): --n-per-domain items of each
+Data: by default the shapes question domains (models/families/shapes/domains.py, train split): --n-per-domain items of each
 adapter's domain and --n-mixed mixed requests (default as many); validation on held-out items. Or your own adapters and texts:
 
     --data my.jsonl  one JSON object a line: {"text": "..."} (loss on every id), or {"prompt": "...",
@@ -25,7 +25,7 @@ adapter's domain and --n-mixed mixed requests (default as many); validation on h
 
 Writes OUT/gates.safetensors (LearnedGates.save: names in its metadata) and OUT/config.json (adapters, top_k,
 coefficients, steps, seed, validation metrics, the adapters' file hashes). InterleavedPipeline.from_pretrained
-loads <model>/../router/gates.safetensors by default (models/loading.py).
+loads <model>/../router/gates.safetensors by default (models/families/loading.py).
 
     python scripts/train_router.py --out assets/router --adapters count arith spatial size
     python scripts/train_router.py --adapters-dir my_adapters --adapters a b c --data my.jsonl --out my_router
@@ -48,10 +48,10 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from molora.models.data import Schedule  # noqa: E402
-from molora.models.loading import ModelDirError, adapter_rank, adapter_weights_hash  # noqa: E402
-from molora.models.runtime import device_name  # noqa: E402
-from molora.models.shapes.domain_batches import (  # noqa: E402
+from molora.models.engine.runtime import device_name  # noqa: E402
+from molora.models.families.loading import ModelDirError, adapter_rank, adapter_weights_hash  # noqa: E402
+from molora.models.families.shapes.data import Schedule  # noqa: E402
+from molora.models.families.shapes.domain_batches import (  # noqa: E402
     EncodedItem,
     answer_loss,
     encode_item,
@@ -59,9 +59,9 @@ from molora.models.shapes.domain_batches import (  # noqa: E402
     exact_matches,
     make_batch,
 )
-from molora.models.shapes.domains import DOMAINS, domain_items, mixed_items  # noqa: E402
-from molora.models.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
-from molora.models.tokenizer import UnifiedTokenizer  # noqa: E402
+from molora.models.families.shapes.domains import DOMAINS, domain_items, mixed_items  # noqa: E402
+from molora.models.families.shapes.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
+from molora.models.families.shapes.tokenizer import UnifiedTokenizer  # noqa: E402
 from molora.routing import LearnedGates, LearnedRouter, MoLoRAError, RoutedModel, attach_routed_lora  # noqa: E402
 from molora.routing.routers import GATES_FORMAT_VERSION  # noqa: E402
 
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
         n_mixed = args.n_per_domain if args.n_mixed is None else args.n_mixed
         train = shapes_data(tok, adapters, args.n_per_domain, f"router{args.seed}", "train", n_mixed)
         val = shapes_data(tok, adapters, args.n_val, f"router-val{args.seed}", "heldout")
-        source = {"data": "models/shapes/domains.py", "n_per_domain": args.n_per_domain, "n_mixed": n_mixed,
+        source = {"data": "models/families/shapes/domains.py", "n_per_domain": args.n_per_domain, "n_mixed": n_mixed,
                   "n_val": args.n_val}
     log.info("router over %s: %d train, %d val records", adapters, len(train), len(val))
     gates, result = train_gates(routed, tok, adapters, train, val, args)

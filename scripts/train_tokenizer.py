@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from molora.models.data import text_corpus  # noqa: E402
-from molora.models.tokenizer import UnifiedTokenizer  # noqa: E402
+from molora.models.families.shapes.data import text_corpus  # noqa: E402
+from molora.models.families.shapes.tokenizer import UnifiedTokenizer  # noqa: E402
 
 log = logging.getLogger("train_tokenizer")
 

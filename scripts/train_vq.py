@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from molora.models.data import (  # noqa: E402
+from molora.models.families.shapes.data import (  # noqa: E402
     SceneSpec,
     Schedule,
     cycle_batches,
@@ -37,7 +37,7 @@ from molora.models.data import (  # noqa: E402
     sample_scenes,
     save_checkpoint,
 )
-from molora.models.image_tokenizer import vq_config  # noqa: E402
+from molora.models.families.shapes.image_tokenizer import vq_config  # noqa: E402
 
 log = logging.getLogger("train_vq")
 

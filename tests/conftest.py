@@ -16,7 +16,7 @@ import torch
 
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from molora.models.testing import write_tiny_adapter, write_tiny_model_dir
+    from molora.models.families.shapes.testing import write_tiny_adapter, write_tiny_model_dir
 
     root = tmp_path_factory.mktemp("tiny_assets")
     write_tiny_model_dir(root / "model", seed=0)

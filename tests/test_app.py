@@ -32,8 +32,8 @@ from molora.app.server import serve, warm_up
 from molora.app.session import SessionState
 from molora.app.ui import MoLoRAApp
 from molora.models import InterleavedPipeline
-from molora.models.best_of import CHECKS
-from molora.models.testing import write_tiny_adapter
+from molora.models.engine.best_of import CHECKS
+from molora.models.families.shapes.testing import write_tiny_adapter
 from molora.routing import LearnedGates
 
 REPO = Path(__file__).resolve().parents[1]

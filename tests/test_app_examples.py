@@ -16,9 +16,9 @@ import pytest
 from molora.app.ui import EXAMPLES, LEARNED_EXAMPLES, LEARNED_PICTURE_EXAMPLES, MoLoRAApp
 from molora.models import InterleavedPipeline
 from molora.models.document import Document
-from molora.models.shapes.analyse import analyse_image
-from molora.models.shapes.eval import document_consistency, is_outline, is_pirate
-from molora.models.shapes.styles import STYLES, drawn_style, style_items
+from molora.models.families.shapes.analyse import analyse_image
+from molora.models.families.shapes.eval import document_consistency, is_outline, is_pirate
+from molora.models.families.shapes.styles import STYLES, drawn_style, style_items
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -60,7 +60,7 @@ def test_each_example_shows_both_adapters_in_one_document_with_correct_content(a
 
 @pytest.mark.parametrize("prompt, seed", LEARNED_EXAMPLES)
 def test_each_learned_example_answers_both_questions_with_two_domain_adapters(app, prompt, seed):
-    from molora.models.shapes.domains import DOMAINS, mixed_items
+    from molora.models.families.shapes.domains import DOMAINS, mixed_items
     item = next((it for it in mixed_items(40, seed="app", split="heldout") if it.prompt == prompt), None)
     assert item is not None, "the example is a held-out mixed request (its true answer is known)"
     d = app.defaults

@@ -7,7 +7,7 @@ from PIL import Image
 from molora.app.render import BASE_COLOR, BASE_LABEL, IMAGE_TOKEN_GLYPH, RunView, color_map, sparkline
 from molora.app.ui import best_of_status
 from molora.models.document import Document, TokenRecord
-from molora.models.events import (
+from molora.models.engine.events import (
     Finished,
     ImageDone,
     ImageProgress,

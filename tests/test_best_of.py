@@ -1,20 +1,20 @@
-"""Best-of-n generation (models/best_of.py) and the shapes world's caption check (models/shapes/self_check.py)."""
+"""Best-of-n generation (models/engine/best_of.py) and the shapes world's caption check (models/families/shapes/self_check.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from molora.models import Document, GenerationConfig, GenerationError, InterleavedPipeline
-from molora.models.best_of import (
+from molora.models.engine.best_of import (
     CHECKS,
     RESAMPLE_TEMPERATURE,
     candidate_config,
     register_check,
     stream_best_of,
 )
-from molora.models.events import Finished, ImageDone, Notice, Redraw
-from molora.models.shapes.self_check import CaptionCheck
-from molora.models.shapes.world import Obj, Scene, render
+from molora.models.engine.events import Finished, ImageDone, Notice, Redraw
+from molora.models.families.shapes.self_check import CaptionCheck
+from molora.models.families.shapes.world import Obj, Scene, render
 from molora.routing import UnknownAdapterError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

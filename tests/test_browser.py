@@ -18,7 +18,7 @@ import pytest
 
 from molora.app.server import serve
 from molora.models import InterleavedPipeline
-from molora.models.testing import write_tiny_adapter
+from molora.models.families.shapes.testing import write_tiny_adapter
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",

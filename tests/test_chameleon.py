@@ -10,8 +10,8 @@ from family_checks import check_picture_grammar, check_routing_rule, make_peft_a
 from PIL import Image
 
 from molora.models import InterleavedPipeline
-from molora.models.chameleon.family import CODE_PIXELS, LORA_TARGETS
-from molora.models.chameleon.testing import build_tiny_chameleon, image_token_name
+from molora.models.families.chameleon.family import CODE_PIXELS, LORA_TARGETS
+from molora.models.families.chameleon.testing import build_tiny_chameleon, image_token_name
 from molora.routing import SequenceRouter
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from molora.models.loading import PlacementError, load_model_dir
+from molora.models.families.loading import PlacementError
+from molora.models.families.shapes.loading import load_model_dir
 from molora.models.pipeline import InterleavedPipeline
 from molora.routing import LearnedGates, MoLoRAError, attach_routed_lora
 from molora.routing import model as routing_model
@@ -139,8 +140,8 @@ def test_slots_and_routing_copies_live_on_each_layers_device(tiny_model_dir):
     """Block 1 moved to "meta" (a device of its own, honestly: nothing runs there): its layers' slots are allocated
     there, adapters are written to every layer's own device, and PlacedRouting gives each device one copy per
     forward."""
-    from molora.models.kv_cache import PlacedRowKVCache, RowKVCache
-    from molora.models.synthetic import random_adapters
+    from molora.models.engine.kv_cache import PlacedRowKVCache, RowKVCache
+    from molora.models.engine.synthetic import random_adapters
 
     lm = load_model_dir(tiny_model_dir, device="cpu").lm
     lm.model.layers[1].to("meta")
@@ -182,8 +183,8 @@ def test_a_model_on_one_device_keeps_the_plain_routing_path(tiny_pipeline):
 def test_emu3_loads_with_a_device_map_and_gives_the_plain_tokens(tmp_path):
     from transformers import Emu3ForConditionalGeneration
 
-    from molora.models.emu3.family import LORA_TARGETS
-    from molora.models.emu3.testing import build_tiny_emu3
+    from molora.models.families.emu3.family import LORA_TARGETS
+    from molora.models.families.emu3.testing import build_tiny_emu3
     from tests.family_checks import make_peft_adapter
 
     path = build_tiny_emu3(tmp_path / "emu3")

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 from PIL import Image
 
-from molora.models.shapes import world
-from molora.models.shapes.domains import (
+from molora.models.families.shapes import world
+from molora.models.families.shapes.domains import (
     ALL_DOMAINS,
     DOMAINS,
     MIXES,
@@ -162,8 +162,8 @@ def test_bad_requests_are_clear_errors():
 
 
 def test_foreign_items_ask_one_question_of_another_domain_and_train_only_the_own_span():
-    from molora.models.shapes.domain_batches import encode_item, make_batch
-    from molora.models.tokenizer import build_tiny_tokenizer
+    from molora.models.families.shapes.domain_batches import encode_item, make_batch
+    from molora.models.families.shapes.tokenizer import build_tiny_tokenizer
     items = domain_items("count", 300, seed=0, foreign=0.4)
     foreign = [i for i in items if len(set(i.domains)) == 2]
     assert 0.3 < len(foreign) / len(items) < 0.5
@@ -181,9 +181,15 @@ def test_foreign_items_ask_one_question_of_another_domain_and_train_only_the_own
 
 
 def test_style_requests_cycle_name_their_style_and_render_in_it():
-    from molora.models.shapes.analyse import analyse_image
-    from molora.models.shapes.styles import NEGATIVE_COLOUR, STYLE_WORDS, STYLES, drawn_style, style_items
-    from molora.models.shapes.world import render
+    from molora.models.families.shapes.analyse import analyse_image
+    from molora.models.families.shapes.styles import (
+        NEGATIVE_COLOUR,
+        STYLE_WORDS,
+        STYLES,
+        drawn_style,
+        style_items,
+    )
+    from molora.models.families.shapes.world import render
     items = style_items(9, seed=0, split="heldout")
     assert [it.style for it in items] == list(STYLES) * 3 == ["outline", "filled", "negative"] * 3
     assert items == style_items(9, seed=0, split="heldout")  # seeded
@@ -200,16 +206,16 @@ def test_style_requests_cycle_name_their_style_and_render_in_it():
 
 
 def test_negative_colours_pair_every_colour_with_another():
-    from molora.models.shapes.styles import NEGATIVE_COLOUR
-    from molora.models.shapes.world import COLOURS
+    from molora.models.families.shapes.styles import NEGATIVE_COLOUR
+    from molora.models.families.shapes.world import COLOURS
     assert sorted(NEGATIVE_COLOUR) == sorted(COLOURS)
     assert all(NEGATIVE_COLOUR[NEGATIVE_COLOUR[c]] == c != NEGATIVE_COLOUR[c] for c in COLOURS)
 
 
 def test_drawn_style_says_none_for_an_empty_picture_or_a_third_colour():
-    from molora.models.shapes.analyse import analyse_image
-    from molora.models.shapes.styles import NEGATIVE_COLOUR, drawn_style, style_items
-    from molora.models.shapes.world import BACKGROUND_RGB, COLOURS, Scene, render
+    from molora.models.families.shapes.analyse import analyse_image
+    from molora.models.families.shapes.styles import NEGATIVE_COLOUR, drawn_style, style_items
+    from molora.models.families.shapes.world import BACKGROUND_RGB, COLOURS, Scene, render
     item = style_items(3, seed=1, split="heldout")[2]
     asked = item.scene.objects[0]
     third = next(c for c in COLOURS if c not in (asked.colour, NEGATIVE_COLOUR[asked.colour]))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from molora.models import InterleavedPipeline
-from molora.models.shapes.eval import analyse_image
+from molora.models.families.shapes.eval import analyse_image
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,9 +10,9 @@ from family_checks import check_picture_grammar, check_routing_rule, make_peft_a
 from PIL import Image
 
 from molora.models import InterleavedPipeline
-from molora.models.emu3.family import LORA_TARGETS
-from molora.models.emu3.testing import build_tiny_emu3
-from molora.models.loading import ModelDirError
+from molora.models.families.emu3.family import LORA_TARGETS
+from molora.models.families.emu3.testing import build_tiny_emu3
+from molora.models.families.loading import ModelDirError
 from molora.routing import SequenceRouter, VocabRangeRouter
 
 GRID = (4, 4)
@@ -181,7 +181,7 @@ def test_the_app_serves_an_emu3_directory(emu3_dir):
 
 
 def test_picture_progress_comes_once_per_row_after_the_header(emu3):
-    from molora.models.events import ImageProgress
+    from molora.models.engine.events import ImageProgress
 
     v = emu3.vocab
     events = list(emu3.stream("draw a cat", seed=0, start_image=True, max_new_tokens=v.tokens_per_image + 1,

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from molora.models.engine import Done, Engine, EngineConfig, Token
-from molora.models.generation import GenerationConfig, Request
-from molora.models.sampling import GenerationError, SamplingConfig
-from molora.models.synthetic import random_adapters, random_routed_model
+from molora.models.engine.core import Done, Engine, EngineConfig, Token
+from molora.models.engine.generation import GenerationConfig, Request
+from molora.models.engine.sampling import GenerationError, SamplingConfig
+from molora.models.engine.synthetic import random_adapters, random_routed_model
 from molora.routing import (
     CacheFullError,
     LearnedGates,

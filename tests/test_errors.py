@@ -103,7 +103,7 @@ def test_the_base_class_is_defined_once_at_the_bottom_and_reexported():
 
 
 def test_value_error_mixins_stay_for_callers_that_catch_value_error():
-    from molora.models.vocab import VocabError
+    from molora.models.engine.vocab import VocabError
     from molora.routing.errors import UnknownAdapterError
 
     for cls in (KernelInputError, VocabError):

@@ -1,4 +1,4 @@
-"""Model families (models/family.py): a directory is recognised by its files, families register themselves and
+"""Model families (models/families/family.py): a directory is recognised by its files, families register themselves and
 their best_of checks, and the pipeline loads whatever family the directory holds."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from molora.models.best_of import CHECKS
-from molora.models.family import ModelFamily, detect_family, families, get_family, register_family
-from molora.models.loading import ModelDirError
+from molora.models.engine.best_of import CHECKS
+from molora.models.families.family import ModelFamily, detect_family, families, get_family, register_family
+from molora.models.families.loading import ModelDirError
 
 
 def test_the_embedded_model_is_the_shapes_family_and_registers_its_check(tiny_model_dir):
@@ -44,7 +44,7 @@ def test_a_registered_family_is_detected_and_its_checks_are_registered(tmp_path)
         assert detect_family(tmp_path) is family
         assert CHECKS["mine_check"](None)([1, 2]) == [True, True]
     finally:
-        from molora.models import family as module
+        from molora.models.families import family as module
 
         module._FAMILIES.pop("mine")
         CHECKS.pop("mine_check")

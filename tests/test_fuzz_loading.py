@@ -135,7 +135,7 @@ def routed(tiny_assets: Path):
     """The tiny LM with routed layers and one adapter loaded (and in a slot), shared by the adapter tests."""
     from transformers import LlamaForCausalLM
 
-    from molora.models.testing import set_base_model_name
+    from molora.models.families.shapes.testing import set_base_model_name
     from molora.routing import attach_routed_lora
 
     lm = set_base_model_name(LlamaForCausalLM.from_pretrained(tiny_assets / "model" / "lm"))
@@ -559,7 +559,7 @@ def model_copy(model_dir: Path) -> Iterator[Path]:
 
 
 def load_dir(path: Path):
-    from molora.models.loading import load_model_dir
+    from molora.models.families.shapes.loading import load_model_dir
 
     return refused_or_loaded(lambda: load_model_dir(path, device="cpu", threads=0))
 
@@ -639,8 +639,8 @@ vocab_fields = st.sampled_from(["vocab_size", "text_start", "text_size", "image_
                                min_size=1, max_size=3),
        drop=st.sets(vocab_fields, max_size=2))
 def test_a_fuzzed_vocab_json_is_refused_or_loads(tiny_model_dir, changes, drop):
-    from molora.models.tokenizer import UnifiedTokenizer
-    from molora.models.vocab import UnifiedVocab
+    from molora.models.engine.vocab import UnifiedVocab
+    from molora.models.families.shapes.tokenizer import UnifiedTokenizer
 
     with model_copy(tiny_model_dir) as model:
         vocab = {k: v for k, v in {**json.loads((model / "vocab.json").read_text()), **changes}.items() if k not in drop}
@@ -677,7 +677,7 @@ def _tokenizer_edit(how: str, value: int) -> Callable[[dict], None]:
        value=st.sampled_from([0, 1, 3, 7, 2 ** 20, 2 ** 33, 2 ** 40, -1]))
 def test_a_fuzzed_tokenizer_json_is_refused_or_encodes_exactly(tiny_model_dir, how, value):
     """Settings inside tokenizer.json never change the ids: padding to 2**33 aborted the process on encode."""
-    from molora.models.tokenizer import UnifiedTokenizer
+    from molora.models.families.shapes.tokenizer import UnifiedTokenizer
 
     good = UnifiedTokenizer.load(tiny_model_dir)
     with model_copy(tiny_model_dir) as model:
@@ -721,7 +721,7 @@ vq_fields = st.sampled_from(["block_out_channels", "down_block_types", "up_block
                                                            "UNet2DModel", "spatial", "gelu"]),
                                min_size=1, max_size=3))
 def test_a_fuzzed_vq_config_is_refused_without_allocating_its_declared_size(tiny_model_dir, changes):
-    from molora.models.image_tokenizer import ImageTokenizer
+    from molora.models.families.shapes.image_tokenizer import ImageTokenizer
 
     with model_copy(tiny_model_dir) as model:
         config = {**json.loads((model / "vq" / "config.json").read_text()), **changes}
@@ -752,7 +752,8 @@ def _family_configs() -> list[dict]:
 @pytest.mark.parametrize("index", range(6))
 def test_an_lm_config_of_another_family_is_refused(tiny_model_dir, index):
     """The embedded model's lm/ with another family's config.json: weights do not fit, an error names them."""
-    from molora.models.loading import ModelDirError, load_model_dir
+    from molora.models.families.loading import ModelDirError
+    from molora.models.families.shapes.loading import load_model_dir
 
     with model_copy(tiny_model_dir) as model:
         (model / "lm" / "config.json").write_text(json.dumps(_family_configs()[index], default=str))
@@ -799,13 +800,13 @@ def test_renamed_retyped_or_non_finite_checkpoint_tensors_are_refused(tiny_model
             assert loaded is None, f"{which}: {how} went unnoticed"
 
 
-# --- transformers families (Emu3, Chameleon, Janus: models/hf_family.py) ---------------------------------------
+# --- transformers families (Emu3, Chameleon, Janus: models/families/hf.py) ---------------------------------------
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from molora.models.chameleon.testing import build_tiny_chameleon
-    from molora.models.emu3.testing import build_tiny_emu3
-    from molora.models.janus.testing import build_tiny_janus
+    from molora.models.families.chameleon.testing import build_tiny_chameleon
+    from molora.models.families.emu3.testing import build_tiny_emu3
+    from molora.models.families.janus.testing import build_tiny_janus
 
     root = tmp_path_factory.mktemp("hf_models")
     return {"emu3": build_tiny_emu3(root / "emu3"), "chameleon": build_tiny_chameleon(root / "chameleon"),
@@ -837,7 +838,7 @@ hf_config_changes = st.dictionaries(
 def test_a_damaged_transformers_family_folder_is_refused_or_loads(hf_models, family, name, how, data, cut, changes,
                                                                    nasty, config, nested, edit, index):
     """Another family's config, huge or broken sizes, damaged weights and tokenizer files: a project error."""
-    from molora.models.family import load_family_model
+    from molora.models.families.family import load_family_model
 
     with scratch() as root:
         model = shutil.copytree(hf_models[family], root / family)

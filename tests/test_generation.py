@@ -12,9 +12,9 @@ import dataclasses
 import pytest
 import torch
 
-from molora.models.engine import Done, Engine
-from molora.models.generation import GenerationConfig, Request, build_phase_masks
-from molora.models.sampling import GenerationError, SamplingConfig, filter_logits, guide, sample
+from molora.models.engine.core import Done, Engine
+from molora.models.engine.generation import GenerationConfig, Request, build_phase_masks
+from molora.models.engine.sampling import GenerationError, SamplingConfig, filter_logits, guide, sample
 from molora.routing import SequenceRouter, VocabRangeRouter
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from molora.models import GenerationConfig
-from molora.models.sampling import GenerationError
+from molora.models.engine.sampling import GenerationError
 
 
 def test_min_new_tokens_masks_eos_until_reached(tiny_pipeline):

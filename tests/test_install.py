@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCE = ("molora", "kernels", "routing", "models", "app", "assets", "pyproject.toml", "README.md",
+SOURCE = ("molora", "assets", "pyproject.toml", "README.md",
           "requirements.txt", "LICENSE")
 HF_KERNELS = sorted((REPO / ".venv" / "wheels").glob("kernels-*.whl"))
 

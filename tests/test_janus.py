@@ -10,8 +10,8 @@ from family_checks import check_picture_grammar, check_routing_rule, make_peft_a
 from PIL import Image
 
 from molora.models import InterleavedPipeline
-from molora.models.janus.family import LORA_TARGETS
-from molora.models.janus.testing import build_tiny_janus
+from molora.models.families.janus.family import LORA_TARGETS
+from molora.models.families.janus.testing import build_tiny_janus
 from molora.routing import MoLoRAError, SequenceRouter
 
 

@@ -297,7 +297,7 @@ def test_metadata_builder_is_sync_free_and_sorted(monkeypatch):
 
 
 def test_kernels_package_never_imports_models_or_routing():
-    for path in (Path(__file__).resolve().parents[1] / "kernels").glob("*.py"):
+    for path in (Path(__file__).resolve().parents[1] / "molora" / "kernels").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])

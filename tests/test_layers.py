@@ -1,5 +1,5 @@
-"""The layering: kernels/ <- routing/ <- models/ <- app/; lower layers never import higher ones, and the engine,
-pipeline and app import no model family (families register themselves, models/family.py)."""
+"""The layering: molora/kernels <- routing <- models <- app; lower layers never import higher ones, and the engine,
+pipeline and app import no model family (families register themselves, models/families/family.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from molora.routing import ModalityMap, SequenceRouter, VocabRangeRouter
 from molora.routing.modality import IMAGE, TEXT
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILY_PACKAGES = ("molora.models.shapes", "molora.models.emu3", "molora.models.chameleon", "molora.models.janus")
+PACKAGE = ROOT / "molora"
+FAMILY_PACKAGES = tuple(f"molora.models.families.{name}" for name in ("shapes", "emu3", "chameleon", "janus"))
 
 
 def _imports(path: Path) -> set[str]:
@@ -27,7 +28,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def _files(package: str) -> list[Path]:
-    return sorted((ROOT / package).rglob("*.py"))
+    return sorted((PACKAGE / package).rglob("*.py"))
 
 
 def _module_level_imports(path: Path, known: set[str]) -> set[str]:
@@ -55,7 +56,7 @@ def _import_graph() -> dict[str, set[str]]:
     for package in ("kernels", "routing", "models", "app"):
         for path in _files(package):
             parts = path.relative_to(ROOT).with_suffix("").parts
-            paths[".".join(("molora", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
+            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return {name: _module_level_imports(path, set(paths)) - {name} for name, path in paths.items()}
 
 
@@ -76,8 +77,10 @@ def test_every_project_import_goes_through_the_molora_namespace():
 
 
 def test_engine_pipeline_and_app_import_no_family():
-    paths = [ROOT / "models" / n for n in ("engine.py", "pipeline.py", "row_states.py", "generation.py",
-                                           "document.py", "builder.py", "best_of.py", "family.py")] + _files("app")
+    """The engine package, the user-facing modules beside it and the app name no family; families/family.py (the
+    registry) imports them only by name, on the first lookup."""
+    users = [PACKAGE / "models" / n for n in ("pipeline.py", "document.py", "batch.py", "cli.py")]
+    paths = _files("models/engine") + users + [PACKAGE / "models" / "families" / "family.py"] + _files("app")
     for path in paths:
         bad = [m for m in _imports(path) if m.startswith(FAMILY_PACKAGES)]
         assert not bad, f"{path.relative_to(ROOT)} imports the model families {bad}"
@@ -85,7 +88,7 @@ def test_engine_pipeline_and_app_import_no_family():
 
 def test_no_import_cycles_at_module_level():
     graph = _import_graph()
-    assert "molora.models.events" not in graph["molora.models.document"]  # a document records parts; events do
+    assert "molora.models.engine.events" not in graph["molora.models.document"]  # a document records parts; events do
     done: set[str] = set()
 
     def visit(module: str, path: list[str]) -> None:
@@ -105,9 +108,9 @@ def test_the_seams_between_layers_are_typed():
     from typing import get_type_hints
 
     from molora.app.render import RunView
-    from molora.models.best_of import stream_best_of
-    from molora.models.events import Event
-    from molora.models.generation import Request
+    from molora.models.engine.best_of import stream_best_of
+    from molora.models.engine.events import Event
+    from molora.models.engine.generation import Request
     from molora.models.pipeline import InterleavedPipeline
     from molora.routing import Router
 

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from molora.models.loading import load_model_dir
-from molora.models.shapes.domain_batches import encode_item, exact_matches, make_batch
-from molora.models.shapes.domains import domain_items, mixed_items
-from molora.models.testing import write_tiny_model_dir
+from molora.models.families.shapes.domain_batches import encode_item, exact_matches, make_batch
+from molora.models.families.shapes.domains import domain_items, mixed_items
+from molora.models.families.shapes.loading import load_model_dir
+from molora.models.families.shapes.testing import write_tiny_model_dir
 from molora.routing import LabelRouter, LearnedGates, LearnedRouter, RoutingError, SequenceRouter
 from molora.routing.errors import AdapterError, UnknownAdapterError
 from tests.script_loader import load_script
@@ -35,7 +35,7 @@ def test_domain_adapters_are_peft_files_that_peft_and_the_routed_model_apply_ali
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
-    from molora.models.testing import set_base_model_name
+    from molora.models.families.shapes.testing import set_base_model_name
     from molora.routing import attach_routed_lora
     root, model, adapters, metrics, _ = trained
     assert set(metrics) == {"count", "spatial"} and metrics["count"]["steps"] == 3

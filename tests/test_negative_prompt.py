@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from molora.models.generation import GenerationConfig, Request
-from molora.models.row_states import RowStates
-from molora.models.sampling import GenerationError
+from molora.models.engine.generation import GenerationConfig, Request
+from molora.models.engine.row_states import RowStates
+from molora.models.engine.sampling import GenerationError
 
 PICTURE = dict(seed=0, start_image=True, cfg_scale=5.0, image_temperature=0.0, max_images=1)
 

@@ -14,7 +14,7 @@ from PIL import Image
 
 from molora.models import Document, GenerationConfig, GenerationError, InterleavedPipeline, ModelDirError
 from molora.models.document import DocumentError
-from molora.models.events import (
+from molora.models.engine.events import (
     Finished,
     ImageDone,
     ImageProgress,
@@ -378,7 +378,7 @@ def test_model_dir_generation_json_sets_the_defaults(tiny_assets, tmp_path):
 
 
 def test_router_config_sets_top_k_and_refuses_gates_trained_on_other_adapter_weights(tiny_assets, tmp_path):
-    from molora.models.loading import adapter_weights_hash
+    from molora.models.families.loading import adapter_weights_hash
     from molora.routing import LearnedGates
 
     pipe = InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from molora.kernels.reference import routed_lora_topk_reference
-from molora.models.vocab import IMAGE, UnifiedVocab
+from molora.models.engine.vocab import IMAGE, UnifiedVocab
 from molora.routing import (
     LearnedGates,
     LearnedRouter,

@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from molora.models.vocab import UnifiedVocab
+from molora.models.engine.vocab import UnifiedVocab
 from molora.routing import (
     SequenceRouter,
     VocabRangeRouter,

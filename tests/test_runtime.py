@@ -1,13 +1,13 @@
-"""The CPU thread count: one rule (models/runtime.py) shared by the app, the Python API and the CLI."""
+"""The CPU thread count: one rule (models/engine/runtime.py) shared by the app, the Python API and the CLI."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from molora.models import runtime
-from molora.models.loading import load_model_dir
-from molora.models.runtime import DEFAULT_CPU_THREADS, THREADS_ENV, configure_cpu_threads, cpu_threads
+from molora.models.engine import runtime
+from molora.models.engine.runtime import DEFAULT_CPU_THREADS, THREADS_ENV, configure_cpu_threads, cpu_threads
+from molora.models.families.shapes.loading import load_model_dir
 from molora.routing.errors import MoLoRAError
 
 

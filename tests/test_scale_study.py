@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from molora.models.shapes.domain_batches import encode_item
-from molora.models.shapes.domains import DOMAINS, domain_items, mixed_items
-from molora.models.testing import write_tiny_model_dir
-from molora.models.tokenizer import UnifiedTokenizer
+from molora.models.families.shapes.domain_batches import encode_item
+from molora.models.families.shapes.domains import DOMAINS, domain_items, mixed_items
+from molora.models.families.shapes.testing import write_tiny_model_dir
+from molora.models.families.shapes.tokenizer import UnifiedTokenizer
 from tests.script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]

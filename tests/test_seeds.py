@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from molora.models.cli import main as cli_main
-from molora.models.sampling import MAX_SEED, GenerationError, check_seed
+from molora.models.engine.sampling import MAX_SEED, GenerationError, check_seed
 
 
 @pytest.mark.parametrize("seed", [0, 1, 12345, MAX_SEED, 7.0])
@@ -44,8 +44,8 @@ def test_the_cli_refuses_a_bad_seed_with_its_message(capsys):
 
 
 def test_best_of_redraws_stay_in_the_seed_range():
-    from molora.models.best_of import candidate_config
-    from molora.models.generation import GenerationConfig
+    from molora.models.engine.best_of import candidate_config
+    from molora.models.engine.generation import GenerationConfig
 
     config = GenerationConfig(seed=MAX_SEED, best_of=3, check="shapes_caption")
     assert [candidate_config(config, k).seed for k in range(3)] == [MAX_SEED, 0, 1]
@@ -53,7 +53,7 @@ def test_best_of_redraws_stay_in_the_seed_range():
 
 @pytest.mark.parametrize("seed", [-1, 2**31, 2**32 + 1, 2**64])
 def test_the_api_takes_the_same_seed_rule(seed, tiny_pipeline):
-    from molora.models.generation import GenerationConfig
+    from molora.models.engine.generation import GenerationConfig
 
     with pytest.raises(GenerationError, match="seed must be"):
         GenerationConfig(seed=seed)

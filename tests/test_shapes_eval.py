@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFilter
 
-from molora.models.sampling import GenerationError
-from molora.models.shapes import ShapesError
-from molora.models.shapes.eval import (
+from molora.models.engine.sampling import GenerationError
+from molora.models.families.shapes import ShapesError
+from molora.models.families.shapes.eval import (
     CATEGORIES,
     analyse_image,
     build_prompts,
@@ -27,9 +27,9 @@ from molora.models.shapes.eval import (
     score_interleaved,
     score_text_to_image,
 )
-from molora.models.shapes.parse import ParsedObj
-from molora.models.shapes.text import caption, describe_objects, document, instruction
-from molora.models.shapes.world import (
+from molora.models.families.shapes.parse import ParsedObj
+from molora.models.families.shapes.text import caption, describe_objects, document, instruction
+from molora.models.families.shapes.world import (
     CELLS,
     COLOURS,
     STYLES,
@@ -297,7 +297,7 @@ def test_runner_rejects_bad_arguments():
 
 
 def test_cli_passes_generation_settings_and_rejects_malformed_ones(tiny_assets, tmp_path, capsys):
-    from molora.models.shapes.eval import main
+    from molora.models.families.shapes.eval import main
 
     out = tmp_path / "r.json"
     assert main(["--model", str(tiny_assets / "model"), "--n", "1", "--conditions", "base", "--categories",
@@ -314,7 +314,7 @@ def test_cli_passes_generation_settings_and_rejects_malformed_ones(tiny_assets, 
 
 
 def test_merge_joins_runs_split_by_condition_and_refuses_mismatches(tmp_path, capsys):
-    from molora.models.shapes.eval import main, merge_results
+    from molora.models.families.shapes.eval import main, merge_results
 
     def run(conditions, **kw):
         return run_shapes_eval(FakePipeline(), n_per_category=4, progress=False, conditions=conditions,

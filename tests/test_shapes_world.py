@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from molora.models.shapes import ShapesError
-from molora.models.shapes.text import PIRATE_MARKERS, caption, document, instruction
-from molora.models.shapes.world import (
+from molora.models.families.shapes import ShapesError
+from molora.models.families.shapes.text import PIRATE_MARKERS, caption, document, instruction
+from molora.models.families.shapes.world import (
     BACKGROUND_RGB,
     CELLS,
     COLOURS,

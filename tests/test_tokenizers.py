@@ -11,10 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from molora.models.image_tokenizer import ImageTokenizer, ImageTokenizerError
-from molora.models.testing import BASE_MODEL_NAME, write_tiny_adapter, write_tiny_model_dir
-from molora.models.tokenizer import SPECIAL_TOKENS, TokenizerError, UnifiedTokenizer, build_tiny_tokenizer
-from molora.models.vocab import VocabError
+from molora.models.engine.vocab import VocabError
+from molora.models.families.shapes.image_tokenizer import ImageTokenizer, ImageTokenizerError
+from molora.models.families.shapes.testing import BASE_MODEL_NAME, write_tiny_adapter, write_tiny_model_dir
+from molora.models.families.shapes.tokenizer import (
+    SPECIAL_TOKENS,
+    TokenizerError,
+    UnifiedTokenizer,
+    build_tiny_tokenizer,
+)
 from molora.routing.errors import MoLoRAError
 
 TOK = build_tiny_tokenizer()

@@ -15,7 +15,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaForCausalLM
 
-from molora.models.data import (
+from molora.models.engine.vocab import IMAGE, TEXT
+from molora.models.families.shapes.data import (
     ExampleSpec,
     Schedule,
     collate,
@@ -27,10 +28,14 @@ from molora.models.data import (
     sample_examples,
     sample_scenes,
 )
-from molora.models.image_tokenizer import ImageTokenizer
-from molora.models.testing import BASE_MODEL_NAME, LORA_TARGETS, llama_config, write_tiny_model_dir
-from molora.models.tokenizer import UnifiedTokenizer, build_tiny_tokenizer
-from molora.models.vocab import IMAGE, TEXT
+from molora.models.families.shapes.image_tokenizer import ImageTokenizer
+from molora.models.families.shapes.testing import (
+    BASE_MODEL_NAME,
+    LORA_TARGETS,
+    llama_config,
+    write_tiny_model_dir,
+)
+from molora.models.families.shapes.tokenizer import UnifiedTokenizer, build_tiny_tokenizer
 from tests.script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,0 +1,512 @@
+"""The Gradio page: prompt and controls on the left, the streamed document and its routing on the right.
+
+One `InterleavedPipeline` is shared by every visitor; everything a visitor owns (uploaded adapters, documents) lives
+in their `SessionState` (gr.State), so concurrent sessions never see each other's adapters or outputs. Every
+visitor's generation is a request to the pipeline's serving engine (models/engine/core.py): concurrent visitors share
+forward passes, and a request waits in the engine's queue while rows or hot-set slots are taken. Stop (or closing
+the tab) cancels it; its row and adapters are free within one engine step.
+
+Named API endpoints (each gradio_client.Client is one session):
+    /generate(prompt, text_choice, image_choice, routing, start_image, text_temperature, text_top_k, text_top_p,
+              image_temperature, image_top_k, cfg_scale, seed, max_new_tokens)
+        -> (text with "[image k]" markers, gallery [{"image": png path}], document .html path, document view HTML,
+            routing map {"value": [{"token", "class_or_confidence": adapter}], "color_map"}, stats HTML)
+    /upload_adapter(files, name, modality) -> (text picker, image picker, status, this session's adapters)
+    /adapters() -> {"builtin": {name: modality}, "uploaded": {name: modality}}
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import gradio as gr
+
+from molora.app.render import BASE_LABEL, RunView, color_map
+from molora.app.session import NONE_CHOICE, SessionRegistry, SessionState
+from molora.app.streaming import in_background
+from molora.app.uploads import (
+    CONFIG_NAME,
+    MAX_ZIP_BYTES,
+    WEIGHTS_NAME,
+    UploadError,
+    check_adapter_name,
+    remove_folder,
+    validate_upload,
+)
+from molora.models import GenerationConfig, SamplingConfig
+from molora.models.engine.events import Event
+from molora.models.engine.sampling import MAX_SEED, check_seed
+from molora.routing.errors import MoLoRAError
+
+log = logging.getLogger(__name__)
+
+# Generations the page hands to the engine at once. They share its forward passes (a CPU engine decodes 16 rows,
+# a guided request takes two); the engine queues whatever does not fit, so this only bounds the threads that wait.
+DEFAULT_CONCURRENCY = 8
+MAX_PROMPT_CHARS = 2000
+MAX_NEW_TOKENS = 1024
+MAX_BEST_OF_UI = 8  # each candidate costs a whole document (and its captions) on a shared CPU
+REFRESH_SECONDS = 0.2  # the page is refreshed at most this often while tokens stream
+
+# (prompt, start with an image, seed): story openings in the shapes world's own phrasing (models/families/shapes/text.py), each
+# with a seed under which the shipped model continues it in both styles at once (pirate text, outlined pictures) and
+# every picture shows what the text before it introduced (tests/test_app_examples.py checks exactly that).
+EXAMPLES: list[tuple[str, bool, int]] = [
+    ("At first there is a yellow star at the bottom right:", False, 0),
+    ("First, a red circle at the top left:", False, 1),
+    ("We start with a blue square on the left:", False, 2),
+    ("Here is a green triangle in the center:", False, 3),
+    ("Here is a purple diamond at the top:", False, 1),
+]
+
+# (prompt, seed): two questions of two domains in one request, for the learned router (shown when the model ships
+# gates). The shipped router answers both right at the page's defaults, switching domain adapter between the two
+# answer spans (tests/test_app_examples.py checks the answers and that two domain adapters appear).
+LEARNED_EXAMPLES: list[tuple[str, int]] = [
+    ('A large orange triangle on the right, a large orange triangle at the left, a small brown circle at the top '
+     'and a small orange triangle in the top left corner. How many circles are there? What is right of the brown '
+     'circle? A:', 0),
+    ('A small red star at the bottom, a large red star on the right, a small green triangle at the bottom right '
+     'and a small blue diamond at the top right. How many green shapes are there? What is left of the blue '
+     'diamond? A:', 0),
+    ('A small yellow triangle at the right, a small yellow triangle in the bottom right corner, a small purple '
+     'triangle in the center and a small yellow triangle at the top. What size is the purple triangle? What is above '
+     'the purple triangle? A:', 0),
+]
+
+# (prompt, seed): a picture whose style the words ask for, for the learned router's image gates (shown when the
+# router ships them): "outlined" / "hollow" -> the outline LoRA, "negative" / "inverted" -> the negative LoRA
+# (the shape in its colour's complement), "filled" / "solid" -> the base model's own style. Held-out requests of
+# models/families/shapes/styles.py; tests/test_app_examples.py checks each picture's style at the page's defaults.
+LEARNED_PICTURE_EXAMPLES: list[tuple[str, int]] = [
+    ("Here is a hollow large blue diamond at the bottom:", 0),
+    ("Here is a solid small purple star at the bottom:", 0),
+    ("Here is an inverted small orange square in the center:", 0),
+]
+
+# The pickers start on the shipped model's style adapters (its domain adapters, also "text", are for the learned
+# router): the examples above show these two at work in one document.
+DEFAULT_ADAPTERS = {"text": "pirate", "image": "outline"}
+
+def default_adapter(adapters: dict[str, str], modality: str) -> str | None:
+    """The adapter a picker (and the warm-up) starts on: the shipped style adapter of that modality where loaded
+    (the examples are chosen for it), else the first adapter of the modality, else None."""
+    preferred = DEFAULT_ADAPTERS.get(modality)
+    if adapters.get(preferred) == modality:
+        return preferred
+    return next((name for name, mod in adapters.items() if mod == modality), None)
+
+
+ROUTING_CHOICES = [
+    ("vocabulary: text tokens -> text adapter, image tokens -> image adapter", "vocab"),
+    ("per-sequence baseline: one adapter for everything", "sequence"),
+    ("off: base model only", "none"),
+]
+LEARNED_CHOICE = ("learned router (top-k gate over domain adapters)", "learned")
+
+CSS = """
+.molora-doc { font-size: 1.05rem; line-height: 1.6; white-space: pre-wrap; min-height: 4rem; }
+.molora-prompt { opacity: 0.6; }
+.molora-figure { display: block; margin: 0.5rem 0; width: fit-content; text-align: center; }
+.molora-figure figcaption { font-size: 0.8rem; opacity: 0.7; }
+.molora-drawing progress { width: 192px; height: 1rem; }
+.molora-slot { display: inline-block; margin: 0 0.25rem; padding: 0 0.4rem; border-radius: 0.3rem; color: #111; }
+.molora-status { font-weight: 600; margin-bottom: 0.4rem; }
+.molora-cache, .molora-latency { margin: 0.3rem 0; }
+.molora-spark { display: block; margin-top: 0.2rem; }
+#routing-map .token-container .token { padding: 0 2px; margin: 0; }
+#routing-map .textfield { line-height: 1.5; }
+.molora-draft { margin: 0.4rem 0; padding: 0.3rem 0.5rem; border-left: 3px solid #fb7185; opacity: 0.85; }
+.molora-draft-image { margin: 0.2rem 0.3rem 0 0; }
+.molora-draft-text { white-space: pre-wrap; font-size: 0.85rem; margin: 0.2rem 0 0; }
+"""
+
+try:  # on a Hugging Face ZeroGPU Space the GPU is attached only inside functions decorated with spaces.GPU
+    import spaces
+
+    gpu = spaces.GPU
+except ImportError:
+    def gpu(fn):
+        return fn
+
+
+# Pipelines by id: the GPU function gets a small picklable key rather than the pipeline itself (ZeroGPU pickles
+# arguments into its worker; the worker finds the pipeline in this module, inherited from the main process).
+_PIPELINES: dict[int, object] = {}
+
+
+@gpu
+def stream_events(pipe_key: int, prompt: str, text_adapter: str | None, image_adapter: str | None, routing: str,
+                  config: GenerationConfig, extra_adapters: dict[str, str]) -> Iterator[Event]:
+    """Run one generation; loads the session's uploads first if this process has not seen them (ZeroGPU workers)."""
+    pipe = _PIPELINES[pipe_key]
+    for name, folder in extra_adapters.items():
+        if name not in pipe.adapters:
+            pipe.load_adapter(folder, name=name)
+    yield from pipe.stream(prompt, text_adapter=text_adapter, image_adapter=image_adapter, routing=routing,
+                           config=config)
+
+
+class MoLoRAApp:
+    """Handlers bound to one shared pipeline; `build()` lays them out as a gr.Blocks."""
+
+    def __init__(self, pipe, *, examples: list[tuple[str, bool, int]] | None = None) -> None:
+        self.pipe = pipe
+        self.pipe_key = id(pipe)
+        _PIPELINES[self.pipe_key] = pipe
+        self.sessions = SessionRegistry(pipe)  # every session's uploads and files, under one temporary folder
+        self.examples = examples if examples is not None else EXAMPLES
+        self.defaults: GenerationConfig = getattr(pipe, "default_config", None) or GenerationConfig()
+        self.codebook_size = int(pipe.vocab.image_size)
+        self.image_tokens = int(pipe.vocab.image_span_tokens)  # <boi> + codes and row ends + <eoi>
+        self.image_note = pipe.vocab.image_span_note()
+
+    # --- helpers --------------------------------------------------------------------------------
+    @property
+    def builtin(self) -> dict[str, str]:
+        """{name: modality} of the shared adapters: the pipeline's adapter registry without the sessions' private
+        uploads (loaded from folders inside the app's temporary folder, app/session.py)."""
+        root = self.sessions.root
+        return {name: info.modality for name, info in self.pipe.adapter_infos().items()
+                if info.path is None or not Path(info.path).is_relative_to(root)}
+
+    def routing_choices(self) -> list[tuple[str, str]]:
+        has_router = getattr(self.pipe, "gates", None) is not None
+        return ROUTING_CHOICES + ([LEARNED_CHOICE] if has_router else [])
+
+    def default_adapter(self, modality: str) -> str:
+        return default_adapter(self.builtin, modality) or NONE_CHOICE
+
+    def _labeller(self, state: SessionState):
+        uploads = state.display_names()
+
+        def label_of(name: str | None) -> str:
+            if name is None:
+                return BASE_LABEL
+            return uploads.get(name, name)
+        return label_of
+
+    # --- generation -----------------------------------------------------------------------------
+    def generate(self, prompt: str, text_choice: str, image_choice: str, routing: str, start_image: bool,
+                 text_temperature: float, text_top_k: int, text_top_p: float, image_temperature: float,
+                 image_top_k: int, cfg_scale: float, seed: int, max_new_tokens: int, best_of: int,
+                 state: SessionState, request: gr.Request) -> Iterator[tuple]:
+        """Stream one document: yields (text, images, html file, document view, routing map, stats, rejected
+        drafts) updates. The first update clears the previous run's download."""
+        try:
+            self.sessions.bind(state, request.session_hash)
+            prompt = prompt or ""
+            if len(prompt) > MAX_PROMPT_CHARS:
+                raise user_error(f"the prompt has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+            if routing not in {value for _, value in self.routing_choices()}:
+                raise user_error(f"unknown routing mode {routing!r}; choose one of "
+                                 f"{', '.join(value for _, value in self.routing_choices())}")
+            text_adapter, text_label = state.resolve(text_choice, self.builtin)
+            image_adapter, image_label = state.resolve(image_choice, self.builtin)
+            if routing == "learned" and getattr(self.pipe, "image_gates", None) is not None:
+                image_adapter = None  # the learned image gates pick each picture's adapter from the words
+            config = GenerationConfig(
+                max_new_tokens=int(max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))),
+                text=SamplingConfig(temperature=text_temperature, top_k=int(text_top_k), top_p=text_top_p),
+                image=SamplingConfig(temperature=image_temperature, top_k=int(image_top_k)),
+                cfg_scale=float(cfg_scale), seed=check_seed(seed), start_image=bool(start_image),
+                best_of=int(max(1, min(int(best_of), MAX_BEST_OF_UI))), check=self.defaults.check)
+            view = RunView(label_of=self._labeller(state), prompt=prompt, image_tokens=self.image_tokens)
+            colors = color_map(text_label, image_label, [*self.builtin, *state.display_names().values()])
+            note = routing_note(routing, text_label, image_label)
+            started = time.perf_counter()
+            self.pipe.make_router(routing, text_adapter, image_adapter)  # checks the names before anything runs
+            run = functools.partial(stream_events, self.pipe_key, prompt, text_adapter, image_adapter, routing,
+                                    config, state.extra_adapters(self.pipe))
+            sent: dict = {}
+            yield self._outputs(view, colors, f"starting…{note}", state, None, sent)  # clears the old download
+            for batch in in_background(run, REFRESH_SECONDS):
+                changed = [view.apply(event) for event in batch]
+                if any(changed):
+                    status = f"generating… {time.perf_counter() - started:.1f} s{note}"
+                    if view.candidate:
+                        status += (f" · candidate {view.candidate + 1} of {view.best_of}: the model's caption of "
+                                   "the last one did not match the text")
+                    yield self._outputs(view, colors, status, state, None, sent)
+            if view.document is None:
+                raise user_error("generation ended without a document; see the server log")
+            path = self._save_document(view.document, state)
+            status = f"done in {time.perf_counter() - started:.1f} s · {len(view.tokens)} tokens{note}"
+            if view.finish_reason == "length":
+                status += " · stopped at the token limit"
+            status += best_of_status(view.document.meta.get("best_of"))
+            yield self._outputs(view, colors, status, state, path)
+        except MoLoRAError as err:
+            raise user_error(str(err)) from err
+
+    def _outputs(self, view: RunView, colors: dict[str, str], status: str, state: SessionState,
+                 path: str | None, sent: dict | None = None) -> tuple:
+        """Values for (text, images, file, document, routing map, stats, rejected drafts). With `sent` (what the
+        page already shows), unchanged outputs are gr.skip(): while an image is drawn only its progress bar and the
+        stats move. Re-sending the 256-token routing map on every refresh is what made a 258-token image take 10 s
+        instead of 0.8 s (numbers in `in_background`)."""
+        keys = {"text": view.text, "images": len(view.images), "file": path, "document": view.document_html(),
+                "routing": (len(view.tokens), view.document is not None), "drafts": len(view.rejected)}
+        fresh = {name: sent is None or name not in sent or sent[name] != key for name, key in keys.items()}
+        if sent is not None:
+            sent.update(keys)
+        skip = gr.skip()
+        routing_map = (gr.HighlightedText(value=view.routing_map(), color_map=view.routing_colors(colors))
+                       if fresh["routing"] else skip)
+        cache = state.visible_cache(self.pipe.cache_stats(), self.builtin)
+        return (view.text if fresh["text"] else skip, view.images if fresh["images"] else skip,
+                path if fresh["file"] else skip, keys["document"] if fresh["document"] else skip, routing_map,
+                view.stats_html(cache, colors, status), view.rejected_html() if fresh["drafts"] else skip)
+
+    @staticmethod
+    def _save_document(document, state: SessionState) -> str:
+        """The download: Document.save_html (the same file the Python API writes), with the session's names."""
+        folder = Path(state.folder()) / f"doc-{time.time_ns()}"
+        folder.mkdir()
+        path = folder / "molora-document.html"
+        document.save_html(path, labels=state.display_names())
+        return str(path)
+
+    # --- adapters -------------------------------------------------------------------------------
+    def upload_adapter(self, files, name: str, modality: str, state: SessionState, request: gr.Request):
+        """Validate and load an uploaded adapter for this session only; on any error nothing changes."""
+        try:
+            self.sessions.bind(state, request.session_hash)
+            if modality not in ("text", "image"):
+                raise UploadError(f"modality must be 'text' or 'image', got {modality!r}")
+            files = files if isinstance(files, list) else [files] if files else []
+            paths = [f if isinstance(f, str) else getattr(f, "path", None) or f.name for f in files]
+            upload = validate_upload(paths)
+            display = check_adapter_name(name or upload.suggested_name or "uploaded")
+            state.check_new_name(display, self.builtin)
+            folder = upload.write(state.folder())
+            # our own metadata file (uploads may not carry one): it tells the pipeline which picker it belongs to
+            description = (upload.metadata or {}).get("description") or "uploaded by a visitor"
+            (folder / "molora.json").write_text(json.dumps({"modality": modality, "description": str(description)}))
+            internal = state.internal_name(display)
+            try:
+                internal = self.pipe.load_adapter(folder, name=internal)
+            except Exception as err:
+                remove_folder(folder)
+                if isinstance(err, MoLoRAError):
+                    raise UploadError(public_message(str(err), self.sessions.root, internal, display)) from err
+                # the loader validates first, so this is unexpected: the server log gets the traceback
+                log.exception("loading an uploaded adapter failed")
+                raise user_error(f"adapter upload refused: the files could not be loaded ({type(err).__name__})",
+                                 duration=None) from err
+            state.uploads[display] = internal
+            log.info("a session loaded its uploaded adapter %r (%s)", display, modality)
+        except MoLoRAError as err:
+            # the toast stays until closed: a refusal is something to read, not to miss
+            raise user_error(f"adapter upload refused: {err}", duration=None) from err
+        text_update, image_update = self._picker_updates(state)
+        if modality == "text":
+            text_update = gr.Dropdown(choices=state.choices("text", self.builtin), value=display)
+        else:
+            image_update = gr.Dropdown(choices=state.choices("image", self.builtin), value=display)
+        gr.Info(f"adapter {display!r} loaded; it is visible only in this session")
+        return (state, text_update, image_update, f"Loaded **{display}** ({modality}); private to this session.",
+                self.list_adapters(state))
+
+    def _picker_updates(self, state: SessionState) -> tuple:
+        return (gr.Dropdown(choices=state.choices("text", self.builtin)),
+                gr.Dropdown(choices=state.choices("image", self.builtin)))
+
+    def end_session(self, request: gr.Request) -> None:
+        """The visitor closed the tab: their uploads leave the pipeline and the hot set, their files the disk."""
+        self.sessions.end(request.session_hash)
+
+    def close(self) -> None:
+        """End every session and remove the app's temporary folder (at shutdown)."""
+        self.sessions.close_all()
+
+    def list_adapters(self, state: SessionState) -> dict:
+        """What this session may pick: built-in adapters (shared) and its own uploads."""
+        loaded = self.pipe.adapters
+        return {"builtin": self.builtin,
+                "uploaded": {name: loaded[internal] for name, internal in state.uploads.items() if internal in loaded}}
+
+    # --- layout ---------------------------------------------------------------------------------
+    def build(self) -> gr.Blocks:
+        # no telemetry: the demo runs offline (CI, air-gapped machines) as well as on a Space
+        with gr.Blocks(title="MoLoRA: per-token LoRA routing", analytics_enabled=False) as demo:
+            state = gr.State(self.sessions.new_state(), delete_callback=self.sessions.forget)
+            gr.Markdown(
+                "# MoLoRA: per-token LoRA routing for text + image generation\n"
+                "One model writes text and images as tokens of one vocabulary. With **vocabulary routing** every "
+                "text token goes through the text adapter and every image token through the image adapter, in the "
+                "same forward pass. The routing map below colours each generated token by the adapter it used.")
+            with gr.Row():
+                with gr.Column(scale=2):
+                    prompt = gr.Textbox(label="Prompt", lines=3, value=self.examples[0][0] if self.examples else "",
+                                        elem_id="prompt")
+                    with gr.Row():
+                        text_adapter = gr.Dropdown(state.value.choices("text", self.builtin),
+                                                   value=self.default_adapter("text"), label="Text adapter",
+                                                   info=PICKER_HINTS["vocab"][0],
+                                                   allow_custom_value=True, elem_id="text-adapter")
+                        image_adapter = gr.Dropdown(state.value.choices("image", self.builtin),
+                                                    value=self.default_adapter("image"), label="Image adapter",
+                                                    info=PICKER_HINTS["vocab"][1],
+                                                    allow_custom_value=True, elem_id="image-adapter")
+                    routing = gr.Radio(self.routing_choices(), value="vocab", label="Routing")
+                    with gr.Row():
+                        start_image = gr.Checkbox(False, label="Start with an image",
+                                                  info="text -> image: the prompt is followed by <boi>",
+                                                  elem_id="start-image")
+                        best_of = gr.Slider(1, MAX_BEST_OF_UI, value=1, step=1, label="Best of",
+                                            info="re-draw until the model's captions of its pictures match "
+                                                 "the text",
+                                            visible=self.defaults.check is not None, elem_id="best-of")
+                    d = self.defaults
+                    with gr.Accordion("Sampling", open=False):
+                        with gr.Row():
+                            text_temperature = gr.Slider(0.0, 2.0, value=d.text.temperature, step=0.05,
+                                                         label="Text temperature")
+                            text_top_k = gr.Slider(0, 200, value=d.text.top_k, step=1, label="Text top-k (0 = off)")
+                            text_top_p = gr.Slider(0.05, 1.0, value=d.text.top_p, step=0.05,
+                                                   label="Text top-p (1 = off)")
+                        with gr.Row():
+                            image_temperature = gr.Slider(0.0, 2.0, value=d.image.temperature, step=0.05,
+                                                          label="Image temperature")
+                            image_top_k = gr.Slider(0, self.codebook_size, value=min(d.image.top_k, self.codebook_size),
+                                                    step=1, label="Image top-k (0 = off)")
+                        with gr.Row():
+                            cfg_scale = gr.Slider(1.0, 10.0, value=d.cfg_scale, step=0.5, label="Image CFG scale")
+                            # the range is checked by check_seed (the API's rule), whose refusal names the field
+                            seed = gr.Number(self.examples[0][2] if self.examples else 0, precision=0, label="Seed",
+                                             info=f"0 to {MAX_SEED}")
+                        max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS, value=min(d.max_new_tokens, MAX_NEW_TOKENS),
+                                                   step=1, label="Max new tokens", info=self.image_note)
+                    with gr.Row():
+                        run = gr.Button("Generate", variant="primary", elem_id="generate")
+                        stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                    gr.Examples([list(e) for e in self.examples], inputs=[prompt, start_image, seed],
+                                label="Example prompts")
+                    if any(value == "learned" for _, value in self.routing_choices()):
+                        gr.Examples([[text, "learned", s] for text, s in LEARNED_EXAMPLES], inputs=[prompt, routing, seed],
+                                    label="Mixed questions for the learned router (one domain adapter per answer)")
+                        if getattr(self.pipe, "image_gates", None) is not None:
+                            gr.Examples([[text, "learned", True, s] for text, s in LEARNED_PICTURE_EXAMPLES],
+                                        inputs=[prompt, routing, start_image, seed],
+                                        label="Picture styles for the learned router (the words pick the image adapter)")
+                    with gr.Accordion("Upload your own adapter (private to this session)", open=False):
+                        gr.Markdown(
+                            "A zipped PEFT LoRA folder, or its `adapter_config.json` and "
+                            f"`adapter_model.safetensors`; at most {MAX_ZIP_BYTES // 2**20} MB. It is checked, "
+                            "loaded for this browser session only, and removed when the session ends.")
+                        upload_files = gr.File(label="Adapter files", file_count="multiple",
+                                               file_types=[".zip", ".json", ".safetensors"], type="filepath")
+                        with gr.Row():
+                            upload_name = gr.Textbox(label="Name", placeholder="my-adapter", max_lines=1)
+                            upload_modality = gr.Radio(["text", "image"], value="text", label="Use for")
+                        upload_button = gr.Button("Load adapter")
+                        upload_status = gr.Markdown(label="Upload status")
+                with gr.Column(scale=3):
+                    document = gr.HTML(label="Document", elem_id="document",
+                                       value='<div class="molora-doc molora-empty">Press Generate.</div>')
+                    drafts = gr.HTML(label="Rejected drafts", elem_id="rejected-drafts")
+                    routing_map = gr.HighlightedText(label="Routing map: each generated token, coloured by the "
+                                                     "adapter it used (learned routing: its top-2 and their "
+                                                     "weights)", show_legend=True, show_inline_category=False,
+                                                     combine_adjacent=False, elem_id="routing-map")
+                    stats = gr.HTML(label="Status, cache and latency", elem_id="stats")
+                    html_file = gr.File(label="Download the document (HTML, images inside)", elem_id="html-file",
+                                        height=110)
+                    with gr.Accordion("Plain text and images", open=False):
+                        text_out = gr.Textbox(label="Text", lines=4, elem_id="text-out")
+                        images = gr.Gallery(label="Images", format="png", columns=4, height="auto",
+                                            elem_id="images")
+                    adapters_json = gr.JSON(label="Adapters", visible=False)
+
+            running = run.click(self.generate,
+                      inputs=[prompt, text_adapter, image_adapter, routing, start_image, text_temperature,
+                              text_top_k, text_top_p, image_temperature, image_top_k, cfg_scale, seed,
+                              max_new_tokens, best_of, state],
+                      outputs=[text_out, images, html_file, document, routing_map, stats, drafts],
+                      api_name="generate", show_progress="minimal")
+            # Stop cancels the generator; app/streaming.py then closes the pipeline's stream, which cancels the
+            # engine request (its row, KV space and adapter pins are free within one step)
+            stop.click(None, cancels=[running], api_visibility="private", queue=False)
+            routing.change(picker_hints, inputs=[routing], outputs=[text_adapter, image_adapter],
+                           api_visibility="private", show_progress="hidden", queue=False)
+            upload_button.click(self.upload_adapter,
+                                inputs=[upload_files, upload_name, upload_modality, state],
+                                outputs=[state, text_adapter, image_adapter, upload_status, adapters_json],
+                                api_name="upload_adapter", show_progress_on=[upload_status])
+            demo.load(self.list_adapters, inputs=[state], outputs=[adapters_json], api_name="adapters")
+            demo.unload(self.end_session)
+        return demo
+
+
+def user_error(message: str, **kwargs) -> gr.Error:
+    """A refusal the visitor reads in the page, logged as one line (nothing is broken: no traceback)."""
+    log.info("refused a request: %s", message)
+    return gr.Error(message, print_exception=False, **kwargs)
+
+
+def public_message(message: str, private_root: Path, internal: str, display: str) -> str:
+    """A loader's error as the visitor may read it: paths under the app's temporary folder become the file's own
+    name (or "the upload"), and the session-qualified internal name becomes the visitor's name for the adapter."""
+    def shorten(match: re.Match) -> str:
+        name = Path(match.group(0)).name
+        return name if name in (CONFIG_NAME, WEIGHTS_NAME) else "the upload"
+
+    for root in dict.fromkeys((str(private_root), str(Path(private_root).resolve()))):
+        message = re.sub(re.escape(root) + r"[^\s'\":,;]*", shorten, message)
+    return message.replace(internal, display)
+
+
+def routing_note(routing: str, text_label: str | None, image_label: str | None) -> str:
+    """The status line's note on what the routing mode does with the pickers (empty for vocabulary routing)."""
+    if routing == "sequence":
+        used = text_label if text_label is not None else image_label
+        if used is None:
+            return " · per-sequence: no adapter picked, so the base model"
+        ignored = " (the image picker is not used)" if text_label is not None and image_label is not None else ""
+        return f" · per-sequence: every token uses {used}{ignored}"
+    if routing == "none":
+        return " · routing off: the base model, the pickers are not used"
+    return ""
+
+
+# what the (text, image) adapter pickers do under each routing mode, shown under them
+PICKER_HINTS = {
+    "vocab": ("used for text tokens", "used for image tokens"),
+    "sequence": ("per-sequence: used for every token", "per-sequence: used only when the text adapter is none"),
+    "none": ("not used: routing is off", "not used: routing is off"),
+    "learned": ("not used: the learned gates pick among the domain adapters",
+                "not used when the router has image gates (the words pick each picture's style); else used"),
+}
+
+
+def picker_hints(routing: str) -> tuple:
+    """Updates of the two pickers' hints for the chosen routing mode (an event handler's return value)."""
+    text_hint, image_hint = PICKER_HINTS.get(routing, ("", ""))
+    return gr.Dropdown(info=text_hint), gr.Dropdown(info=image_hint)
+
+
+def best_of_status(best_of: dict | None) -> str:
+    """The status line's note on a best-of-n run (models/engine/best_of.py records it in the document's meta)."""
+    if not best_of or best_of["n"] == 1:
+        return ""
+    drawn = len(best_of["verdicts"])
+    if any(best_of["verdicts"]):
+        return f" · kept candidate {best_of['candidate'] + 1} of {drawn} drawn (its captions match the text)"
+    return f" · none of {drawn} candidates passed the caption check: kept the first"
+
+
+def build_demo(pipe, *, examples: list[tuple[str, bool, int]] | None = None) -> gr.Blocks:
+    """The app's gr.Blocks over a loaded pipeline (queue not yet configured; see app.py / `launch`)."""
+    return MoLoRAApp(pipe, examples=examples).build()
+
+
+def launch_kwargs() -> dict:
+    """Arguments every launch shares (Gradio 6 takes theme and CSS at launch)."""
+    return {"css": CSS, "theme": gr.themes.Soft(), "max_file_size": MAX_ZIP_BYTES}

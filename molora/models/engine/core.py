@@ -1,0 +1,836 @@
+"""The serving engine: every live request, from any thread, decodes in ONE running batch.
+
+    engine = Engine(routed_model, vocab, device="cuda")
+    for index, item in engine.stream([Request(prompt_ids, router)], GenerationConfig(seed=0)):
+        ...                                     # item is a Token (token id, producing adapter) or a Done
+
+One background thread owns the model (gpt-fast's loop, vLLM's scheduler in miniature).  At every step boundary:
+
+    1. drop cancelled requests (a consumer that stopped iterating): row, KV row and adapter pins are freed;
+    2. admit waiting requests, first come first served, while rows (two with CFG), KV space and hot-set slots
+       allow: their adapters are pinned ONCE for the whole request (`HotSetCache.acquire_nowait`; a copy into a
+       slot runs on a side stream and only the request that needs it waits for it);
+    3. prefill each admitted request alone (batch 1, its own row of the static KV cache) and sample its first
+       token;
+    4. decode one token for every running row in one forward of fixed width (a bucket), captured as a CUDA
+       graph on the GPU and replayed; sampling is per row (own settings, own random generator), so a request's
+       tokens do not depend on what else runs beside it.
+
+Routing is device tables written in place (models/engine/row_states.py): a row's (text, image) slots and the
+vocabulary's modality table; the captured step reads them, so no slot number is baked into a graph and adapters
+may come and go between replays.  Learned (MoLoRA) rows run the same step eagerly: their gates decide per block,
+and gates that read a routing state continue each row's state from its previous step (`_hold_states`).
+
+A model dispatched over several devices by accelerate (`from_pretrained(..., device_map=...)`): the engine's
+tables and inputs live on the first device (the input embedding's), each attention layer's KV cache on its
+block's device, the routing each layer reads is copied to its device once per forward per device
+(routing/context.py PlacedRouting), and the logits are brought back from wherever the head is.  CUDA graphs are
+captured only when the model lives on one CUDA device; a spread or offloaded model runs every step eagerly
+(the engine says so in its log).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import queue
+import random
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from molora.kernels.graphs import capture_graph
+from molora.models.engine.generation import GenerationConfig, Request, open_image_span
+from molora.models.engine.kv_cache import RowKVCache
+from molora.models.engine.row_states import RowStates
+from molora.models.engine.runtime import available_memory
+from molora.models.engine.sampling import MAX_SEED, GenerationError
+from molora.models.engine.vocab import IMAGE, TEXT, UnifiedVocab
+from molora.routing import CacheFullError, LearnedRouter, MoLoRAError, SequenceRouter, VocabRangeRouter
+from molora.routing.context import CallRouting
+from molora.routing.routers import LearnedGroup, Router
+
+log = logging.getLogger(__name__)
+
+# 16 rows on the CPU: 8 app visitors (guided pictures take two rows each) at once finish 4.24x sooner than one by one
+# with 16 rows, 2.87x with 8 (embedded model, 2 shared cores, benchmarks/app_load.py --same-length, 2026-12-01)
+CPU_MAX_ROWS = 16
+CUDA_MAX_ROWS = 64
+# Decode widths. On the CPU the narrowest is 4: a row's logits are bit-identical for every batch width >= 4 with
+# one torch thread (measured on the embedded model, 2026-11-30: widths 1-3 differ from 16 by up to 3e-5, widths
+# 4-15 by 0.0), so a request decodes exactly as alone whatever runs beside it.
+# The price, same run: a lone guided request (2 live rows) decodes a step in 8.5 ms at width 4 and 6.8 ms at width 2,
+# because MKL's small-matrix path (M < 4) is faster and rounds differently; padding only the matmuls to 4 rows keeps
+# the numbers exact but not the speed (8.4 ms). EngineConfig(exact_rows=False) takes the speed instead.
+CPU_MIN_WIDTH = 4
+# Eager steps read only the KV columns the batch has written, rounded up to this many (shapes stay few; the masked
+# columns beyond a row's own length add exact zeros, so a row's result does not depend on its neighbours' lengths).
+KV_COLUMN_BLOCK = 64
+
+
+_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+def _release_freed_heap() -> None:
+    """Give freed heap pages back to the OS (glibc's malloc_trim; elsewhere nothing). Many threads allocating and
+    freeing tensors leave glibc's per-thread arenas holding freed memory: in the app load test (20 visitors a
+    round, benchmarks/app_load.py) resident memory climbed 1.26 -> 2.83 GiB over 5 rounds, and malloc_trim took it
+    back to 1.10 GiB, below where it started: nothing was held, only cached. The loop calls it when it goes idle."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@atexit.register
+def _close_engines() -> None:
+    """Stop every engine loop before the interpreter tears down torch (a loop thread still alive then aborts
+    the process with 'terminate called without an active exception' when torch runs one thread)."""
+    for engine in list(_ENGINES):
+        engine.close()
+
+
+@dataclass
+class EngineConfig:
+    """max_rows: rows decoded together (a CFG request takes two); max_len: positions per row (prompt + new
+    tokens), default the model's; KV space is max_rows x max_len positions, allocated once.  cuda_graphs: capture
+    the decode step per width on CUDA.  queue_timeout_s: how long a request may wait for room.  batch_prefill:
+    prefill requests admitted at the same step boundary in one forward.  exact_rows=False lets the CPU decode as
+    few rows as are live: a lone request is faster (one picture + ~60 words 2.4 s instead of 3.0-3.15 s on the
+    embedded model, quiet 2-core CPU), and a row's numbers may then differ slightly with the batch it shares."""
+
+    max_rows: int | None = None
+    max_len: int | None = None
+    cuda_graphs: bool = True
+    queue_timeout_s: float = 600.0
+    batch_prefill: bool | None = None  # prefill newcomers together (default: on CUDA; see Engine._admit)
+    exact_rows: bool = True  # CPU: decode >= CPU_MIN_WIDTH rows so a row's numbers never depend on its batch
+
+
+@dataclass
+class Token:
+    """One generated token of a request: its index in the request, the adapter that produced it (None = base
+    model; learned routing: the top-1, with the top-k and their weights in `mix`), the wall time since the request's previous token (the first: since it was submitted, so queueing and
+    prefill included) and how many requests shared the step that made it."""
+
+    index: int
+    token: int
+    adapter: str | None
+    ms: float
+    batch: int
+    mix: tuple[tuple[str | None, float], ...] = ()  # learned routing: its top-k adapters and weights (None = base)
+
+
+@dataclass
+class Done:
+    """A request ended: reason "eos", "length" or "cancelled"."""
+
+    reason: str
+
+
+class RequestHandle:
+    """A submitted request; `cancel()` (any thread) frees its row and adapters at the next step boundary."""
+
+    def __init__(self, engine: Engine, sink: queue.Queue, tag: Any) -> None:
+        self.engine, self.sink, self.tag = engine, sink, tag
+        self.cancelled = False
+        self.finished = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.engine.wake()
+
+
+@dataclass(eq=False)
+class _Job:
+    """A request inside the engine: what it asked for and the rows / adapters it holds once admitted."""
+
+    handle: RequestHandle
+    prompt: list[int]
+    config: GenerationConfig
+    text_adapter: str | None
+    image_adapter: str | None
+    learned: LearnedRouter | None
+    open_span: int | None
+    submitted: float
+    last: float  # perf_counter of the previous token (or of the submission)
+    names: list[str] = field(default_factory=list)  # distinct adapters to pin
+    slot_of: dict[str, int] = field(default_factory=dict)
+    pending: list[Any] = field(default_factory=list)  # CUDA events of copies into its slots
+    row: int = -1
+    twin: int | None = None
+    generator: torch.Generator | None = None
+    emitted: int = 0
+    uncond: list[int] | None = None  # the CFG twin's prefix (<bos> + negative prompt); None: <bos>
+
+    @property
+    def rows_needed(self) -> int:
+        return 2 if self.config.uses_cfg else 1
+
+    @property
+    def random(self) -> bool:
+        return self.config.text.temperature > 0 or self.config.image.temperature > 0
+
+
+@dataclass
+class _Batch:
+    """The running batch as the decode step needs it: jobs by row, their prompt rows [n], the positions in `rows`
+    of guided jobs and their twin rows [m] (None without guidance), the decode width, whether any job routes by
+    learned gates (then the step runs eagerly) and whether any filters by top-k / top-p."""
+
+    jobs: list[_Job]
+    rows: torch.Tensor
+    twin_of: torch.Tensor | None
+    twin_rows: torch.Tensor | None
+    width: int
+    learned: bool
+    filters: bool
+
+
+def _route_of(router: Router | None, vocab: UnifiedVocab) -> tuple[str | None, str | None, LearnedRouter | None]:
+    """(text adapter, image adapter, learned router) of a request's router; the engine routes by tables."""
+    if router is None:
+        return None, None, None
+    if isinstance(router, SequenceRouter):
+        return router.adapter, router.adapter, None
+    if isinstance(router, VocabRangeRouter):
+        if router.vocab != vocab:
+            raise GenerationError("the VocabRangeRouter was built for another vocabulary than the engine's")
+        return router.text_adapter, router.image_adapter, None
+    if isinstance(router, LearnedRouter):
+        if router.vocab is not None and router.vocab != vocab:
+            raise GenerationError("the LearnedRouter was built for another vocabulary than the engine's")
+        return None, router.image_adapter, router
+    raise GenerationError(f"the engine routes with SequenceRouter, VocabRangeRouter or LearnedRouter; got {router!r}")
+
+
+class Engine:
+    """Continuous batching over one RoutedModel: submit from any thread, one forward per step for everyone."""
+
+    def __init__(self, routed: Any, vocab: UnifiedVocab, *, device: torch.device | str,
+                 logits_size: int | None = None, config: EngineConfig | None = None,
+                 max_positions: int | None = None) -> None:
+        self.routed, self.vocab = routed, vocab
+        self.device = torch.device(device)
+        self.config = config or EngineConfig()
+        on_cuda = self.device.type == "cuda"
+        self.max_rows = self.config.max_rows or (CUDA_MAX_ROWS if on_cuda else CPU_MAX_ROWS)
+        limit = max_positions or int(routed.model.config.get_text_config().max_position_embeddings)
+        self.max_len = min(self.config.max_len or limit, limit)
+        if self.max_rows < 1 or self.max_len < 2:
+            raise GenerationError(f"an engine needs max_rows >= 1 and max_len >= 2, got {self.max_rows}, "
+                                  f"{self.max_len}")
+        # a model dispatched over devices (accelerate's device_map): each attention layer's KV on its block's device
+        placement = getattr(routed, "placement", None)
+        num_layers = int(routed.model.config.get_text_config().num_hidden_layers)
+        self.layer_devices = None
+        if placement is not None and len(placement.block_devices) == num_layers:
+            self.layer_devices = list(placement.block_devices)
+        self._logits_elsewhere = placement is not None  # the head may sit on another device than the inputs
+        # the KV space is sized from the model's config, which may declare any length: checked before allocating
+        kv_bytes = RowKVCache.planned_nbytes(routed.model.config, self.max_rows + 1, self.max_len,
+                                             next(routed.model.parameters()).dtype)
+        devices = self.layer_devices or [self.device] * num_layers
+        for kv_device in dict.fromkeys(devices):
+            share = kv_bytes * devices.count(kv_device) // max(1, num_layers)
+            free = available_memory(kv_device)
+            if free is not None and share > free:
+                raise GenerationError(f"the KV cache of {self.max_rows} rows x {self.max_len} positions needs "
+                                      f"{share / 2 ** 30:.1f} GiB on {kv_device} but {free / 2 ** 30:.1f} GiB are free "
+                                      f"(the model's config allows {limit} positions); pass "
+                                      "EngineConfig(max_len=..., max_rows=...)")
+        self.logits_size = logits_size or vocab.vocab_size
+        # CUDA graphs only when the whole model lives on one CUDA device: a model spread over devices or with
+        # weights streamed in by accelerate's offload hooks runs its steps eagerly
+        self.use_graphs = on_cuda and self.config.cuda_graphs and (placement is None or placement.one_device)
+        if on_cuda and self.config.cuda_graphs and not self.use_graphs:
+            log.info("engine: the model is placed over %s%s: no CUDA-graph capture, every step runs eagerly",
+                     [str(d) for d in placement.devices], " with offloaded weights" if placement.offloaded else "")
+        low = 1 if on_cuda or not self.config.exact_rows else min(CPU_MIN_WIDTH, self.max_rows)
+        self.widths = sorted({min(low << i, self.max_rows) for i in range(self.max_rows.bit_length() + 1)})
+        self._lock = threading.Condition()
+        self._incoming: list[_Job] = []
+        self._waiting: deque[_Job] = deque()
+        self._starting: list[_Job] = []
+        self._running: dict[int, _Job] = {}  # prompt row -> job
+        self._free: list[int] = list(range(self.max_rows))
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._ready = False
+        self.steps = 0
+        self.step_ms: list[float] | None = None  # set to a list to record each decode step's wall time
+        self._graphs: dict[int, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._prefill_graphs: dict[tuple[int, int], tuple[Any, tuple, tuple]] = {}
+        self._index_cache: _Batch | None = None
+        _ENGINES.add(self)
+
+    # --- the public side (any thread) ----------------------------------------------------------------------
+    def submit(self, request: Request, config: GenerationConfig, *, sink: queue.Queue | None = None,
+               tag: Any = None) -> RequestHandle:
+        """Queue one request; its Tokens and final Done go to `sink` as (tag, item), errors as (tag, exception).
+        Bad requests raise here (GenerationError / CacheFullError / UnknownAdapterError), before queueing."""
+        prompt = list(request.prompt_ids)
+        vocab = self.vocab
+        if not prompt:
+            raise GenerationError("a prompt must hold at least <bos>")
+        if min(prompt) < 0 or max(prompt) >= vocab.vocab_size:
+            raise GenerationError(f"prompt ids must lie in [0, {vocab.vocab_size})")
+        if len(prompt) + config.max_new_tokens > self.max_len:
+            raise GenerationError(f"prompt of {len(prompt)} tokens + max_new_tokens={config.max_new_tokens} exceeds "
+                                  f"the {self.max_len} positions a row holds; shorten the prompt or max_new_tokens")
+        span = open_image_span(prompt, vocab)
+        if span is not None and span > vocab.tokens_per_image:
+            raise GenerationError(f"a prompt's open image span already holds {span} tokens, more than the "
+                                  f"{vocab.tokens_per_image} of one image")
+        uncond = None if request.uncond_prompt is None else list(request.uncond_prompt)
+        if uncond is not None and (not uncond or min(uncond) < 0 or max(uncond) >= vocab.vocab_size
+                                   or len(uncond) + vocab.image_span_tokens > self.max_len):
+            raise GenerationError(f"the unconditional prompt (negative prompt) must hold 1 to "
+                                  f"{self.max_len - vocab.image_span_tokens} ids in [0, {vocab.vocab_size})")
+        if config.seed is None:
+            config = config.with_overrides(seed=random.SystemRandom().randrange(MAX_SEED + 1))
+        text, image, learned = _route_of(request.router, vocab)
+        names = list(dict.fromkeys(n for n in (text, image, *(learned.adapters() if learned else ()))
+                                   if n is not None))
+        cache = self.routed.cache
+        for name in names:
+            cache.adapter(name)  # raises UnknownAdapterError naming the loaded ones
+        if len(names) > cache.num_slots:
+            raise CacheFullError(f"this request routes over {len(names)} distinct adapters but the hot set has only "
+                                 f"{cache.num_slots} slots; choose fewer adapters")
+        job = _Job(RequestHandle(self, sink if sink is not None else queue.Queue(), tag), prompt, config, text, image,
+                   learned, span, time.monotonic(), time.perf_counter(), names=names, uncond=uncond)
+        if job.rows_needed > self.max_rows:
+            raise GenerationError(f"classifier-free guidance needs two rows; this engine has {self.max_rows}")
+        with self._lock:
+            if self._closed:
+                raise GenerationError("the engine was closed")
+            self._incoming.append(job)
+            self._start_thread()
+            self._lock.notify_all()
+        return job.handle
+
+    def stream(self, requests: Sequence[Request], config: GenerationConfig | Sequence[GenerationConfig]
+               ) -> Generator[tuple[int, Token | Done], None, None]:
+        """Submit `requests` (one config, or one per request) and yield (request index, Token / Done) as they
+        come. Closing the iterator early cancels whatever has not finished."""
+        configs = list(config) if isinstance(config, (list, tuple)) else [config] * len(requests)
+        if len(configs) != len(requests):
+            raise GenerationError(f"{len(configs)} configs for {len(requests)} requests")
+        sink: queue.Queue = queue.Queue()
+        handles = []
+        try:
+            for index, (request, cfg) in enumerate(zip(requests, configs)):
+                handles.append(self.submit(request, cfg, sink=sink, tag=index))
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return self._drain(sink, handles)
+
+    def _drain(self, sink: queue.Queue, handles: list[RequestHandle]
+               ) -> Generator[tuple[int, Token | Done], None, None]:
+        open_ = len(handles)
+        try:
+            while open_:
+                tag, item = sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, Done):
+                    open_ -= 1
+                yield tag, item
+        finally:
+            for handle in handles:
+                if not handle.finished:
+                    handle.cancel()
+
+    def wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"running": len(self._running), "starting": len(self._starting),
+                    "waiting": len(self._waiting) + len(self._incoming), "free_rows": len(self._free),
+                    "max_rows": self.max_rows, "max_len": self.max_len, "steps": self.steps,
+                    "graphs": sorted(self._graphs), "prefill_graphs": sorted(self._prefill_graphs)}
+
+    def close(self) -> None:
+        """Stop the loop; requests still queued or running end with an error."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # --- the loop (engine thread) ----------------------------------------------------------------------
+    def _start_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="molora-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        with torch.no_grad():
+            while True:
+                with self._lock:
+                    if not (self._closed or self._incoming or self._waiting or self._starting or self._running):
+                        _release_freed_heap()  # idle: the requests that just ended leave no cached heap behind
+                    while not (self._closed or self._incoming or self._waiting or self._starting or self._running):
+                        self._lock.wait()
+                    if self._closed:
+                        break
+                    self._waiting.extend(self._incoming)
+                    self._incoming.clear()
+                try:
+                    self._setup()
+                    self._drop_cancelled()
+                    self._admit()
+                    if self._running:
+                        self._step()
+                    elif self._starting:
+                        time.sleep(0.0005)  # only copies in flight: poll their events
+                except Exception as err:  # a broken step fails the requests in it; the engine keeps serving
+                    log.exception("decode step failed")
+                    for job in [*self._starting, *self._running.values()]:
+                        self._end(job, error=GenerationError(f"generation failed: {type(err).__name__}: {err}"))
+        for job in [*self._waiting, *self._starting, *self._running.values()]:
+            self._end(job, error=GenerationError("the engine was closed"))
+
+    def _setup(self) -> None:
+        """Allocate the static KV cache and row tables in the engine thread, once."""
+        if self._ready:
+            return
+        model = self.routed.model
+        dtype = next(model.parameters()).dtype
+        # one row more than the batch: the scratch row, written by the padding rows of captured prefills
+        self.kv = RowKVCache.for_model(model.config, self.max_rows + 1, self.max_len, dtype=dtype,
+                                       device=self.device, layer_devices=self.layer_devices)
+        self.scratch_row = self.max_rows
+        self.states = RowStates(self.vocab, self.max_rows, self.device, self.logits_size)
+        self.columns = torch.arange(self.max_len, device=self.device)
+        self.all_rows = torch.arange(self.max_rows, device=self.device)
+        self._prefill_lengths = [16 << i for i in range(max(1, self.max_len.bit_length()))]
+        self.dtype = dtype
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # learned image gates decide once per picture: each row's decision per block, kept across decode steps
+        self._pictures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # top-k -> (slots, weights) [rows+1, blocks, k]
+        self._route_states: dict[tuple, torch.Tensor] = {}  # (image gates?, decays, d) -> routing state [rows+1, S, d]
+        self._ready = True
+        log.info("engine: %d rows x %d positions (%.1f MiB of KV cache), widths %s, CUDA graphs %s",
+                 self.max_rows, self.max_len, self.kv.nbytes() / 2 ** 20, self.widths, self.use_graphs)
+        if self.layer_devices is not None:
+            log.info("engine: KV cache per device (MiB): %s",
+                     {str(d): round(n / 2 ** 20, 1) for d, n in self.kv.nbytes_by_device().items()})
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._waiting if j.handle.cancelled]:
+            self._waiting.remove(job)
+            self._end(job, "cancelled")
+        for job in [j for j in [*self._starting, *self._running.values()] if j.handle.cancelled]:
+            self._end(job, "cancelled")
+
+    def _admit(self) -> None:
+        """First come first served: admit while rows and slots allow, then prefill those whose copies landed."""
+        cache = self.routed.cache
+        now = time.monotonic()
+        while self._waiting:
+            job = self._waiting[0]
+            if now - job.submitted > self.config.queue_timeout_s:
+                self._waiting.popleft()
+                self._end(job, error=CacheFullError(f"no room for this request after waiting "
+                                                    f"{self.config.queue_timeout_s:.0f} s; try again later"))
+                continue
+            if len(self._free) < job.rows_needed:
+                break
+            try:
+                slots, job.pending = cache.acquire_nowait(job.names) if job.names else ([], [])
+            except CacheFullError:
+                break  # slots held by running requests: wait for them
+            except MoLoRAError as err:  # e.g. the adapter was removed while the request waited
+                self._waiting.popleft()
+                self._end(job, error=err)
+                continue
+            self._waiting.popleft()
+            job.slot_of = dict(zip(job.names, slots))
+            self._free.sort()
+            job.row = self._free.pop(0)
+            job.twin = self._free.pop(0) if job.rows_needed == 2 else None
+            self._starting.append(job)
+        ready = [job for job in self._starting if all(event.query() for event in job.pending)]
+        for job in ready:
+            self._starting.remove(job)
+        # the GPU prefills newcomers together; the CPU one at a time, so a request's numbers never depend on
+        # its neighbours (batch widths change a row's matmul results there)
+        together = self.config.batch_prefill if self.config.batch_prefill is not None else self.device.type == "cuda"
+        groups = [ready] if ready and together else [[job] for job in ready]
+        for group in groups:
+            self._prefill(group)
+
+    def _end(self, job: _Job, reason: str | None = None, error: BaseException | None = None) -> None:
+        """Free the job's rows and pins (if any) and tell its consumer."""
+        if job.row >= 0:
+            rows = [job.row] + ([job.twin] if job.twin is not None else [])
+            self.states.clear(rows)
+            self._free.extend(rows)
+            self._running.pop(job.row, None)
+            if job in self._starting:
+                self._starting.remove(job)
+            if job.names:
+                self.routed.cache.release(job.names)
+            job.row = -1
+            self._index_cache = None
+        job.handle.finished = True
+        job.handle.sink.put((job.handle.tag, error if error is not None else Done(reason or "cancelled")))
+
+    # --- prefill --------------------------------------------------------------------------------------------
+    def _slot(self, job: _Job, name: str | None) -> int:
+        return -1 if name is None else job.slot_of[name]
+
+    def _plan(self, ids: torch.Tensor, slots: torch.Tensor, members: list[tuple[_Job, int]],
+              routed: bool = True) -> CallRouting | None:
+        """The CallRouting of one forward: static slots [N], plus one learned group per learned router over the
+        batch rows its jobs hold (`members`: (job, batch row) for the call's rows); None (plain base linears, no
+        LoRA work) when `routed` is False: no request in the call holds an adapter."""
+        if not routed:
+            return None
+        batch, length = ids.shape
+        by_router: dict[int, tuple[LearnedRouter, list[int], dict[str, int]]] = {}
+        for job, row in members:
+            if job.learned is not None:
+                _, rows, slot_of = by_router.setdefault(id(job.learned), (job.learned, [], {}))
+                rows.append(row)
+                slot_of.update(job.slot_of)
+        learned = []
+        for router, rows, slot_of in by_router.values():
+            index = None if len(rows) == batch else torch.tensor(rows, dtype=torch.long, device=self.device)
+            learned += LearnedGroup.for_router(router, index, ids if index is None else ids[index], slot_of,
+                                               self.device)
+        k = max((g.top_k for g in learned), default=1)
+        return self.routed.make_routing(batch, length, slots, self.routed.cache.num_slots, learned=learned, k=k)
+
+    def _columns(self, needed: int | None) -> int | None:
+        """KV columns an eager call reads on the CPU (None = all: on CUDA every step has the captured step's
+        fixed shape, so eager and replayed steps compute the same numbers)."""
+        if needed is None or self.device.type == "cuda":
+            return None
+        return min(self.max_len, -(-needed // KV_COLUMN_BLOCK) * KV_COLUMN_BLOCK)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
+                 plan: CallRouting | None, leading: int = 0, length: int | None = None) -> Any:
+        self.kv.address(rows, positions, leading=leading, length=length)
+        return self.routed.run(ids, plan, attention_mask=mask, position_ids=positions, past_key_values=self.kv,
+                               use_cache=True, logits_to_keep=1)
+
+    def _prefill_forward(self, entries: list[tuple[_Job, int, list[int]]]) -> tuple[torch.Tensor, _Producing]:
+        """Write each (job, cache row, prompt) into its row, positions from 0, in ONE forward; returns the last
+        logits [n, V] and producing slots [n].  Prompts are left-padded so every last token is the last column;
+        a pad token is written past its row's prompt, where the row's own next tokens overwrite it before any
+        query reads it.  On CUDA (no learned rows) the forward is a captured graph per (rows, tokens) bucket,
+        padded with rows that write only the cache's scratch row."""
+        n, width = len(entries), max(len(prompt) for _, _, prompt in entries)
+        learned = any(job.learned is not None for job, _, _ in entries)
+        captured = self.use_graphs and not learned and n <= self.max_rows
+        n_rows = n
+        if self.device.type == "cuda" and n <= self.max_rows:  # bucketed shapes, captured or not: the same
+            n_rows = next(w for w in self.widths if w >= n)    # GEMM shapes give the same bf16 numbers
+            width = min(next(t for t in self._prefill_lengths if t >= width), self.max_len)
+        ids = torch.full((n_rows, width), self.vocab.pad_id, dtype=torch.long)
+        positions = torch.arange(width).repeat(n_rows, 1)
+        rows = torch.full((n_rows,), self.scratch_row, dtype=torch.long)
+        table = torch.full((n_rows, 2), -1, dtype=torch.long)
+        for i, (job, row, prompt) in enumerate(entries):
+            pad = width - len(prompt)
+            ids[i, pad:] = torch.tensor(prompt)
+            positions[i] = torch.cat([torch.arange(len(prompt), width), torch.arange(len(prompt))])
+            rows[i] = row
+            table[i] = torch.tensor([self._slot(job, job.text_adapter), self._slot(job, job.image_adapter)])
+        inputs = (ids, positions, rows, table)
+        if captured:
+            logits, producing = self._replay_prefill(inputs)
+            return logits[:n], producing[:n]
+        ids, positions, rows, table = (t.to(self.device) for t in inputs)
+        members = [(job, i) for i, (job, _, _) in enumerate(entries)]
+        return self._prefill_body(ids, positions, rows, table, members, self._columns(width),
+                                  routed=any(job.names for job, _, _ in entries))
+
+    def _prefill_body(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, table: torch.Tensor,
+                      members: list[tuple[_Job, int]], length: int | None = None, routed: bool = True
+                      ) -> tuple[torch.Tensor, _Producing]:
+        columns = self.columns if length is None else self.columns[:length]
+        mask = torch.where(columns[None, None, :] <= positions[:, :, None], 0.0, float("-inf"))
+        mask = mask.to(self.dtype)[:, None]
+        slots = table.gather(1, self.states.modality[ids])
+        plan = self._plan(ids, slots.view(-1), members, routed)
+        out = self._forward(ids, positions, rows, mask, plan, length=length)
+        self._keep_pictures(plan, rows)
+        self._keep_states(plan, rows)
+        return self._last_logits(out), _producing(out.routing, slots[:, -1])
+
+    def _last_logits(self, out: Any) -> torch.Tensor:
+        """The last position's logits [n, V], on the engine's device (a dispatched model's head may be elsewhere)."""
+        logits = out.logits[:, -1]
+        if self._logits_elsewhere:
+            logits = logits.to(self.device)
+        return logits
+
+    def _replay_prefill(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, _Producing]:
+        """Copy the host layout into the (rows, tokens) bucket's static inputs and replay its graph."""
+        key = tuple(inputs[0].shape)
+        if key not in self._prefill_graphs:
+            static = tuple(t.to(self.device) for t in inputs)
+            graph, outputs = self._capture(lambda: self._prefill_body(*static, []))
+            self._prefill_graphs[key] = (graph, static, outputs)
+            log.info("engine: captured the prefill for %d rows x %d tokens", *key)
+        graph, static, outputs = self._prefill_graphs[key]
+        for target, source in zip(static, inputs):
+            target.copy_(source, non_blocking=True)
+        graph.replay()
+        return outputs
+
+    def _capture(self, body: Any) -> tuple[Any, Any]:
+        """Capture `body` into the engine's graph pool (all its graphs share one memory pool)."""
+        return capture_graph(body, pool=self._graph_pool)
+
+    def _prefill(self, jobs: list[_Job]) -> None:
+        """Prefill the jobs' rows (and CFG twins) in one forward, sample each job's first token, and let them
+        join the running batch. A group that does not fit in memory is retried one job at a time, so only a
+        request that is too large itself fails."""
+        vocab = self.vocab
+        entries, twin_prompts = [], {}
+        for job in jobs:
+            entries.append((job, job.row, job.prompt))
+            if job.twin is not None:
+                tail = [] if job.open_span is None else job.prompt[len(job.prompt) - job.open_span - 1:]
+                twin_prompts[job.row] = [*(job.uncond or [vocab.bos_id]), *tail]
+                entries.append((job, job.twin, twin_prompts[job.row]))
+        try:
+            logits, producing = self._prefill_forward(entries)
+        except torch.OutOfMemoryError as err:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(jobs) > 1:
+                for job in jobs:
+                    self._prefill([job])
+                return
+            self._end(jobs[0], error=GenerationError(f"this request does not fit in the GPU's memory ({err}); "
+                                                     "shorten the prompt or lower max_new_tokens"))
+            return
+        except Exception as err:  # a request that breaks the model fails alone; the engine keeps serving
+            log.exception("prefill failed")
+            for job in jobs:
+                self._end(job, error=GenerationError(f"prefill failed: {type(err).__name__}: {err}"))
+            return
+        states = self.states
+        cond = [i for i, (job, row, _) in enumerate(entries) if row == job.row]
+        twin_at = {job.row: i for i, (job, row, _) in enumerate(entries) if row != job.row}
+        for job in jobs:
+            states.start(job.row, job.config, last_pos=len(job.prompt) - 1, open_span=job.open_span,
+                         slots=(self._slot(job, job.text_adapter), self._slot(job, job.image_adapter)),
+                         twin=job.twin, twin_last_pos=len(twin_prompts.get(job.row, [])) - 1,
+                         twin_prefix=len(job.uncond or [vocab.bos_id]))
+            job.generator = torch.Generator(device=self.device).manual_seed(job.config.seed) if job.random else None
+            self._running[job.row] = job
+        self._index_cache = None
+        rows = torch.tensor([job.row for job in jobs], dtype=torch.long, device=self.device)
+        uncond = twin_of = twin_rows = None
+        if twin_at:
+            uncond = logits[[twin_at.get(job.row, c) for job, c in zip(jobs, cond)]]
+            pairs = [(i, job.twin) for i, job in enumerate(jobs) if job.twin is not None]
+            twin_of = torch.tensor([i for i, _ in pairs], dtype=torch.long, device=self.device)
+            twin_rows = torch.tensor([t for _, t in pairs], dtype=torch.long, device=self.device)
+        filters = any(job.config.text.filters or job.config.image.filters for job in jobs)
+        tokens = states.choose(rows, logits[cond], uncond, self._noise(jobs, logits.shape[-1]), filters)
+        done = states.advance(rows, tokens, twin_of, twin_rows)
+        self._emit(jobs, tokens, producing[cond], done, len(self._running))
+
+    # --- one decode step ------------------------------------------------------------------------------------
+    def _indices(self) -> _Batch:
+        """The running batch's index tensors and facts, rebuilt only when a request joins or leaves."""
+        if self._index_cache is None:
+            jobs = [self._running[r] for r in sorted(self._running)]
+            pairs = [(i, j.twin) for i, j in enumerate(jobs) if j.twin is not None]
+            highest = max(max(j.row, j.twin if j.twin is not None else -1) for j in jobs)
+
+            def tensor(values: list[int]) -> torch.Tensor:
+                return torch.tensor(values, dtype=torch.long, device=self.device)
+
+            self._index_cache = _Batch(
+                jobs, tensor([j.row for j in jobs]),
+                tensor([i for i, _ in pairs]) if pairs else None, tensor([t for _, t in pairs]) if pairs else None,
+                width=next(w for w in self.widths if w > highest),
+                learned=any(j.learned is not None for j in jobs),
+                filters=any(j.config.text.filters or j.config.image.filters for j in jobs))
+        return self._index_cache
+
+    def _decode(self, width: int, jobs: list[_Job], learned: bool) -> tuple[torch.Tensor, _Producing]:
+        """Logits [W, V] and producing slots [W] of one decode step over rows [0, W)."""
+        if self.use_graphs and not learned:
+            return self._replay(width)
+        needed = max(len(j.prompt) + j.emitted for j in jobs)
+        return self._decode_body(width, jobs, self._columns(needed), routed=any(j.names for j in jobs))
+
+    def _decode_body(self, width: int, jobs: list[_Job], length: int | None = None, routed: bool = True
+                     ) -> tuple[torch.Tensor, _Producing]:
+        columns = self.columns if length is None else self.columns[:length]
+        ids, positions, mask, slots = self.states.decode_inputs(width, columns, self.dtype)
+        members = [(job, row) for job in jobs for row in (job.row, job.twin) if row is not None]
+        plan = self._plan(ids, slots, members, routed)
+        self._hold_pictures(plan)
+        self._hold_states(plan, self.all_rows[:width])
+        out = self._forward(ids, positions, self.all_rows[:width], mask, plan, leading=width, length=length)
+        self._keep_pictures(plan, self.all_rows[:width])
+        self._keep_states(plan, self.all_rows[:width])
+        return self._last_logits(out), _producing(out.routing, slots)
+
+    def _picture_tables(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if k not in self._pictures:
+            shape = (self.max_rows + 1, self.routed.num_blocks, k)
+            self._pictures[k] = (torch.full(shape, -1, dtype=torch.long, device=self.device),
+                                 torch.zeros(shape, dtype=torch.float32, device=self.device))
+        return self._pictures[k]
+
+    def _state_table(self, group: Any) -> torch.Tensor:
+        """Each row's routing state after its last forward, one table per gate set's role (text or image gates)
+        and decays: gate sets with other decays (or updated by other positions) never share a state."""
+        gates = group.gates
+        key = (group.per_picture, gates.context_decays, gates.d_model)
+        if key not in self._route_states:
+            self._route_states[key] = torch.zeros(self.max_rows + 1, len(gates.context_decays), gates.d_model,
+                                                  dtype=torch.float32, device=self.device)
+        return self._route_states[key]
+
+    def _hold_states(self, plan: CallRouting | None, cache_rows: torch.Tensor) -> None:
+        """Decode step: gates with a routing state continue each row's state from its previous step."""
+        for group in plan.learned if plan is not None else ():
+            if group.gates.context_decays:
+                local = group.rows if group.rows is not None else torch.arange(plan.batch, device=self.device)
+                group.state_in = self._state_table(group)[cache_rows[local]]
+
+    def _keep_states(self, plan: CallRouting | None, cache_rows: torch.Tensor) -> None:
+        """After a forward (prefill or decode): keep each row's routing state after its last position."""
+        for group in plan.learned if plan is not None else ():
+            if group.gates.context_decays and group.state_out is not None:
+                local = group.rows if group.rows is not None else torch.arange(plan.batch, device=self.device)
+                self._state_table(group)[cache_rows[local]] = group.state_out
+
+    def _hold_pictures(self, plan: CallRouting | None) -> None:
+        """Decode step: rows inside a picture begun in an earlier step reuse the decision kept for it (the rows
+        of a decode step are cache rows; a CFG twin has no picture state and decides at each of its steps)."""
+        for group in plan.learned if plan is not None else ():
+            if group.per_picture:
+                rows = group.rows if group.rows is not None else self.all_rows[:group.gated.shape[0]]
+                inside = self.states.in_image[rows] & (self.states.image_pos[rows] > 0)
+                slots, weights = self._picture_tables(group.top_k)
+                group.held = (slots[rows], weights[rows], inside[:, None] & group.gated)
+
+    def _keep_pictures(self, plan: CallRouting | None, cache_rows: torch.Tensor) -> None:
+        """After a forward: rows whose last position is inside a picture keep that position's decision per block
+        (the picture's own decision: anchored or held), for the picture's later steps."""
+        for group in plan.learned if plan is not None else ():
+            if not group.per_picture or not plan.block_slots:
+                continue
+            local = group.rows if group.rows is not None else torch.arange(plan.batch, device=self.device)
+            last = group.gated[:, -1]
+            rows = cache_rows[local][last]
+            slots, weights = self._picture_tables(group.top_k)
+            at_last = (local * plan.length + plan.length - 1)[last]
+            for block, (block_slots, block_weights) in plan.block_slots.items():
+                slots[rows, block] = block_slots[at_last, :group.top_k]
+                weights[rows, block] = block_weights[at_last, :group.top_k].float()
+
+    def _replay(self, width: int) -> tuple[torch.Tensor, _Producing]:
+        """Replay the captured step of this width (capturing it on first use). Replaying it again is harmless:
+        the step recomputes and rewrites the same KV entries from the same inputs."""
+        if width not in self._graphs:
+            self._graphs[width] = self._capture(lambda: self._decode_body(width, []))
+            log.info("engine: captured the decode step for width %d", width)
+        graph, (logits, slots) = self._graphs[width]
+        graph.replay()
+        return logits, slots
+
+    def _noise(self, jobs: list[_Job], vocab: int) -> torch.Tensor:
+        """Exp(1) noise [n, V]: each sampling row draws from its own generator, so its draws never depend on
+        its neighbours (greedy rows need none)."""
+        noise = torch.ones(len(jobs), vocab, device=self.device)
+        for i, job in enumerate(jobs):
+            if job.generator is not None:
+                noise[i].exponential_(1.0, generator=job.generator)
+        return noise
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        batch = self._indices()
+        jobs, rows, twin_of, twin_rows = batch.jobs, batch.rows, batch.twin_of, batch.twin_rows
+        logits, producing = self._decode(batch.width, jobs, batch.learned)
+        uncond = logits[self.states.twin[rows]] if twin_rows is not None else None
+        tokens = self.states.choose(rows, logits[rows], uncond, self._noise(jobs, logits.shape[-1]), batch.filters)
+        done = self.states.advance(rows, tokens, twin_of, twin_rows)
+        self.steps += 1
+        self._emit(jobs, tokens, producing[rows], done, len(jobs))
+        if self.step_ms is not None:
+            self.step_ms.append((time.perf_counter() - started) * 1000.0)
+
+    def _emit(self, jobs: list[_Job], tokens: torch.Tensor, producing: _Producing, done: torch.Tensor,
+              batch: int) -> None:
+        """One host transfer for the step: tokens, producing slots, done flags (and learned routing's top-k
+        slots and weights, in 1e-4 steps); then tell every consumer."""
+        parts = [tokens, producing.slots.long(), done.long()]
+        k = 0
+        if producing.mix_slots is not None and producing.mix_weights is not None:
+            k = producing.mix_slots.shape[1]
+            parts += [producing.mix_slots.reshape(-1).long(), (producing.mix_weights.reshape(-1) * 1e4).round().long()]
+        host = torch.cat(parts).tolist()
+        now = time.perf_counter()
+        n = len(jobs)
+        names = self.routed.cache.slots
+
+        def name(slot: int) -> str | None:
+            return names[slot] if 0 <= slot < len(names) else None
+
+        eos = self.vocab.eos_id
+        mix_slots, mix_weights = host[3 * n:3 * n + n * k], host[3 * n + n * k:]
+        for i, job in enumerate(jobs):
+            token, slot = host[i], host[n + i]
+            mix = ()
+            if k and job.learned is not None:
+                pairs = zip(mix_slots[i * k:(i + 1) * k], mix_weights[i * k:(i + 1) * k])
+                mix = tuple((name(s), w / 1e4) for s, w in pairs if w > 0)
+            job.handle.sink.put((job.handle.tag, Token(job.emitted, token, name(slot), (now - job.last) * 1000.0,
+                                                       batch, mix)))
+            job.emitted += 1
+            job.last = now
+            if host[2 * n + i]:
+                self._end(job, "eos" if token == eos else "length")
+
+
+@dataclass
+class _Producing:
+    """Which adapter produced each row's output: the slot [n] (static routing's, or learned routing's top-1), and
+    for learned routing its top-k slots and routing weights [n, k] (the weight averaged over blocks)."""
+
+    slots: torch.Tensor
+    mix_slots: torch.Tensor | None = None
+    mix_weights: torch.Tensor | None = None
+
+    def __getitem__(self, index: Any) -> _Producing:
+        if self.mix_slots is None or self.mix_weights is None:
+            return _Producing(self.slots[index])
+        return _Producing(self.slots[index], self.mix_slots[index], self.mix_weights[index])
+
+
+def _producing(routing: Any, slots: torch.Tensor) -> _Producing:
+    if routing is None or routing.weights is None:
+        return _Producing(slots)
+    top_slots, top_weights = routing.slots[:, -1], routing.weights[:, -1]
+    best = top_weights.argmax(dim=-1, keepdim=True)
+    return _Producing(top_slots.gather(1, best).squeeze(1), top_slots, top_weights)
+
+
+__all__ = ["Engine", "EngineConfig", "Token", "Done", "RequestHandle", "TEXT", "IMAGE"]

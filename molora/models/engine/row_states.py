@@ -1,0 +1,167 @@
+"""The per-row decode state of the serving engine, as device tensors of `max_rows` entries written in place.
+
+Each running request owns one row (two with classifier-free guidance: its prompt row and an unconditional
+"twin" row `<bos> <boi> codes-so-far`).  For every row the tables hold what the next decode step feeds (token
+and position), which adapter slot each modality routes to, and, for prompt rows, the interleaved state machine
+(DESIGN.md §7: text until `<boi>`, then exactly one image grid with its row markers, then a forced `<eoi>`) and
+the request's own sampling settings.  Rows join and leave at step boundaries; one step samples every prompt
+row with pure tensor ops, whatever mix of text rows, image rows and settings the batch holds.
+
+Row positions are the row's own: a request's prompt starts at position 0 of its row whatever the other rows
+hold, so a row decodes exactly as it would alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from molora.models.engine.generation import (
+    CODE_PHASE,
+    ROW_END_PHASE,
+    TEXT_PHASE,
+    GenerationConfig,
+    build_phase_masks,
+    span_tables,
+)
+from molora.models.engine.sampling import guide, sample
+from molora.models.engine.vocab import IMAGE, UnifiedVocab
+
+NO_LIMIT = 2 ** 62  # max_images of a request that sets none
+
+
+class RowStates:
+    """Decode tables for `max_rows` rows of one engine (see the module docstring)."""
+
+    def __init__(self, vocab: UnifiedVocab, max_rows: int, device: torch.device, logits_size: int) -> None:
+        self.vocab, self.max_rows, self.device = vocab, max_rows, device
+        self.phase_masks = build_phase_masks(vocab, device, logits_size)
+        self.modality = vocab.modality_table(device).long()  # input id -> TEXT / IMAGE
+        self.feeds_uncond = self.modality == IMAGE  # ids an unconditional twin is fed (image-span inputs)
+        self.tokens_per_image = vocab.tokens_per_image
+        # phase and mask-table row of each position of an image span (forced prefix, codes, row markers, suffix, <eoi>)
+        self.span_phase, self.span_mask = (t.to(device) for t in span_tables(vocab))
+
+        def zeros(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+            return torch.zeros(max_rows, *shape, dtype=dtype, device=device)
+
+        long, flt, bool_ = torch.long, torch.float32, torch.bool
+        # what the next decode step feeds: token, the position it is written at, and (twin rows) whether it is
+        # a real token or a scratch write at the row's next free position
+        self.feed_ids = torch.full((max_rows,), vocab.pad_id, dtype=long, device=device)
+        self.feed_pos = zeros(long)
+        self.real = zeros(bool_)
+        self.row_slots = torch.full((max_rows, 2), -1, dtype=long, device=device)  # [row, TEXT/IMAGE] -> slot
+        # the state machine and settings of prompt rows
+        self.in_image, self.image_pos, self.images_done = zeros(bool_), zeros(long), zeros(long)
+        self.n_new, self.max_new, self.min_new, self.max_images = zeros(long), zeros(long), zeros(long), zeros(long)
+        self.temperature, self.top_k, self.top_p = zeros(flt, 2), zeros(long, 2), torch.ones(
+            max_rows, 2, dtype=flt, device=device)
+        self.cfg_scale = torch.ones(max_rows, dtype=flt, device=device)
+        self.guided = zeros(bool_)
+        self.twin = torch.arange(max_rows, device=device)  # the twin row of a guided row (else the row itself)
+        self.twin_start = torch.ones(max_rows, dtype=long, device=device)  # where a twin's <boi> goes: its prefix
+
+    # --- rows joining and leaving -------------------------------------------------------------------------
+    def start(self, row: int, config: GenerationConfig, *, last_pos: int, open_span: int | None,
+              slots: tuple[int, int], twin: int | None = None, twin_last_pos: int = 0,
+              twin_prefix: int = 1) -> None:
+        """Set up prompt row `row` (and its twin) after their prompts were written up to `last_pos` /
+        `twin_last_pos`; `slots` are the (text, image) adapter slots the request holds (-1 = base model);
+        `twin_prefix`: the twin's ids before a picture (<bos> and a negative prompt)."""
+        rows = [row] if twin is None else [row, twin]
+        for r, last in zip(rows, (last_pos, twin_last_pos)):
+            self.feed_pos[r] = last  # the first sampled token goes to last + 1 (see `advance`)
+            self.real[r] = True
+            self.row_slots[r] = torch.tensor(slots, device=self.device)
+        self.in_image[row] = open_span is not None
+        self.image_pos[row] = open_span or 0
+        self.images_done[row] = int(open_span is not None)
+        self.n_new[row] = 0
+        self.max_new[row] = config.max_new_tokens
+        self.min_new[row] = config.min_new_tokens
+        self.max_images[row] = NO_LIMIT if config.max_images is None else config.max_images
+        modes = (config.text, config.image)
+        self.temperature[row] = torch.tensor([m.temperature for m in modes], device=self.device)
+        self.top_k[row] = torch.tensor([m.top_k for m in modes], device=self.device)
+        self.top_p[row] = torch.tensor([m.top_p for m in modes], device=self.device)
+        self.cfg_scale[row] = config.cfg_scale
+        self.guided[row] = twin is not None
+        self.twin[row] = row if twin is None else twin
+        if twin is not None:
+            self.twin_start[twin] = twin_prefix
+
+    def clear(self, rows: list[int]) -> None:
+        """Free rows: they feed padding at position 0 with no adapter until a new request takes them."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.feed_ids[index] = self.vocab.pad_id
+        self.feed_pos[index] = 0
+        self.row_slots[index] = -1
+        self.guided[index] = False
+        self.twin[index] = index
+
+    # --- one step --------------------------------------------------------------------------------------------
+    def phase(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(phase [n], phase-mask table row [n]) of the next token of prompt rows `rows` (no host sync)."""
+        image_pos = self.image_pos[rows].clamp(max=self.tokens_per_image)
+        in_image = self.in_image[rows]
+        phase = torch.where(in_image, self.span_phase[image_pos], TEXT_PHASE)
+        mask_row = torch.where(in_image, self.span_mask[image_pos], TEXT_PHASE)  # a row's end: only its own marker
+        return phase, mask_row
+
+    def choose(self, rows: torch.Tensor, logits: torch.Tensor, uncond_logits: torch.Tensor | None,
+               noise: torch.Tensor, filters: bool) -> torch.Tensor:
+        """Next token [n] of prompt rows `rows` from their logits [n, V] (twins' logits for guidance, or None
+        when no row is guided) and Exp(1) noise [n, V]. `filters`: some row uses top-k / top-p."""
+        vocab = self.vocab
+        phase, mask_row = self.phase(rows)
+        allowed = self.phase_masks[mask_row]
+        n_new = self.n_new[rows]
+        room = self.max_new[rows] - n_new >= self.tokens_per_image + 2  # <boi> + image + <eoi> still fit
+        allowed[:, vocab.boi_id] &= room & (self.images_done[rows] < self.max_images[rows])
+        allowed[:, vocab.eos_id] &= n_new >= self.min_new[rows]
+        scores = logits.float()
+        if uncond_logits is not None:
+            guided = self.guided[rows] & ((phase == CODE_PHASE) | (phase == ROW_END_PHASE))
+            mixed = guide(scores, uncond_logits.float(), self.cfg_scale[rows][:, None])
+            scores = torch.where(guided[:, None], mixed, scores)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        mode = (phase != TEXT_PHASE).long()[:, None]
+        temperature = self.temperature[rows].gather(1, mode).squeeze(1)
+        top_k = self.top_k[rows].gather(1, mode).squeeze(1) if filters else None
+        top_p = self.top_p[rows].gather(1, mode).squeeze(1) if filters else None
+        return sample(scores, temperature, top_k, top_p, noise=noise)
+
+    def advance(self, rows: torch.Tensor, tokens: torch.Tensor, twin_of: torch.Tensor | None,
+                twin_rows: torch.Tensor | None) -> torch.Tensor:
+        """Move prompt rows `rows` past `tokens` and set every row's next feed; returns done [n] (<eos> or the
+        row's token budget spent). `twin_rows` [m] are the twins of the guided rows at `twin_of` [m] in `rows`."""
+        vocab = self.vocab
+        is_boi = tokens == vocab.boi_id
+        in_image = self.in_image[rows]
+        self.image_pos[rows] = torch.where(is_boi, 0, self.image_pos[rows] + in_image.long())
+        self.in_image[rows] = (in_image | is_boi) & (tokens != vocab.eoi_id)
+        self.images_done[rows] = self.images_done[rows] + is_boi.long()
+        n_new = self.n_new[rows] + 1
+        self.n_new[rows] = n_new
+        self.feed_ids[rows] = tokens
+        self.feed_pos[rows] = self.feed_pos[rows] + 1
+        if twin_rows is not None:
+            # a twin sees only image spans: `<bos>` (+ a negative prompt) then the current span; a new image
+            # restarts it right after that prefix
+            token = tokens[twin_of]
+            feeds = self.feeds_uncond[token]
+            after = self.feed_pos[twin_rows] + self.real[twin_rows].long()
+            self.feed_pos[twin_rows] = torch.where(token == vocab.boi_id, self.twin_start[twin_rows], after)
+            self.feed_ids[twin_rows] = torch.where(feeds, token, vocab.pad_id)
+            self.real[twin_rows] = feeds
+        return (tokens == vocab.eos_id) | (n_new >= self.max_new[rows])
+
+    def decode_inputs(self, width: int, columns: torch.Tensor, dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids [W, 1], positions [W, 1], additive attention mask [W, 1, 1, L], slots [W]) of rows [0, W):
+        each row sees the columns up to the position it writes now, and routes by its slot table."""
+        ids = self.feed_ids[:width, None]
+        pos = self.feed_pos[:width, None]
+        mask = torch.where(columns[None, :] <= pos, 0.0, float("-inf")).to(dtype)[:, None, None, :]
+        slots = self.row_slots[:width].gather(1, self.modality[ids]).view(-1)
+        return ids, pos, mask, slots

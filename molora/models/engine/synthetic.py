@@ -1,0 +1,66 @@
+"""Random stand-ins for benchmarks and GPU tests: a transformers causal LM of a given shape, a vocabulary that
+calls one id range "image", and random LoRA adapters for the routed layers.  No files, no downloads, no
+diffusers (the GPU machine's image has none), so the serving engine can be measured on any model shape.
+
+    routed, vocab = random_routed_model("qwen3-1.7b", device="cuda", dtype=torch.bfloat16)
+    for adapter in random_adapters(routed, ["a", "b"], rank=16):
+        routed.add_adapter(adapter)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from molora.models.engine.vocab import UnifiedVocab
+from molora.routing import LoraAdapter, RoutedModel, attach_routed_lora
+
+# Qwen3-1.7B's published shape (config.json of Qwen/Qwen3-1.7B), and a tiny one of the same family for tests.
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                       tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=512,
+                 tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6),
+}
+
+
+def id_range_vocab(vocab_size: int, *, image_size: int, grid: tuple[int, int] = (4, 4)) -> UnifiedVocab:
+    """Specials 0-4 (<pad> <bos> <eos> <boi> <eoi>), then text, then the last `image_size` ids as image codes."""
+    image_start = vocab_size - image_size
+    return UnifiedVocab(vocab_size=vocab_size, text_start=5, text_size=image_start - 5, image_start=image_start,
+                        image_size=image_size, pad_id=0, bos_id=1, eos_id=2, boi_id=3, eoi_id=4, image_grid=grid)
+
+
+def random_routed_model(shape: str, *, device: torch.device | str, dtype: torch.dtype, num_slots: int = 4,
+                        r_max: int = 16, seed: int = 0, image_size: int | None = None,
+                        grid: tuple[int, int] = (4, 4)) -> tuple[RoutedModel, UnifiedVocab]:
+    """A Qwen3ForCausalLM of `shape` (SHAPES) with random weights, built on `device`, routed on all 7
+    projections; and its id-range vocabulary (image codes: the last `image_size` ids, default 1/16 of them)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**SHAPES[shape], attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(dtype).eval()
+    routed = attach_routed_lora(model, num_slots=num_slots, r_max=r_max)
+    vocab = id_range_vocab(config.vocab_size, image_size=image_size or config.vocab_size // 16, grid=grid)
+    return routed, vocab
+
+
+def random_adapters(routed: RoutedModel, names: Sequence[str], *, rank: int = 16, seed: int = 0,
+                    std: float = 0.02) -> list[LoraAdapter]:
+    """One random LoRA per name over every routed layer (float32 on the CPU, as loaded adapters are)."""
+    generator = torch.Generator().manual_seed(seed)
+    adapters = []
+    for name in names:
+        weights = {}
+        for module, layer in routed.cache.layers.items():
+            a = torch.randn(rank, layer.in_features, generator=generator) * std
+            b = torch.randn(layer.out_features, rank, generator=generator) * std
+            weights[module] = (a, b)
+        adapters.append(LoraAdapter(name, weights, {m: 2.0 for m in weights}, {"r": rank, "lora_alpha": 2 * rank}))
+    return adapters
