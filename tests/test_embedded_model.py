@@ -53,3 +53,23 @@ def test_readme_python_example_runs(tmp_path, monkeypatch):
     # the files land in out/ (git-ignored), and the stream prints the story, not a line per decode step
     assert (tmp_path / "out" / "circle.html").exists() and (tmp_path / "out" / "circle").is_dir()
     assert printed and not any("StepTiming" in str(line) for line in printed)
+
+
+def test_a_budget_too_small_for_the_next_picture_ends_the_text_cleanly_instead_of_word_salad(embedded):
+    """The engine masks <boi> once a picture no longer fits, and the model then writes its next-best words where
+    the picture was due ("…added:First is added:First The background is added"). The pipeline sees the model's
+    wish for a picture and ends the document before it: the tokens are exactly those of a run with room to spare."""
+    prompt = "First, a red circle at the top left:"
+    roomy = embedded.generate(prompt, max_new_tokens=600, seed=1)
+    short = embedded.generate(prompt, max_new_tokens=300, seed=1)
+    ids, roomy_ids = [r.id for r in short.routing], [r.id for r in roomy.routing]
+    assert ids == roomy_ids[:len(ids)], f"the short run wrote other words than the roomy one: {short.text!r}"
+    assert roomy_ids[len(ids)] == embedded.vocab.boi_id  # it stopped where the roomy run began a picture
+    assert short.meta["finish_reason"] == "length" and short.text.rstrip().endswith(":")
+    assert any("raise max_new_tokens" in notice for notice in short.notices)
+
+
+def test_the_last_positions_end_at_a_sentence_end_when_no_picture_would_fit_after_them(embedded):
+    doc = embedded.generate("First, a red circle at the top left:", max_new_tokens=1000, seed=1)
+    assert doc.text.rstrip().endswith((".", ":", "!", "?")), doc.text
+    assert doc.meta["finish_reason"] == "length" and any("sentence end" in n for n in doc.notices)

@@ -49,6 +49,7 @@ def read_prompts(path: str | Path, base_seed: int = 0) -> list[PromptItem]:
     """A `.jsonl` file (one object a line: "prompt" and optionally "seed", "text_adapter", "image_adapter",
     "start_image", "max_new_tokens") or a plain text file (one prompt a non-empty line). Every problem names its
     line."""
+    from molora.models.engine.generation import check_text
     from molora.models.engine.sampling import check_seed
 
     path = Path(path)
@@ -73,6 +74,10 @@ def read_prompts(path: str | Path, base_seed: int = 0) -> list[PromptItem]:
                 raise PromptFileError(f"{where}: unknown keys {unknown}; a line may set {list(ITEM_KEYS)}")
         else:
             record = {"prompt": line.strip()}
+        try:
+            check_text(record["prompt"], f"{where}: the prompt")
+        except MoLoRAError as exc:
+            raise PromptFileError(str(exc)) from None
         index = len(items)
         try:
             seed = check_seed(record.pop("seed", base_seed + index), f"{where} seed")

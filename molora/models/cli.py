@@ -23,6 +23,7 @@ from pathlib import Path
 from PIL import Image
 
 from molora.models.batch import read_prompts, run_data_parallel
+from molora.models.engine.generation import check_text
 from molora.models.engine.runtime import configure_cpu_threads
 from molora.models.engine.sampling import check_seed
 from molora.models.pipeline import ROUTING_MODES, InterleavedPipeline
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides["seed"] = check_seed(args.seed, "--seed")
         if (args.prompt is None) == (args.prompts is None):
             raise MoLoRAError("give one prompt or --prompts FILE, not both and not neither")
+        if args.prompt is not None:
+            check_text(args.prompt)  # before the model loads: bytes that are not UTF-8 are refused at once
         if args.prompts is not None:
             return _generate_batch(args, overrides)
         images = []

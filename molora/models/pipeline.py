@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import random
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +41,9 @@ from PIL import Image
 from molora.models.document import Document
 from molora.models.engine.best_of import candidate_config, stream_best_of
 from molora.models.engine.builder import DocumentBuilder
-from molora.models.engine.core import Done, Engine, EngineConfig, Token
-from molora.models.engine.events import Event, Finished, StepTiming
-from molora.models.engine.generation import GenerationConfig, Request, open_image_span
+from molora.models.engine.core import Done, Engine, EngineConfig, RequestHandle, Token
+from molora.models.engine.events import Event, Finished, Notice, StepTiming
+from molora.models.engine.generation import GenerationConfig, Request, StopSignal, check_text, open_image_span
 from molora.models.engine.sampling import GenerationError
 from molora.models.families.family import load_family_model, make_check
 from molora.models.families.loading import (
@@ -68,6 +69,7 @@ from molora.routing import (
 log = logging.getLogger(__name__)
 
 ROUTING_MODES = ("vocab", "sequence", "none", "learned")
+SENTENCE_ENDS = (".", "!", "?", ":", ";", '."', '!"', '?"')  # where text may end, or a picture follow
 Prompt = str | Image.Image | Sequence[str | Image.Image]
 
 
@@ -277,9 +279,10 @@ class InterleavedPipeline:
                                   f"{type(prompt).__name__}")
         v = self.vocab
         ids = [v.bos_id]
-        for part in parts:
+        for number, part in enumerate(parts):
             if isinstance(part, str):
-                ids += self.tokenizer.encode_text(part)
+                ids += self.tokenizer.encode_text(check_text(part, "the prompt" if len(parts) == 1
+                                                             else f"part {number + 1} of the prompt"))
             else:
                 ids += self.tokenizer.image_span(self.image_tokenizer.encode(part)[0])
         if config.start_image:
@@ -308,10 +311,13 @@ class InterleavedPipeline:
 
     def stream(self, prompt: Prompt | list[Prompt], *, text_adapter: str | None | Sequence[str | None] = None,
                image_adapter: str | None | Sequence[str | None] = None, routing: str = "vocab",
-               config: GenerationConfig | None = None, **overrides: Any) -> Iterator[Event]:
+               config: GenerationConfig | None = None, stop: StopSignal | None = None,
+               **overrides: Any) -> Iterator[Event]:
         """Generate and yield events as they happen (models/engine/events.py); the last event of each prompt is
         Finished(document). A list of prompts decodes as one batch; events carry their prompt's `row`.
         Bad arguments raise here, before the iterator is returned; closing the iterator stops decoding.
+        `stop` (a StopSignal): its stop() ends the generation early, and each prompt still gets its Finished
+        event, with the document so far and finish_reason "stopped".
         With best_of > 1 every candidate streams, a Redraw event opens a prompt's next candidate, and Finished
         carries the document kept (models/engine/best_of.py).
 
@@ -325,16 +331,17 @@ class InterleavedPipeline:
 
         def stream_rows(rows: list[int], row_config: GenerationConfig) -> Iterator[Event]:
             return self._stream_rows([prompts[r] for r in rows], [text_adapters[r] for r in rows],
-                                     [image_adapters[r] for r in rows], routing, row_config)
+                                     [image_adapters[r] for r in rows], routing, row_config, stop)
 
         if config.best_of == 1:
             return stream_rows(list(range(len(prompts))), config)
         check = make_check(config.check, self)
         first_round = stream_rows(list(range(len(prompts))), candidate_config(config, 0))  # checks the arguments
-        return stream_best_of(stream_rows, len(prompts), config, check, first_round=first_round)
+        return stream_best_of(stream_rows, len(prompts), config, check, first_round=first_round,
+                              stopped=None if stop is None else stop.is_set)
 
     def _stream_rows(self, prompts: list[Prompt], text_adapters: list[str | None], image_adapters: list[str | None],
-                     routing: str, config: GenerationConfig) -> Iterator[Event]:
+                     routing: str, config: GenerationConfig, stop: StopSignal | None = None) -> Iterator[Event]:
         """One batch's events (a generator); bad arguments raise before it is returned."""
         if config.start_image and config.max_new_tokens < self.vocab.tokens_per_image + 1:
             raise GenerationError(f"start_image needs max_new_tokens >= {self.vocab.tokens_per_image + 1}: "
@@ -350,7 +357,19 @@ class InterleavedPipeline:
             shared_notices.append(f"max_new_tokens lowered from {config.max_new_tokens} to {max_new} to fit the "
                                   f"model's {self.max_positions} positions")
             log.debug(shared_notices[-1])  # the document keeps the notice; a library is quiet unless asked
-        run_config = config.with_overrides(max_new_tokens=max_new)
+        # The engine masks <boi> once a picture no longer fits its budget, and the model then writes its next-best
+        # words in the picture's place: word salad ("comes aboard:At added aboard:First"). So the engine gets room
+        # for one more picture than the caller's budget, and the pipeline holds the caller's budget itself: a
+        # picture the budget cannot hold ends the document cleanly before its <boi> (_row_budget_end). Where the
+        # model's positions leave no such room, the last tokens are "blind" (a wish for a picture is not seen
+        # there), and the document ends at the first sentence end among them.
+        extra, blind_from = 0, None
+        if config.max_images != 0:
+            span = self.vocab.image_span_tokens
+            extra = min(span, self.max_positions - longest - max_new)
+            if extra < span:
+                blind_from = max_new + extra - span + 1
+        run_config = config.with_overrides(max_new_tokens=max_new + extra)
 
         builders = []
         for row, ((ids, parts, notices), t, i) in enumerate(zip(encoded, text_adapters, image_adapters)):
@@ -363,34 +382,86 @@ class InterleavedPipeline:
         if config.negative_prompt is not None and config.uses_cfg:
             uncond = [self.vocab.bos_id, *self.tokenizer.encode_text(config.negative_prompt)]
         requests = [Request(ids, router, uncond) for (ids, _, _), router in zip(encoded, routers)]
-        return self._events(requests, builders, run_config)
+        return self._events(requests, builders, run_config, (max_new, blind_from), stop)
 
-    def _events(self, requests: list[Request], builders: list[DocumentBuilder], config: GenerationConfig
-                ) -> Iterator[Event]:
-        """The engine's tokens as events (a generator: closing it early cancels the requests, e.g. a UI stop
-        button; their rows and adapters are free within one engine step)."""
-        tokens = self.engine.stream(requests, config)  # bad requests raise here, before any event
-        return self._document_events(tokens, builders)
+    def _events(self, requests: list[Request], builders: list[DocumentBuilder], config: GenerationConfig,
+                budget: tuple[int, int | None], stop: StopSignal | None) -> Iterator[Event]:
+        """The engine's tokens as events (a generator: closing it early cancels the requests, e.g. a closed tab;
+        their rows and adapters are free within one engine step). `budget`: (the caller's max_new_tokens, which
+        the pipeline enforces, as the engine's may be larger; the first token the engine generates blind to a
+        picture, or None)."""
+        sink: queue.Queue = queue.Queue()
+        handles: list[RequestHandle] = []
+        try:  # bad requests raise here, before any event
+            for index, request in enumerate(requests):
+                handles.append(self.engine.submit(request, config, sink=sink, tag=index))
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        if stop is not None:
+            stop.attach(handles)
+        return self._document_events(sink, handles, builders, budget, stop)
 
-    def _document_events(self, tokens: Generator[tuple[int, Token | Done], None, None],
-                         builders: list[DocumentBuilder]) -> Iterator[Event]:
+    def _document_events(self, sink: queue.Queue, handles: list[RequestHandle], builders: list[DocumentBuilder],
+                         budget: tuple[int, int | None], stop: StopSignal | None) -> Iterator[Event]:
+        limit = budget[0]
+        open_rows = set(range(len(handles)))
         try:
             for builder in builders:
                 yield from builder.start()
             times: list[list[float]] = [[] for _ in builders]
-            for row, item in tokens:
+            while open_rows:
+                row, item = sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if row not in open_rows:  # a row the pipeline ended itself: the engine's last tokens and its Done
+                    continue
+                builder = builders[row]
                 if isinstance(item, Done):
-                    yield from self._finish(builders[row], item.reason, times[row])
+                    open_rows.discard(row)
+                    stopped = item.reason == "cancelled" and stop is not None and stop.is_set()
+                    yield from self._finish(builder, "stopped" if stopped else item.reason, times[row])
                     continue
                 times[row].append(item.ms)
                 yield StepTiming(item.index, item.ms, batch=item.batch, row=row)
-                yield from builders[row].add(item.token, item.adapter, item.mix)
+                ending = self._row_budget_end(builder, item, budget)
+                if ending is None:
+                    yield from builder.add(item.token, item.adapter, item.mix)
+                    if item.index + 1 < limit:
+                        continue
+                else:
+                    builder.doc.notices.append(ending)
+                    yield Notice(ending, row)
+                handles[row].cancel()  # the caller's budget is spent, or the next picture would not fit in it
+                open_rows.discard(row)
+                yield from self._finish(builder, "length", times[row])
         finally:
-            tokens.close()  # a consumer that stopped early cancels the requests still running
+            for handle in handles:  # a consumer that stopped early cancels the requests still running
+                if not handle.finished:
+                    handle.cancel()
+
+    def _row_budget_end(self, builder: DocumentBuilder, item: Token, budget: tuple[int, int | None]) -> str | None:
+        """Why the row ends before `item` (a notice), or None. It ends when `item` opens a picture the budget
+        cannot hold, or is a blind token (see _stream_rows) after a sentence end."""
+        limit, blind_from = budget
+        span = self.vocab.image_span_tokens
+        if builder.in_image:
+            return None
+        if item.token == self.vocab.boi_id and limit - item.index < span:
+            return (f"the document ends here: the model began picture {builder.images + 1} with "
+                    f"{limit - item.index} of max_new_tokens={limit} left, and a picture takes {span} "
+                    f"({self.vocab.image_span_note()}); raise max_new_tokens to draw it")
+        if blind_from is not None and item.index >= blind_from and builder.text_so_far().rstrip().endswith(
+                SENTENCE_ENDS):
+            return (f"the document ends at a sentence end: the model's {self.max_positions} positions leave no room "
+                    f"for another picture ({span} tokens) after it")
+        return None
 
     def generate(self, prompt: Prompt | list[Prompt], *, text_adapter: str | None | Sequence[str | None] = None,
                  image_adapter: str | None | Sequence[str | None] = None, routing: str = "vocab",
-                 config: GenerationConfig | None = None, **overrides: Any) -> Document | list[Document]:
+                 config: GenerationConfig | None = None, stop: StopSignal | None = None,
+                 **overrides: Any) -> Document | list[Document]:
         """Generate a Document (a list of Documents for a list of prompts, decoded together in one batch).
 
         Keyword overrides change the config: seed=, max_new_tokens=, cfg_scale=, temperature= (both modalities),
@@ -405,7 +476,7 @@ class InterleavedPipeline:
         """
         documents: dict[int, Document] = {}
         for event in self.stream(prompt, text_adapter=text_adapter, image_adapter=image_adapter, routing=routing,
-                                 config=config, **overrides):
+                                 config=config, stop=stop, **overrides):
             if isinstance(event, Finished):
                 documents[event.row] = event.document
         ordered = [documents[row] for row in sorted(documents)]
@@ -419,7 +490,11 @@ class InterleavedPipeline:
         builder.doc.meta["timing"] = {"steps": steps, "total_ms": round(total_ms, 3),
                                       "ms_per_step": round(total_ms / max(steps, 1), 3),
                                       "prefill_ms": round(first_ms, 3), "decode_ms_per_step": round(decode_ms, 3)}
-        return builder.finish(reason)
+        notices = []
+        if reason == "stopped":
+            builder.doc.notices.append(f"stopped after {steps} tokens")
+            notices.append(Notice(builder.doc.notices[-1], builder.row))
+        return notices + builder.finish(reason)
 
 
 def read_router_config(path: Path) -> dict:

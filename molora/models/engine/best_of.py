@@ -61,11 +61,14 @@ def candidate_config(config: GenerationConfig, k: int) -> GenerationConfig:
 
 
 def stream_best_of(stream_rows: StreamRows, n_prompts: int, config: GenerationConfig, check: Check, *,
-                   first_round: Iterator[Event] | None = None) -> Iterator[Event]:
+                   first_round: Iterator[Event] | None = None,
+                   stopped: Callable[[], bool] | None = None) -> Iterator[Event]:
     """Events of every candidate as it decodes, then one Finished per prompt carrying the document kept: the first
     of up to config.best_of candidates that `check` passes, else candidate 0. A Redraw opens each later candidate
     of a prompt; a prompt's Finished comes as soon as one of its candidates passes. `first_round`: candidate 0's
-    events of every prompt when the caller built them already (to raise on bad arguments before streaming)."""
+    events of every prompt when the caller built them already (to raise on bad arguments before streaming).
+    `stopped()` true after a round (the caller's StopSignal): no more candidates; each prompt still pending keeps
+    the candidate being drawn when it stopped (what the caller was shown), unchecked."""
     if config.seed is None:
         raise GenerationError("best-of generation needs a resolved seed (candidates use seed + k)")
     t0 = time.perf_counter()
@@ -87,6 +90,13 @@ def stream_best_of(stream_rows: StreamRows, n_prompts: int, config: GenerationCo
                 finished[event.row] = event
             else:
                 yield event
+        if stopped is not None and stopped():
+            for row in pending:
+                verdicts[row].append(False)
+                kept = _kept(finished[row], config, verdicts[row], t0)
+                kept.document.meta["best_of"].update(candidate=k, stopped=True)
+                yield kept
+            return
         passed = check([finished[row].document for row in pending])
         if len(passed) != len(pending):
             raise GenerationError(f"the check gave {len(passed)} verdicts for {len(pending)} documents")

@@ -50,6 +50,20 @@ class DocumentBuilder:
         if image_open:
             self._open_image()
 
+    @property
+    def in_image(self) -> bool:
+        """Whether a picture is being drawn (its <boi> came, its <eoi> not yet)."""
+        return self._image is not None
+
+    @property
+    def images(self) -> int:
+        """Pictures finished so far."""
+        return self._images
+
+    def text_so_far(self) -> str:
+        """The text written since the last picture (or the start), whole characters only."""
+        return self._seg_text
+
     def start(self) -> list[Event]:
         """Events due before the first token (an image opened by the prompt, notices)."""
         return [Notice(n, self.row) for n in self.doc.notices] + self._opened_events
@@ -82,7 +96,8 @@ class DocumentBuilder:
         return self._add_text(token, adapter, mix)
 
     def finish(self, reason: str) -> list[Event]:
-        """Close the document (reason "eos" or "length"); returns the last events, ending with Finished."""
+        """Close the document (reason "eos", "length" or "stopped"); returns the last events, ending with
+        Finished."""
         events = self._close_text()
         if self._image is not None:
             self.doc.notices.append(f"image {self._images} was cut off after {len(self._image)} of "

@@ -11,6 +11,8 @@ can never be sampled, nothing is repaired afterwards.  Decoding itself is the se
 
 from __future__ import annotations
 
+import re
+import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -21,10 +23,40 @@ from molora.models.engine.sampling import GenerationError, SamplingConfig, check
 from molora.models.engine.vocab import UnifiedVocab
 from molora.routing.routers import Router
 
+# a lone UTF-16 surrogate: never text. U+DC80..U+DCFF are what Python makes of bytes that are not UTF-8 (a shell's
+# $'\xff' in sys.argv, a file read with errors="surrogateescape"); the others come from JSON such as "\ud800"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 # phases: what the NEXT token of a row may be
 TEXT_PHASE, CODE_PHASE, ROW_END_PHASE, EOI_PHASE, DONE_PHASE = range(5)
 ROW_MARKER_MASKS = 5  # mask table rows 5 + r: the end of image row r allows only row r's own marker
 MAX_BEST_OF = 16
+
+
+class PromptTextError(GenerationError):
+    """Text (a prompt, a negative prompt) that holds characters no tokenizer can encode: bytes that are not UTF-8
+    or lone UTF-16 surrogates."""
+
+
+def check_text(text: str, what: str = "the prompt") -> str:
+    """`text` unchanged if it is encodable text; else PromptTextError naming the bad characters and where they are.
+
+    A shell passes bytes that are not UTF-8 (`$'\\xff'`) to Python as lone surrogates (U+DC80..U+DCFF); JSON can
+    carry any lone surrogate ("\\ud800"). The tokenizers refuse both with a TypeError that names neither."""
+    bad = [(m.start(), m.group()) for m in _SURROGATE.finditer(text)]
+    if not bad:
+        return text
+    first = bad[0][0]
+    escaped = [ord(c) for _, c in bad if 0xDC80 <= ord(c) <= 0xDCFF]
+    if len(escaped) == len(bad):
+        found = ("bytes that are not UTF-8 (" if len(bad) > 1 else "a byte that is not UTF-8 (") + " ".join(f"0x{c - 0xDC00:02x}" for c in escaped[:8]) + \
+                (" ..." if len(escaped) > 8 else "") + ")"
+    else:
+        found = ("lone UTF-16 surrogates (" if len(bad) > 1 else "a lone UTF-16 surrogate (") + " ".join(f"U+{ord(c):04X}" for _, c in bad[:8]) + \
+                (" ..." if len(bad) > 8 else "") + ")"
+    count = f"{len(bad)} characters that are" if len(bad) > 1 else "a character that is"
+    raise PromptTextError(f"{what} holds {count} not text: {found}, the first at character {first + 1}; send UTF-8 "
+                          "text (save the file or set the terminal to UTF-8, or remove those bytes)")
 
 
 @dataclass
@@ -86,6 +118,8 @@ class GenerationConfig:
             raise GenerationError(f"best_of must be an int in [1, {MAX_BEST_OF}], got {self.best_of!r}")
         if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
             raise GenerationError(f"negative_prompt must be a str or None, got {type(self.negative_prompt).__name__}")
+        if self.negative_prompt is not None:
+            check_text(self.negative_prompt, "negative_prompt")
         if self.check is not None and not isinstance(self.check, str):
             raise GenerationError(f"check must be the name of a registered check or None, got {self.check!r}")
         if self.best_of > 1 and self.check is None:
@@ -139,6 +173,38 @@ class Request:
     prompt_ids: list[int]
     router: Router | None = None
     uncond_prompt: list[int] | None = None  # ids the CFG twin starts from (<bos> + a negative prompt); None: <bos>
+
+
+class StopSignal:
+    """Ends a generation early, from any thread: `pipe.stream(..., stop=signal)` then `signal.stop()` (a UI's Stop
+    button). Every document still being written finishes at the engine's next step with finish_reason "stopped"
+    and keeps what it has (text, finished pictures, routing); a picture being drawn is left out, with a notice.
+    Unlike closing the stream, the caller still gets each row's Finished event. One signal may serve several
+    streams (best-of rounds); once stopped it stays stopped."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handles: list[Any] = []
+        self._stopped = False
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.cancel()
+
+    def is_set(self) -> bool:
+        return self._stopped
+
+    def attach(self, handles: Sequence[Any]) -> None:
+        """Requests (engine RequestHandles) this signal cancels; cancelled at once if it was stopped already."""
+        with self._lock:
+            if not self._stopped:
+                self._handles = [h for h in self._handles if not h.finished] + list(handles)
+                return
+        for handle in handles:
+            handle.cancel()
 
 
 def span_tables(vocab: UnifiedVocab) -> tuple[torch.Tensor, torch.Tensor]:
