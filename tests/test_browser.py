@@ -208,3 +208,29 @@ def test_the_download_has_the_pages_colours_and_a_new_run_clears_it_at_once(page
     run(page)
     assert page.evaluate("window.__cleared")
     assert page.locator("#html-file a").count() >= 1  # and the new document is offered when it is done
+
+
+def test_stop_shows_the_document_so_far_with_its_routing_map_and_download(page, pipe, monkeypatch, tmp_path):
+    decode = pipe.engine._decode
+
+    def slow_decode(*args, **kwargs):  # ~20 s for the whole budget: Stop surely lands mid-picture
+        time.sleep(0.04)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(pipe.engine, "_decode", slow_decode)
+    page.locator("#start-image input").check()
+    page.locator("#generate").click()
+    page.get_by_text("drawing image 1").wait_for(timeout=180_000)
+    page.wait_for_timeout(1500)
+    page.locator("#stop").click()
+    page.wait_for_function("document.querySelector('#stats')?.innerText.includes('stopped after')", timeout=60_000)
+    stats = page.locator("#stats").inner_text()
+    assert "generating" not in stats and "was cut off" in stats and "when the generation was stopped" in stats
+    assert page.locator("#document progress").count() == 0  # no progress bar frozen at "drawing image 1: 222/274"
+    assert page.locator("#routing-map .token").count() > 10  # the tokens made before Stop, each with its adapter
+    with page.expect_download() as download:
+        page.locator("#html-file a").first.click()
+    saved = tmp_path / "stopped.html"
+    download.value.save_as(saved)
+    assert "stopped after" in saved.read_text()
+    assert not pipe.engine.stats()["running"] and not pipe.cache_stats()["pinned"]

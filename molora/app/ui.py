@@ -3,8 +3,9 @@
 One `InterleavedPipeline` is shared by every visitor; everything a visitor owns (uploaded adapters, documents) lives
 in their `SessionState` (gr.State), so concurrent sessions never see each other's adapters or outputs. Every
 visitor's generation is a request to the pipeline's serving engine (models/engine/core.py): concurrent visitors share
-forward passes, and a request waits in the engine's queue while rows or hot-set slots are taken. Stop (or closing
-the tab) cancels it; its row and adapters are free within one engine step.
+forward passes, and a request waits in the engine's queue while rows or hot-set slots are taken. Stop ends it and
+shows the document so far (mapped and downloadable); closing the tab cancels it. Either way its row and adapters
+are free within one engine step.
 
 Named API endpoints (each gradio_client.Client is one session):
     /generate(prompt, text_choice, image_choice, routing, start_image, text_temperature, text_top_k, text_top_p,
@@ -41,6 +42,7 @@ from molora.app.uploads import (
 )
 from molora.models import GenerationConfig, SamplingConfig
 from molora.models.engine.events import Event
+from molora.models.engine.generation import StopSignal, check_text
 from molora.models.engine.sampling import MAX_SEED, check_seed
 from molora.routing.errors import MoLoRAError
 
@@ -139,18 +141,21 @@ except ImportError:
 # Pipelines by id: the GPU function gets a small picklable key rather than the pipeline itself (ZeroGPU pickles
 # arguments into its worker; the worker finds the pipeline in this module, inherited from the main process).
 _PIPELINES: dict[int, object] = {}
+# The Stop button's signals by session (a small key crosses into the GPU function, as for the pipeline).
+_STOPS: dict[str, StopSignal] = {}
 
 
 @gpu
 def stream_events(pipe_key: int, prompt: str, text_adapter: str | None, image_adapter: str | None, routing: str,
-                  config: GenerationConfig, extra_adapters: dict[str, str]) -> Iterator[Event]:
+                  config: GenerationConfig, extra_adapters: dict[str, str], stop_key: str | None = None
+                  ) -> Iterator[Event]:
     """Run one generation; loads the session's uploads first if this process has not seen them (ZeroGPU workers)."""
     pipe = _PIPELINES[pipe_key]
     for name, folder in extra_adapters.items():
         if name not in pipe.adapters:
             pipe.load_adapter(folder, name=name)
     yield from pipe.stream(prompt, text_adapter=text_adapter, image_adapter=image_adapter, routing=routing,
-                           config=config)
+                           config=config, stop=_STOPS.get(stop_key))
 
 
 class MoLoRAApp:
@@ -201,7 +206,7 @@ class MoLoRAApp:
         drafts) updates. The first update clears the previous run's download."""
         try:
             self.sessions.bind(state, request.session_hash)
-            prompt = prompt or ""
+            prompt = check_text(prompt or "")
             if len(prompt) > MAX_PROMPT_CHARS:
                 raise user_error(f"the prompt has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
             if routing not in {value for _, value in self.routing_choices()}:
@@ -222,22 +227,35 @@ class MoLoRAApp:
             note = routing_note(routing, text_label, image_label)
             started = time.perf_counter()
             self.pipe.make_router(routing, text_adapter, image_adapter)  # checks the names before anything runs
+            stop_key = request.session_hash
+            signal = _STOPS[stop_key] = StopSignal()  # the Stop button's (a new run replaces the last one's)
             run = functools.partial(stream_events, self.pipe_key, prompt, text_adapter, image_adapter, routing,
-                                    config, state.extra_adapters(self.pipe))
+                                    config, state.extra_adapters(self.pipe), stop_key)
             sent: dict = {}
             yield self._outputs(view, colors, f"starting…{note}", state, None, sent)  # clears the old download
-            for batch in in_background(run, REFRESH_SECONDS):
-                changed = [view.apply(event) for event in batch]
-                if any(changed):
-                    status = f"generating… {time.perf_counter() - started:.1f} s{note}"
-                    if view.candidate:
-                        status += (f" · candidate {view.candidate + 1} of {view.best_of}: the model's caption of "
-                                   "the last one did not match the text")
-                    yield self._outputs(view, colors, status, state, None, sent)
+            try:
+                for batch in in_background(run, REFRESH_SECONDS):
+                    changed = [view.apply(event) for event in batch]
+                    if any(changed) and view.document is None:
+                        status = f"generating… {time.perf_counter() - started:.1f} s{note}"
+                        if signal.is_set():
+                            status = f"stopping…{note}"
+                        elif view.candidate:
+                            status += (f" · candidate {view.candidate + 1} of {view.best_of}: the model's caption "
+                                       "of the last one did not match the text")
+                        yield self._outputs(view, colors, status, state, None, sent)
+            finally:
+                if _STOPS.get(stop_key) is signal:
+                    del _STOPS[stop_key]
             if view.document is None:
                 raise user_error("generation ended without a document; see the server log")
             path = self._save_document(view.document, state)
-            status = f"done in {time.perf_counter() - started:.1f} s · {len(view.tokens)} tokens{note}"
+            seconds = f"{time.perf_counter() - started:.1f} s"
+            steps = view.document.meta.get("timing", {}).get("steps", len(view.tokens))
+            if view.finish_reason == "stopped":
+                status = f"stopped after {steps} tokens ({seconds}): the document so far{note}"
+            else:
+                status = f"done in {seconds} · {len(view.tokens)} tokens{note}"
             if view.finish_reason == "length":
                 status += " · stopped at the token limit"
             status += best_of_status(view.document.meta.get("best_of"))
@@ -317,6 +335,13 @@ class MoLoRAApp:
     def _picker_updates(self, state: SessionState) -> tuple:
         return (gr.Dropdown(choices=state.choices("text", self.builtin)),
                 gr.Dropdown(choices=state.choices("image", self.builtin)))
+
+    def stop(self, request: gr.Request) -> None:
+        """The Stop button: the session's generation ends at the engine's next step and keeps what it has (the
+        page then shows "stopped after N tokens", the partial document, its routing map and its download)."""
+        signal = _STOPS.get(request.session_hash)
+        if signal is not None:
+            signal.stop()
 
     def end_session(self, request: gr.Request) -> None:
         """The visitor closed the tab: their uploads leave the pipeline and the hot set, their files the disk."""
@@ -425,15 +450,16 @@ class MoLoRAApp:
                                             elem_id="images")
                     adapters_json = gr.JSON(label="Adapters", visible=False)
 
-            running = run.click(self.generate,
+            run.click(self.generate,
                       inputs=[prompt, text_adapter, image_adapter, routing, start_image, text_temperature,
                               text_top_k, text_top_p, image_temperature, image_top_k, cfg_scale, seed,
                               max_new_tokens, best_of, state],
                       outputs=[text_out, images, html_file, document, routing_map, stats, drafts],
                       api_name="generate", show_progress="minimal")
-            # Stop cancels the generator; app/streaming.py then closes the pipeline's stream, which cancels the
-            # engine request (its row, KV space and adapter pins are free within one step)
-            stop.click(None, cancels=[running], api_visibility="private", queue=False)
+            # Stop ends the session's generation through its StopSignal: the engine frees the request's row, KV
+            # space and adapter pins within one step, and the run's last update shows the document so far. (A
+            # closed tab cancels the generator instead: app/streaming.py then closes the pipeline's stream.)
+            stop.click(self.stop, api_visibility="private", queue=False)
             routing.change(picker_hints, inputs=[routing], outputs=[text_adapter, image_adapter],
                            api_visibility="private", show_progress="hidden", queue=False)
             upload_button.click(self.upload_adapter,

@@ -100,8 +100,9 @@ class DocumentBuilder:
         Finished."""
         events = self._close_text()
         if self._image is not None:
-            self.doc.notices.append(f"image {self._images} was cut off after {len(self._image)} of "
-                                    f"{self.vocab.tokens_per_image} tokens by the token budget and left out")
+            cause = "when the generation was stopped" if reason == "stopped" else "by the token budget"
+            self.doc.notices.append(f"image {self._images + 1} was cut off after {len(self._image)} of "
+                                    f"{self.vocab.tokens_per_image} tokens {cause} and left out")
             events.append(Notice(self.doc.notices[-1], self.row))
             self._image = None
         self.doc.meta["finish_reason"] = reason
