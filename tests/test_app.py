@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
+import gradio as gr
 import httpx
 import numpy as np
 import pytest
@@ -313,7 +315,8 @@ def test_the_app_folder_is_removed_at_shutdown(tmp_path):
     assert not Path(root.stdout.strip()).exists()
 
 
-@pytest.mark.parametrize("seed, message", [(-1, "seed must be from 0 to"), (2**31, "seed must be from 0 to")])
+@pytest.mark.parametrize("seed, message", [(-1, "seed must be from 0 to"), (2**31, "seed must be from 0 to"),
+                                           (1.5, "seed must be a whole number")])
 def test_a_seed_outside_the_one_rule_is_refused_naming_the_field(url, seed, message):
     with pytest.raises(AppError, match=message):
         generate(client(url), seed=seed)
@@ -413,3 +416,25 @@ def test_a_refusal_is_logged_as_one_line_without_a_traceback(url, capfd, caplog)
     printed = capfd.readouterr()
     assert "Traceback" not in printed.err + printed.out  # a visitor's mistake is not a server error
     assert [r.getMessage() for r in caplog.records if "seed must be" in r.getMessage()]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("text_temperature", 5.0, "Text temperature must be from 0 to 2, got 5"),
+    ("max_new_tokens", 5000, "Max new tokens must be from 1 to 1024, got 5000"),
+    ("text_top_k", 2.5, "Text top-k (0 = off) takes whole numbers, got 2.5"),
+])
+def test_an_out_of_range_api_value_is_refused_naming_the_control_in_one_log_line(url, capfd, field, value, message):
+    with pytest.raises(AppError, match=re.escape(message)):
+        client(url).predict(**{**request(), field: value}, api_name="/generate")
+    printed = capfd.readouterr()
+    assert "Traceback" not in printed.err + printed.out
+
+
+def test_a_prompt_that_is_not_text_is_refused_in_the_page_naming_the_bytes(pipe):
+    app = MoLoRAApp(pipe)
+    try:
+        with pytest.raises(gr.Error, match="bytes that are not UTF-8"):
+            list(app.generate("Draw a red \udcff\udcfe circle.", "text_style", "image_style", "vocab", False, 1.0, 0,
+                              1.0, 1.0, 0, 1.0, 0, 8, 1, app.sessions.new_state(), SimpleNamespace(session_hash="x")))
+    finally:
+        app.close()

@@ -234,3 +234,32 @@ def test_stop_shows_the_document_so_far_with_its_routing_map_and_download(page, 
     download.value.save_as(saved)
     assert "stopped after" in saved.read_text()
     assert not pipe.engine.stats()["running"] and not pipe.cache_stats()["pinned"]
+
+
+def test_an_upload_whose_molora_json_says_image_loads_as_image_by_default(page, tiny_assets, tmp_path):
+    folder = write_tiny_adapter(tiny_assets / "model", tmp_path / "pic", modality="image", seed=12)
+    archive = tmp_path / "pic.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for name in ("adapter_config.json", "adapter_model.safetensors", "molora.json"):
+            zf.write(folder / name, f"pic/{name}")
+    upload(page, archive, "pic")  # "Use for" left at its default
+    assert "(image, as its molora.json says)" in page.locator("body").inner_text()
+    assert page.locator("#image-adapter input").input_value() == "pic (uploaded)"
+    assert "pic" not in page.locator("#text-adapter input").input_value()
+
+
+def test_adding_a_file_again_after_a_refused_upload_lists_it_once(page, tmp_path):
+    archive = tmp_path / "half.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("adapter_config.json", "{}")
+    files = page.locator("#upload-files")
+    page.get_by_text("Upload your own adapter").click()
+    files.locator("input[type=file]").first.set_input_files(str(archive))
+    page.wait_for_function("document.querySelector('#upload-files').innerText.includes('138')", timeout=180_000)
+    page.wait_for_timeout(1000)
+    page.get_by_role("button", name="Load adapter").click()
+    page.get_by_test_id("toast-text").filter(has_text="adapter upload refused").wait_for(timeout=60_000)
+    files.locator("input[type=file]").first.set_input_files(str(archive))  # the visitor adds it again
+    page.wait_for_timeout(3000)
+    listed = files.inner_text()
+    assert listed.count("half") == 1, listed

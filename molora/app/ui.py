@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 # Generations the page hands to the engine at once. They share its forward passes (a CPU engine decodes 16 rows,
 # a guided request takes two); the engine queues whatever does not fit, so this only bounds the threads that wait.
 DEFAULT_CONCURRENCY = 8
+AUTO_MODALITY = "auto"  # the upload's "Use for" default: the modality its molora.json names
 MAX_PROMPT_CHARS = 2000
 MAX_NEW_TOKENS = 1024
 MAX_BEST_OF_UI = 8  # each candidate costs a whole document (and its captions) on a shared CPU
@@ -296,11 +297,18 @@ class MoLoRAApp:
         """Validate and load an uploaded adapter for this session only; on any error nothing changes."""
         try:
             self.sessions.bind(state, request.session_hash)
-            if modality not in ("text", "image"):
-                raise UploadError(f"modality must be 'text' or 'image', got {modality!r}")
+            if modality not in (AUTO_MODALITY, "text", "image"):
+                raise UploadError(f"modality must be {AUTO_MODALITY!r}, 'text' or 'image', got {modality!r}")
             files = files if isinstance(files, list) else [files] if files else []
             paths = [f if isinstance(f, str) else getattr(f, "path", None) or f.name for f in files]
             upload = validate_upload(paths)
+            how = "as you chose"
+            if modality == AUTO_MODALITY:
+                modality = (upload.metadata or {}).get("modality")
+                how = "as its molora.json says"
+                if modality not in ("text", "image"):  # no molora.json, or one that says "any"
+                    modality, how = "text", ("as text: it has no molora.json naming text or image (choose image "
+                                             "under \"Use for\" and load it again for pictures)")
             display = check_adapter_name(name or upload.suggested_name or "uploaded")
             state.check_new_name(display, self.builtin)
             folder = upload.write(state.folder())
@@ -328,8 +336,9 @@ class MoLoRAApp:
             text_update = gr.Dropdown(choices=state.choices("text", self.builtin), value=display)
         else:
             image_update = gr.Dropdown(choices=state.choices("image", self.builtin), value=display)
-        gr.Info(f"adapter {display!r} loaded; it is visible only in this session")
-        return (state, text_update, image_update, f"Loaded **{display}** ({modality}); private to this session.",
+        gr.Info(f"adapter {display!r} loaded for {modality} tokens; it is visible only in this session")
+        return (state, text_update, image_update,
+                f"Loaded **{display}** ({modality}, {how}); private to this session.",
                 self.list_adapters(state))
 
     def _picker_updates(self, state: SessionState) -> tuple:
@@ -385,29 +394,30 @@ class MoLoRAApp:
                         start_image = gr.Checkbox(False, label="Start with an image",
                                                   info="text -> image: the prompt is followed by <boi>",
                                                   elem_id="start-image")
-                        best_of = gr.Slider(1, MAX_BEST_OF_UI, value=1, step=1, label="Best of",
+                        best_of = CheckedSlider(1, MAX_BEST_OF_UI, value=1, step=1, label="Best of",
                                             info="re-draw until the model's captions of its pictures match "
                                                  "the text",
                                             visible=self.defaults.check is not None, elem_id="best-of")
                     d = self.defaults
                     with gr.Accordion("Sampling", open=False):
                         with gr.Row():
-                            text_temperature = gr.Slider(0.0, 2.0, value=d.text.temperature, step=0.05,
+                            text_temperature = CheckedSlider(0.0, 2.0, value=d.text.temperature, step=0.05,
                                                          label="Text temperature")
-                            text_top_k = gr.Slider(0, 200, value=d.text.top_k, step=1, label="Text top-k (0 = off)")
-                            text_top_p = gr.Slider(0.05, 1.0, value=d.text.top_p, step=0.05,
+                            text_top_k = CheckedSlider(0, 200, value=d.text.top_k, step=1, label="Text top-k (0 = off)")
+                            text_top_p = CheckedSlider(0.05, 1.0, value=d.text.top_p, step=0.05,
                                                    label="Text top-p (1 = off)")
                         with gr.Row():
-                            image_temperature = gr.Slider(0.0, 2.0, value=d.image.temperature, step=0.05,
+                            image_temperature = CheckedSlider(0.0, 2.0, value=d.image.temperature, step=0.05,
                                                           label="Image temperature")
-                            image_top_k = gr.Slider(0, self.codebook_size, value=min(d.image.top_k, self.codebook_size),
+                            image_top_k = CheckedSlider(0, self.codebook_size, value=min(d.image.top_k, self.codebook_size),
                                                     step=1, label="Image top-k (0 = off)")
                         with gr.Row():
-                            cfg_scale = gr.Slider(1.0, 10.0, value=d.cfg_scale, step=0.5, label="Image CFG scale")
+                            cfg_scale = CheckedSlider(1.0, 10.0, value=d.cfg_scale, step=0.5, label="Image CFG scale")
                             # the range is checked by check_seed (the API's rule), whose refusal names the field
-                            seed = gr.Number(self.examples[0][2] if self.examples else 0, precision=0, label="Seed",
-                                             info=f"0 to {MAX_SEED}")
-                        max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS, value=min(d.max_new_tokens, MAX_NEW_TOKENS),
+                            # no precision: Gradio would round 1.5 to 2 without a word; check_seed refuses it
+                            seed = gr.Number(self.examples[0][2] if self.examples else 0, label="Seed",
+                                             info=f"0 to {MAX_SEED}, a whole number")
+                        max_new_tokens = CheckedSlider(1, MAX_NEW_TOKENS, value=min(d.max_new_tokens, MAX_NEW_TOKENS),
                                                    step=1, label="Max new tokens", info=self.image_note)
                     with gr.Row():
                         run = gr.Button("Generate", variant="primary", elem_id="generate")
@@ -427,10 +437,13 @@ class MoLoRAApp:
                             f"`adapter_model.safetensors`; at most {MAX_ZIP_BYTES // 2**20} MB. It is checked, "
                             "loaded for this browser session only, and removed when the session ends.")
                         upload_files = gr.File(label="Adapter files", file_count="multiple",
-                                               file_types=[".zip", ".json", ".safetensors"], type="filepath")
+                                               file_types=[".zip", ".json", ".safetensors"], type="filepath",
+                                               elem_id="upload-files")
                         with gr.Row():
                             upload_name = gr.Textbox(label="Name", placeholder="my-adapter", max_lines=1)
-                            upload_modality = gr.Radio(["text", "image"], value="text", label="Use for")
+                            upload_modality = gr.Radio([("as its molora.json says", AUTO_MODALITY), "text", "image"],
+                                                       value=AUTO_MODALITY, label="Use for",
+                                                       elem_id="upload-modality")
                         upload_button = gr.Button("Load adapter")
                         upload_status = gr.Markdown(label="Upload status")
                 with gr.Column(scale=3):
@@ -462,6 +475,9 @@ class MoLoRAApp:
             stop.click(self.stop, api_visibility="private", queue=False)
             routing.change(picker_hints, inputs=[routing], outputs=[text_adapter, image_adapter],
                            api_visibility="private", show_progress="hidden", queue=False)
+            # adding a file again (say after a refused upload) replaces the earlier copy instead of listing it twice
+            upload_files.upload(latest_of_each_name, inputs=[upload_files], outputs=[upload_files],
+                                api_visibility="private", show_progress="hidden", queue=False)
             upload_button.click(self.upload_adapter,
                                 inputs=[upload_files, upload_name, upload_modality, state],
                                 outputs=[state, text_adapter, image_adapter, upload_status, adapters_json],
@@ -469,6 +485,31 @@ class MoLoRAApp:
             demo.load(self.list_adapters, inputs=[state], outputs=[adapters_json], api_name="adapters")
             demo.unload(self.end_session)
         return demo
+
+
+def latest_of_each_name(files: list[str] | None) -> list[str] | None:
+    """An upload list with one entry per file name, the one added last (where the first was)."""
+    if not files:
+        return files
+    latest = {Path(f).name: f for f in files}
+    return [latest[name] for name in dict.fromkeys(Path(f).name for f in files)]
+
+
+class CheckedSlider(gr.Slider):
+    """A slider whose API value is checked like the page's: out of range, or a fraction where the slider takes
+    whole numbers, is refused naming the control, and logged as one line (Gradio's own check prints a traceback
+    per bad value, and rounds 2.5 to 2 without a word)."""
+
+    def preprocess(self, payload: float) -> float:
+        label = self.label or "a slider"
+        if isinstance(payload, bool) or not isinstance(payload, (int, float)) or payload != payload:
+            raise user_error(f"{label} must be a number, got {payload!r}")
+        if (self.minimum is not None and payload < self.minimum) or (self.maximum is not None
+                                                                      and payload > self.maximum):
+            raise user_error(f"{label} must be from {self.minimum:g} to {self.maximum:g}, got {payload:g}")
+        if float(self.step).is_integer() and not float(payload).is_integer():
+            raise user_error(f"{label} takes whole numbers, got {payload:g}")
+        return super().preprocess(payload)
 
 
 def user_error(message: str, **kwargs) -> gr.Error:

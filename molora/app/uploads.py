@@ -87,13 +87,16 @@ def validate_upload(paths: list[str | Path]) -> ValidatedUpload:
     if len(paths) == 1 and paths[0].suffix.lower() == ".zip":
         return _validate_zip(paths[0])
     names = sorted(p.name for p in paths)
-    if names != sorted(EXPECTED_FILES):
-        raise UploadError(f"expected exactly {CONFIG_NAME} and {WEIGHTS_NAME} (or one .zip of them), got "
-                          f"{', '.join(names)}")
+    if sorted(n for n in names if n != METADATA_NAME) != sorted(EXPECTED_FILES) or names.count(METADATA_NAME) > 1:
+        raise UploadError(f"expected exactly {CONFIG_NAME} and {WEIGHTS_NAME}, optionally with {METADATA_NAME} (or "
+                          f"one .zip of them), got {', '.join(names)}")
     by_name = {p.name: p for p in paths}
     config_bytes = _read_capped_file(by_name[CONFIG_NAME], MAX_CONFIG_BYTES)
     weights_bytes = _read_capped_file(by_name[WEIGHTS_NAME], MAX_WEIGHTS_BYTES)
-    return _validated(config_bytes, weights_bytes, suggested_name=None)
+    metadata = None
+    if METADATA_NAME in by_name:
+        metadata = _parse_metadata(_read_capped_file(by_name[METADATA_NAME], MAX_CONFIG_BYTES))
+    return _validated(config_bytes, weights_bytes, suggested_name=None, metadata=metadata)
 
 
 def _read_capped_file(path: Path, cap: int) -> bytes:
