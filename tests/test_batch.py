@@ -76,6 +76,7 @@ def test_the_cli_writes_a_page_and_a_record_per_prompt_and_keeps_going_past_a_re
         assert (out / record["html"]).is_file() and len(record["token_ids"]) == len(record["adapters"]) > 0
     summary = json.loads((out / "run.json").read_text())
     assert summary["documents"] == 2 and summary["failed"][0]["index"] == 1 and summary["processes"] == 1
+    assert [(p["documents"], p["failed"]) for p in summary["per_process"]] == [(2, 1)]  # the top's count, per process
     assert summary["tokens"] == sum(len(r.get("token_ids", ())) for r in records)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
     assert not list(out.glob("shard-*"))
@@ -86,6 +87,9 @@ def test_the_cli_writes_a_page_and_a_record_per_prompt_and_keeps_going_past_a_re
     ([], "not both and not neither"),
     (["--prompts", "p.txt", "--out", "doc.html"], "give --out a directory"),
     (["--prompts", "p.txt"], "give --out a directory"),
+    (["a prompt", "--out", "."], "--out . is a directory; give the HTML file to write"),
+    (["a prompt", "--out", "p.txt/doc.html"], "p.txt is a file, not a directory"),
+    (["a prompt", "--markdown", "p.txt"], "--markdown p.txt is a file"),
 ])
 def test_the_cli_refuses_a_prompt_and_a_file_or_a_page_for_a_batch(argv: list[str], message: str,
                                                                     capsys: pytest.CaptureFixture, tmp_path: Path,
@@ -116,3 +120,22 @@ def test_two_data_parallel_processes_write_the_documents_of_one(tiny_model_dir: 
     assert read("two") == read("one")
     summary = json.loads((tmp_path / "two" / "run.json").read_text())
     assert summary["processes"] == 2 and [p["documents"] for p in summary["per_process"]] == [3, 2]
+
+
+def test_the_cli_refuses_an_out_directory_before_generating(tiny_model_dir: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture,
+                                                            monkeypatch: pytest.MonkeyPatch):
+    import molora.models.cli as cli
+
+    monkeypatch.setattr(cli, "_load", lambda *a: pytest.fail("the model was loaded before --out was checked"))
+    assert cli_main(["a prompt", "--out", str(tmp_path), "--model", str(tiny_model_dir)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_the_cli_says_when_it_cut_a_prompt_to_fit_the_model(tiny_model_dir: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture):
+    out = tmp_path / "long.html"
+    code = cli_main(["a red circle in the top left " * 400, "--out", str(out), "--model", str(tiny_model_dir),
+                     "--max-new-tokens", "6", "--max-images", "0", "--device", "cpu", "--seed", "0"])
+    assert code == 0 and out.is_file()
+    assert "note: the prompt has" in capsys.readouterr().err and "were kept" in out.read_text()

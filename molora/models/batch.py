@@ -95,7 +95,7 @@ def document_record(item: PromptItem, doc: Document, html_name: str) -> dict:
     images = [hashlib.sha256(im.tobytes()).hexdigest()[:16] for im in doc.images]
     return {"index": item.index, "prompt": item.prompt, "seed": item.seed, "html": html_name, "text": doc.text,
             "token_ids": [r.id for r in doc.routing], "adapters": [r.adapter for r in doc.routing],
-            "image_sha256": images, "finish_reason": doc.meta.get("finish_reason")}
+            "image_sha256": images, "finish_reason": doc.meta.get("finish_reason"), "notices": list(doc.notices)}
 
 
 def generate_share(generate: Callable[..., Document], items: list[PromptItem], out_dir: Path,
@@ -139,7 +139,8 @@ def run_data_parallel(load: Callable[[str], Any], items: list[PromptItem], out_d
         records = generate_share(pipe.generate, list(share), out_dir, overrides,
                                  concurrency=pipe.engine.max_rows, color_tokens=color_tokens) if share else []
         seconds = time.perf_counter() - started
-    part = {"rank": state.process_index, "device": device, "documents": len(records),
+    failed = sum("error" in r for r in records)
+    part = {"rank": state.process_index, "device": device, "documents": len(records) - failed, "failed": failed,
             "tokens": sum(len(r.get("token_ids", ())) for r in records), "seconds": round(seconds, 3)}
     shard.write_text("".join(json.dumps(r) + "\n" for r in [{"process": part}, *records]), encoding="utf-8")
     state.wait_for_everyone()

@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             check_text(args.prompt)  # before the model loads: bytes that are not UTF-8 are refused at once
         if args.prompts is not None:
             return _generate_batch(args, overrides)
+        _check_outputs(args)  # before the model loads and generates: not after
         images = []
         for path in args.image:
             try:
@@ -111,10 +112,24 @@ def main(argv: list[str] | None = None) -> int:
     except MoLoRAError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for notice in doc.notices:  # e.g. a prompt cut to fit the model's positions: said, not only in the page
+        print(f"note: {notice}", file=sys.stderr)
     print(doc.save_html(args.out or Path("document.html"), color_tokens=not args.no_color))
     if args.markdown is not None:
         print(doc.save_markdown(args.markdown))
     return 0
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse outputs that cannot be written (--out naming a folder, --markdown naming a file) up front."""
+    out = args.out or Path("document.html")
+    if out.is_dir():
+        raise MoLoRAError(f"--out {out} is a directory; give the HTML file to write, e.g. {out / 'document.html'} "
+                          "(a directory is for --prompts)")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise MoLoRAError(f"--out {out}: {out.parent} is a file, not a directory")
+    if args.markdown is not None and args.markdown.exists() and not args.markdown.is_dir():
+        raise MoLoRAError(f"--markdown {args.markdown} is a file; give a directory for the Markdown and its PNGs")
 
 
 def _load(args: argparse.Namespace, device: str | None) -> InterleavedPipeline:
