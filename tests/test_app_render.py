@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import html
+import json
+import re
+
 from PIL import Image
 
 from molora.app.render import BASE_COLOR, BASE_LABEL, IMAGE_TOKEN_GLYPH, RunView, color_map, sparkline
@@ -145,15 +149,18 @@ def test_an_image_is_one_number_explained_the_same_everywhere(tiny_pipeline):
     assert vocab.image_span_note() == "an image is 274 tokens: <boi>, 256 codes and 16 row ends, <eoi>"
 
 
-def test_learned_routing_shows_each_tokens_top_two_and_weights_in_its_top_one_colour(tmp_path):
+def test_learned_routing_labels_each_token_by_its_top_one_with_its_weights_as_hover_text(tmp_path):
     view = RunView(label_of=label_of)
     view.apply(TextDelta(" large", [40], ["size"], mixes=[(("size", 0.6628), ("arith", 0.211))]))
     view.apply(TextDelta(" three", [41], ["count"], mixes=[(("count", 0.52), (None, 0.31))]))
     view.apply(TextDelta(".", [42], ["count"]))  # static routing: the adapter alone
-    assert view.routing_map() == [(" large", "size .66 · arith .21"), (" three", f"count .52 · {BASE_LABEL} .31"),
-                                  (".", "count")]
-    colors = view.routing_colors({"size": "#0f0", "count": "#f00", "arith": "#00f", BASE_LABEL: BASE_COLOR})
-    assert colors["size .66 · arith .21"] == "#0f0" and colors[f"count .52 · {BASE_LABEL} .31"] == "#f00"
+    # one legend chip per adapter, not one per weight combination
+    assert view.routing_map() == [(" large", "size"), (" three", "count"), (".", "count")]
+    colors = {"size": "#0f0", "count": "#f00", "arith": "#00f", BASE_LABEL: BASE_COLOR}
+    assert view.routing_colors(colors) == colors
+    tips = re.search(r'data-tips="([^"]*)"', view.routing_tips_html()).group(1)
+    assert json.loads(html.unescape(tips)) == [[" large", "size .66 · arith .21"],
+                                               [" three", f"count .52 · {BASE_LABEL} .31"], [".", ""]]
     # the document keeps the weights (JSON round trip) and its HTML shows them on hover
     record = TokenRecord(40, " large", "text", "size", 0, (("size", 0.6628), ("arith", 0.211)))
     doc = Document([" large"], [record])

@@ -8,6 +8,7 @@ Set MOLORA_SCREENSHOT=path to keep the screenshot of a finished generation (e.g.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import time
@@ -263,3 +264,46 @@ def test_adding_a_file_again_after_a_refused_upload_lists_it_once(page, tmp_path
     page.wait_for_timeout(3000)
     listed = files.inner_text()
     assert listed.count("half") == 1, listed
+
+
+def slow_engine(pipe, monkeypatch, seconds: float) -> None:
+    decode = pipe.engine._decode
+
+    def slow_decode(*args, **kwargs):
+        time.sleep(seconds)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(pipe.engine, "_decode", slow_decode)
+
+
+def test_the_routing_map_grows_while_a_picture_is_drawn(page, pipe, monkeypatch):
+    slow_engine(pipe, monkeypatch, 0.02)  # ~6 s a picture: several refreshes while it is drawn
+    page.locator("#start-image input").check()
+    page.locator("#generate").click()
+    page.wait_for_function("document.querySelector('#document progress') && "
+                           "document.querySelectorAll('#routing-map .token').length >= 17", timeout=120_000)
+    page.wait_for_function("document.querySelector('#stats')?.innerText.includes('done in')", timeout=180_000)
+
+
+def test_learned_routing_has_one_legend_chip_per_adapter_and_weights_on_hover(browser, tiny_assets, tmp_path):
+    from molora.routing import LearnedGates
+
+    learned = InterleavedPipeline.from_pretrained(tiny_assets / "model", device="cpu")
+    LearnedGates.for_model(learned.routed, ["text_style", "image_style"]).save(tmp_path / "gates.safetensors")
+    learned.load_learned_router(tmp_path / "gates.safetensors")
+    port = free_port()
+    demo = serve(learned, host="127.0.0.1", port=port, block=False)
+    try:
+        context, page = open_page(browser, f"http://127.0.0.1:{port}/")
+        page.get_by_label("learned router (top-k gate over domain adapters)").check()
+        page.locator("#generate").click()
+        page.wait_for_function("document.querySelector('#stats')?.innerText.includes('done in')", timeout=180_000)
+        chips = set(legend_colors(page))
+        assert chips and chips <= {"text_style", "image_style", "base (no adapter)"}, chips
+        page.wait_for_function("document.querySelector('#routing-map .token-container[title*=\" · \"]')",
+                               timeout=10_000)
+        tip = page.locator("#routing-map .token-container[title*=' · ']").first.get_attribute("title")
+        assert re.fullmatch(r"(text_style|image_style) \.\d\d · (text_style|image_style) \.\d\d", tip), tip
+        context.close()
+    finally:
+        demo.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class _ImageSlot:
     total: int = 0
     image: Image.Image | None = None
     data_uri: str | None = None  # encoded once: the document view is re-rendered on every refresh
+    mapped: int = 0  # its tokens already on the routing map
 
 
 @dataclass
@@ -93,7 +95,7 @@ class RunView:
     candidate: int = 0  # best-of-n: the candidate being drawn (a Redraw event starts the next)
     best_of: int = 1
     rejected: list[_Draft] = field(default_factory=list)  # best-of-n: the candidates the check turned down
-    mix_labels: dict[str, str] = field(default_factory=dict)  # learned routing: "count .83 · arith .17" -> "count"
+    tips: dict[int, str] = field(default_factory=dict)  # learned routing: token index -> "count .83 · arith .17"
 
     # --- folding events ------------------------------------------------------------------------
     def apply(self, event: Event) -> bool:
@@ -104,17 +106,20 @@ class RunView:
         if isinstance(event, ImageStarted):
             self.parts.append(_ImageSlot(event.index))
             return True
-        if isinstance(event, ImageProgress):
+        if isinstance(event, ImageProgress):  # the map grows row by row while the picture is drawn
             slot = self._slot(event.index)
             slot.done, slot.total = event.done, event.total
+            self.tokens.extend((IMAGE_TOKEN_GLYPH, self.label_of(name)) for name in event.adapters)
+            slot.mapped += len(event.adapters)
             return True
         if isinstance(event, ImageDone):
             slot = self._slot(event.index)
             slot.image = event.image
             slot.data_uri = image_data_uri(event.image)
             slot.done = slot.total = max(slot.total, len(event.adapters))
-            labels = [self.label_of(name) for name in event.adapters]
+            labels = [self.label_of(name) for name in event.adapters[slot.mapped:]]
             self.tokens.extend((IMAGE_TOKEN_GLYPH, label) for label in labels)
+            slot.mapped = len(event.adapters)
             return True
         if isinstance(event, StepTiming):
             self.step_ms.append(float(event.ms))
@@ -126,6 +131,7 @@ class RunView:
             self.rejected.append(_Draft(self.candidate, self._plain(self.parts), self.images,
                                         rejection_reason(event.rejected)))
             self.parts, self.tokens, self.candidate, self.best_of = [], [], event.candidate, event.best_of
+            self.tips = {}
             return True
         if isinstance(event, Finished):
             self.document = event.document
@@ -140,8 +146,10 @@ class RunView:
                 else:
                     index = sum(isinstance(p, _ImageSlot) for p in self.parts)
                     self.parts.append(_ImageSlot(index, 1, 1, part, shown.get(id(part)) or image_data_uri(part)))
-            self.tokens = [(IMAGE_TOKEN_GLYPH if record.modality == "image" else record.piece,
-                            self._token_label(record.adapter, record.mix)) for record in event.document.routing]
+            self.tokens, self.tips = [], {}
+            for record in event.document.routing:
+                self._add_token(IMAGE_TOKEN_GLYPH if record.modality == "image" else record.piece, record.adapter,
+                                record.mix)
             return True
         return False
 
@@ -154,21 +162,27 @@ class RunView:
         pieces = [event.text] + [""] * (len(event.token_ids) - 1)
         mixes = event.mixes or [()] * len(pieces)
         for piece, name, mix in zip(pieces, event.adapters, mixes):
-            self.tokens.append((piece, self._token_label(name, mix)))
+            self._add_token(piece, name, mix)
 
-    def _token_label(self, name: str | None, mix: tuple[tuple[str | None, float], ...] = ()) -> str:
-        """The routing map's label of a token: its adapter, or with learned routing its top-k adapters and
-        routing weights ("count .83 · arith .17": the weight averaged over blocks; coloured as its top-1)."""
-        label = self.label_of(name)
-        if len(mix) < 2:
-            return label
-        weights = " · ".join(f"{self.label_of(n)} {w:.2f}".replace(" 0.", " .") for n, w in mix)
-        self.mix_labels[weights] = label
-        return weights
+    def _add_token(self, piece: str, name: str | None, mix: tuple[tuple[str | None, float], ...] = ()) -> None:
+        """A token on the routing map, labelled by its adapter (learned routing: its top-1, so the legend has one
+        chip per adapter); with learned routing its top-k adapters and weights ("count .83 · arith .17", averaged
+        over blocks) become the token's hover text (`routing_tips_html`)."""
+        if len(mix) >= 2:
+            self.tips[len(self.tokens)] = " · ".join(f"{self.label_of(n)} {w:.2f}".replace(" 0.", " .")
+                                                     for n, w in mix)
+        self.tokens.append((piece, self.label_of(name)))
 
     def routing_colors(self, colors: dict[str, str]) -> dict[str, str]:
-        """`colors` (label -> colour) with learned routing's labels added, each in its top-1 adapter's colour."""
-        return {**colors, **{mixed: colors[top] for mixed, top in self.mix_labels.items() if top in colors}}
+        """The routing map's colours: one per adapter label (learned routing's tokens are labelled by their
+        top-1 adapter, so no label is added)."""
+        return dict(colors)
+
+    def routing_tips_html(self) -> str:
+        """Hidden data for the page's script (ROUTING_TIPS_JS in app/ui.py), which puts each learned-routing
+        token's weights in its hover text; sent with each routing map (an empty list clears the last run's)."""
+        tips = [[piece, self.tips.get(i, "")] for i, (piece, _) in enumerate(self.tokens)] if self.tips else []
+        return f'<div hidden class="molora-routing-tips" data-tips="{html.escape(json.dumps(tips))}"></div>'
 
     def _slot(self, index: int) -> _ImageSlot:
         for part in reversed(self.parts):

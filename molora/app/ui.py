@@ -25,6 +25,7 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import gradio as gr
 
@@ -56,6 +57,7 @@ MAX_PROMPT_CHARS = 2000
 MAX_NEW_TOKENS = 1024
 MAX_BEST_OF_UI = 8  # each candidate costs a whole document (and its captions) on a shared CPU
 REFRESH_SECONDS = 0.2  # the page is refreshed at most this often while tokens stream
+ROUTING_REFRESH_SECONDS = 1.0  # ... and the routing map (hundreds of tokens, re-sent whole) at most this often
 
 # (prompt, start with an image, seed): story openings in the shapes world's own phrasing (models/families/shapes/text.py), each
 # with a seed under which the shipped model continues it in both styles at once (pirate text, outlined pictures) and
@@ -273,7 +275,14 @@ class MoLoRAApp:
         keys = {"text": view.text, "images": len(view.images), "file": path, "document": view.document_html(),
                 "routing": (len(view.tokens), view.document is not None), "drafts": len(view.rejected)}
         fresh = {name: sent is None or name not in sent or sent[name] != key for name, key in keys.items()}
+        now = time.perf_counter()
+        if sent is not None and fresh["routing"] and "routing" in sent \
+                and now - sent.get("routing_at", 0.0) < ROUTING_REFRESH_SECONDS:
+            fresh["routing"] = False  # the map streams, but at most this often: it is the largest output
+            keys["routing"] = sent["routing"]
         if sent is not None:
+            if fresh["routing"]:
+                sent["routing_at"] = now
             sent.update(keys)
         skip = gr.skip()
         routing_map = (gr.HighlightedText(value=view.routing_map(), color_map=view.routing_colors(colors))
@@ -281,7 +290,8 @@ class MoLoRAApp:
         cache = state.visible_cache(self.pipe.cache_stats(), self.builtin)
         return (view.text if fresh["text"] else skip, view.images if fresh["images"] else skip,
                 path if fresh["file"] else skip, keys["document"] if fresh["document"] else skip, routing_map,
-                view.stats_html(cache, colors, status), view.rejected_html() if fresh["drafts"] else skip)
+                view.stats_html(cache, colors, status) + (view.routing_tips_html() if fresh["routing"] else ""),
+                view.rejected_html() if fresh["drafts"] else skip)
 
     @staticmethod
     def _save_document(document, state: SessionState) -> str:
@@ -495,21 +505,27 @@ def latest_of_each_name(files: list[str] | None) -> list[str] | None:
     return [latest[name] for name in dict.fromkeys(Path(f).name for f in files)]
 
 
-class CheckedSlider(gr.Slider):
-    """A slider whose API value is checked like the page's: out of range, or a fraction where the slider takes
-    whole numbers, is refused naming the control, and logged as one line (Gradio's own check prints a traceback
-    per bad value, and rounds 2.5 to 2 without a word)."""
+def CheckedSlider(*args: Any, **kwargs: Any) -> gr.Slider:  # noqa: N802 (used like the class it makes)
+    """A gr.Slider whose API value is checked like the page's: out of range, or a fraction where the slider takes
+    whole numbers, is refused naming the control and logged as one line (Gradio's own check prints a traceback
+    per bad value, and rounds 2.5 to 2 without a word). Patched on the instance: a subclass of a Gradio component
+    makes Gradio write a .pyi stub beside this file."""
+    slider = gr.Slider(*args, **kwargs)
+    original = slider.preprocess
 
-    def preprocess(self, payload: float) -> float:
-        label = self.label or "a slider"
+    def preprocess(payload: float) -> float:
+        label = slider.label or "a slider"
         if isinstance(payload, bool) or not isinstance(payload, (int, float)) or payload != payload:
             raise user_error(f"{label} must be a number, got {payload!r}")
-        if (self.minimum is not None and payload < self.minimum) or (self.maximum is not None
-                                                                      and payload > self.maximum):
-            raise user_error(f"{label} must be from {self.minimum:g} to {self.maximum:g}, got {payload:g}")
-        if float(self.step).is_integer() and not float(payload).is_integer():
+        if (slider.minimum is not None and payload < slider.minimum) or (slider.maximum is not None
+                                                                          and payload > slider.maximum):
+            raise user_error(f"{label} must be from {slider.minimum:g} to {slider.maximum:g}, got {payload:g}")
+        if float(slider.step).is_integer() and not float(payload).is_integer():
             raise user_error(f"{label} takes whole numbers, got {payload:g}")
-        return super().preprocess(payload)
+        return original(payload)
+
+    slider.preprocess = preprocess
+    return slider
 
 
 def user_error(message: str, **kwargs) -> gr.Error:
@@ -574,6 +590,38 @@ def build_demo(pipe, *, examples: list[tuple[str, bool, int]] | None = None) -> 
     return MoLoRAApp(pipe, examples=examples).build()
 
 
+# Learned routing's weights as each routing-map token's hover text. The map (gr.HighlightedText) labels a token by its
+# top-1 adapter, so its legend has one chip per adapter; the weights come as hidden data with each map
+# (RunView.routing_tips_html), and this script sets them as the title of the token's span, walking the tokens as the
+# component renders them (one span per non-blank line of a token).
+ROUTING_TIPS_JS = """<script>
+(() => {
+  let queued = false;
+  const apply = () => {
+    queued = false;
+    const holder = document.querySelector('#stats .molora-routing-tips');
+    if (holder && holder.dataset.tips !== window.__moloraTipsRaw) {
+      window.__moloraTipsRaw = holder.dataset.tips;
+      window.__moloraTips = JSON.parse(holder.dataset.tips);
+    }
+    const tips = window.__moloraTips || [];
+    const spans = document.querySelectorAll('#routing-map .token-container');
+    let k = 0;
+    for (const [piece, tip] of tips) {
+      for (const line of piece.split('\\n')) {
+        if (!line.trim()) continue;
+        const span = spans[k++];
+        if (span && span.title !== tip) span.title = tip;
+      }
+    }
+    if (!tips.length) spans.forEach(span => { if (span.title) span.title = ''; });
+  };
+  new MutationObserver(() => { if (!queued) { queued = true; requestAnimationFrame(apply); } })
+    .observe(document.documentElement, {childList: true, subtree: true});
+})();
+</script>"""
+
+
 def launch_kwargs() -> dict:
-    """Arguments every launch shares (Gradio 6 takes theme and CSS at launch)."""
-    return {"css": CSS, "theme": gr.themes.Soft(), "max_file_size": MAX_ZIP_BYTES}
+    """Arguments every launch shares (Gradio 6 takes theme, CSS and head at launch)."""
+    return {"css": CSS, "theme": gr.themes.Soft(), "max_file_size": MAX_ZIP_BYTES, "head": ROUTING_TIPS_JS}

@@ -82,7 +82,8 @@ class DocumentBuilder:
             done = len(self._image)
             in_rows = done - len(v.image_prefix_ids)  # a row's progress event after its last code (or marker)
             if in_rows > 0 and in_rows % self._row_len == 0:
-                return [ImageProgress(self._images, done, v.tokens_per_image, self.row)]
+                adapters, self._mapped = self._image_adapters[self._mapped:], len(self._image_adapters)
+                return [ImageProgress(self._images, done, v.tokens_per_image, self.row, adapters)]
             return []
         if token == v.boi_id:
             events = self._close_text()
@@ -146,7 +147,7 @@ class DocumentBuilder:
         return events
 
     def _open_image(self) -> None:
-        self._image, self._image_adapters = [], []
+        self._image, self._image_adapters, self._mapped = [], [], 0
 
     def _close_image(self, adapter: str | None) -> list[Event]:
         image = self.decode_image(self._image)

@@ -43,12 +43,15 @@ class ImageStarted:
 
 @dataclass
 class ImageProgress:
-    """`done` of `total` image tokens of image `index` generated (sent once per grid row)."""
+    """`done` of `total` image tokens of image `index` generated (sent once per grid row); `adapters`: the
+    adapter of each image token since the previous ImageProgress of this image (so a routing map can grow while
+    the picture is drawn)."""
 
     index: int
     done: int
     total: int
     row: int = 0
+    adapters: list[str | None] = field(default_factory=list)
 
 
 @dataclass
