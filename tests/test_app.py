@@ -309,7 +309,7 @@ def test_another_session_sees_no_trace_of_an_upload_in_the_cache_panel(url, pipe
 
 def test_the_app_folder_is_removed_at_shutdown(tmp_path):
     """Sessions' files live under one temporary folder of the app, gone when the process ends."""
-    code = ("from app.session import SessionRegistry; r = SessionRegistry(None); s = r.new_state(); "
+    code = ("from molora.app.session import SessionRegistry; r = SessionRegistry(None); s = r.new_state(); "
             "r.bind(s, 'x'); (s.folder() / 'doc.html').write_text('x'); print(r.root)")
     root = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert not Path(root.stdout.strip()).exists()

@@ -407,6 +407,7 @@ class InterleavedPipeline:
                          budget: tuple[int, int | None], stop: StopSignal | None) -> Iterator[Event]:
         limit = budget[0]
         open_rows = set(range(len(handles)))
+        ending: dict[int, str] = {}  # rows the pipeline ended (cancelled), waiting for the engine to free them
         try:
             for builder in builders:
                 yield from builder.start()
@@ -415,27 +416,32 @@ class InterleavedPipeline:
                 row, item = sink.get()
                 if isinstance(item, BaseException):
                     raise item
-                if row not in open_rows:  # a row the pipeline ended itself: the engine's last tokens and its Done
+                if row not in open_rows:
                     continue
                 builder = builders[row]
-                if isinstance(item, Done):
+                if isinstance(item, Done):  # the engine freed the row: its adapters are unpinned
                     open_rows.discard(row)
-                    stopped = item.reason == "cancelled" and stop is not None and stop.is_set()
-                    yield from self._finish(builder, "stopped" if stopped else item.reason, times[row])
+                    reason = ending.pop(row, item.reason)
+                    if reason == "cancelled" and stop is not None and stop.is_set():
+                        reason = "stopped"
+                    yield from self._finish(builder, reason, times[row])
+                    continue
+                if row in ending:  # tokens the engine made before it saw the cancel: not the caller's
                     continue
                 times[row].append(item.ms)
                 yield StepTiming(item.index, item.ms, batch=item.batch, row=row)
-                ending = self._row_budget_end(builder, item, budget)
-                if ending is None:
+                notice = self._row_budget_end(builder, item, budget)
+                if notice is None:
                     yield from builder.add(item.token, item.adapter, item.mix)
-                    if item.index + 1 < limit:
+                    if item.index + 1 < limit or item.token == self.vocab.eos_id:  # <eos>: the engine's Done
                         continue
                 else:
-                    builder.doc.notices.append(ending)
-                    yield Notice(ending, row)
-                handles[row].cancel()  # the caller's budget is spent, or the next picture would not fit in it
-                open_rows.discard(row)
-                yield from self._finish(builder, "length", times[row])
+                    builder.doc.notices.append(notice)
+                    yield Notice(notice, row)
+                # the caller's budget is spent, or the next picture would not fit in it: the row ends when the
+                # engine has freed it (one step), so a caller that returns finds its adapters unpinned
+                ending[row] = "length"
+                handles[row].cancel()
         finally:
             for handle in handles:  # a consumer that stopped early cancels the requests still running
                 if not handle.finished:
