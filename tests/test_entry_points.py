@@ -2,9 +2,9 @@
 
 The guard against shadowing (issue: a new transformers release required Hugging Face's `kernels` package, which a
 top-level `kernels/` of ours hid): each entry point runs in a subprocess from the folder a user runs it from, with a
-`sitecustomize` probe on the path that, when the process exits, imports what transformers, diffusers, peft and
-accelerate import from *that* process's own `sys.path` (the entry point's own path setup included) and writes what it
-found. A folder of ours that shadows any of them makes the probe fail here, not on a user's machine.
+`sitecustomize` probe on the path that, inside that process (at its first import of molora or its first parse of
+arguments), imports what transformers, diffusers, peft and accelerate import from the process's own `sys.path` and
+writes what it found. A folder of ours that shadows any of them makes the probe fail here, not on a user's machine.
 
 A second probe makes `triton` unimportable, as on a CPU machine that installed requirements.txt (the README's CPU
 command and the Space), and the command line then writes a document with both style adapters on the embedded model.
@@ -24,31 +24,43 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # What the dependencies import (transformers' `is_kernels_available` asks for Hugging Face's `kernels`; diffusers'
 # VQ model imports its `CUDAProperties` through it), checked inside the entry point's own process at its first import of
-# `molora`, so after the entry point's own path setup (a script's sys.path.insert, pytest's rootdir and pythonpath).
+# `molora` or its first parse of arguments, whichever comes first: after the entry point's own path setup (a script's
+# sys.path.insert, pytest's rootdir and pythonpath), or with the script's own folder first on the path.
 PROBE = '''
-import json, os, sys
+import argparse, json, os, sys
+
+def _molora_probe():
+    if os.path.exists(os.environ["MOLORA_PROBE_OUT"]):
+        return
+    found = {"sys_path": list(sys.path), "triton": "triton" in sys.modules}
+    try:
+        import kernels
+        found["kernels"] = kernels.__file__
+        kernels.CUDAProperties
+        from transformers.utils.import_utils import is_kernels_available
+        found["kernels_available"] = bool(is_kernels_available())
+        from diffusers.models.autoencoders.vq_model import VQModel
+        import accelerate, peft
+        found["ok"] = True
+    except Exception as exc:
+        found["error"] = f"{type(exc).__name__}: {exc}"
+    with open(os.environ["MOLORA_PROBE_OUT"], "w") as f:
+        json.dump(found, f)
 
 class _MoloraProbe:
     def find_spec(self, name, path=None, target=None):
-        if name != "molora":
-            return None
-        sys.meta_path.remove(self)
-        found = {"sys_path": list(sys.path), "triton": "triton" in sys.modules}
-        try:
-            import kernels
-            found["kernels"] = kernels.__file__
-            kernels.CUDAProperties
-            from transformers.utils.import_utils import is_kernels_available
-            found["kernels_available"] = bool(is_kernels_available())
-            from diffusers.models.autoencoders.vq_model import VQModel
-            import accelerate, peft
-            found["ok"] = True
-        except Exception as exc:
-            found["error"] = f"{type(exc).__name__}: {exc}"
-        with open(os.environ["MOLORA_PROBE_OUT"], "w") as f:
-            json.dump(found, f)
+        if name == "molora":
+            sys.meta_path.remove(self)
+            _molora_probe()
         return None
 
+_parse_known_args = argparse.ArgumentParser.parse_known_args
+
+def _parse_then_probe(self, *args, **kwargs):
+    _molora_probe()
+    return _parse_known_args(self, *args, **kwargs)
+
+argparse.ArgumentParser.parse_known_args = _parse_then_probe
 sys.meta_path.insert(0, _MoloraProbe())
 '''
 

@@ -23,7 +23,7 @@ import inspect
 import itertools
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -483,9 +483,18 @@ class RoutedModel(nn.Module):
             return out
 
     def run(self, input_ids: torch.Tensor, plan: CallRouting | None, *, aux_losses: bool | None = None,
-            **hf_kwargs: Any) -> RoutedOutput:
+            forward: Callable[..., Any] | None = None, **hf_kwargs: Any) -> RoutedOutput:
         """One HF forward under a routing the caller built and whose adapters the caller holds (the serving
-        engine pins adapters per request, not per forward, and writes its routing tables in place)."""
+        engine pins adapters per request, not per forward, and writes its routing tables in place).  `forward`:
+        another forward of the same model and its routed layers to run instead of the model's own (the engine's
+        LeanDecoder), called with input_ids and `hf_kwargs` as they are."""
+        if forward is not None:
+            token = set_routing(plan)
+            try:
+                out = forward(input_ids=input_ids, **hf_kwargs)
+            finally:
+                reset_routing(token)
+            return self._output(out, input_ids, plan, torch.is_grad_enabled() if aux_losses is None else aux_losses)
         if self._takes_cache and "past_key_values" in hf_kwargs:
             hf_kwargs["cache"] = hf_kwargs.pop("past_key_values")
         if plan is not None and self._routing_cls is PlacedRouting and not isinstance(plan, PlacedRouting):

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from molora.kernels.graphs import capture_graph
+from molora.models.engine.decoder import LeanDecoder
 from molora.models.engine.generation import GenerationConfig, Request, open_image_span
 from molora.models.engine.kv_cache import RowKVCache
 from molora.models.engine.row_states import RowStates
@@ -101,7 +102,8 @@ def _close_engines() -> None:
 class EngineConfig:
     """max_rows: rows decoded together (a CFG request takes two); max_len: positions per row (prompt + new
     tokens), default the model's; KV space is max_rows x max_len positions, allocated once.  cuda_graphs: capture
-    the decode step per width on CUDA.  queue_timeout_s: how long a request may wait for room.  batch_prefill:
+    the decode step per width on CUDA.  lean_decoder: run Llama-family models (Llama, Mistral, Qwen2/3) through
+    LeanDecoder (models/engine/decoder.py) instead of transformers' module forward.  queue_timeout_s: how long a request may wait for room.  batch_prefill:
     prefill requests admitted at the same step boundary in one forward.  exact_rows=False lets the CPU decode as
     few rows as are live: a lone request is faster (one picture + ~60 words 2.4 s instead of 3.0-3.15 s on the
     embedded model, quiet 2-core CPU), and a row's numbers may then differ slightly with the batch it shares."""
@@ -112,6 +114,7 @@ class EngineConfig:
     queue_timeout_s: float = 600.0
     batch_prefill: bool | None = None  # prefill newcomers together (default: on CUDA; see Engine._admit)
     exact_rows: bool = True  # CPU: decode >= CPU_MIN_WIDTH rows so a row's numbers never depend on its batch
+    lean_decoder: bool = True  # Llama-family models run the engine's own forward (engine/decoder.py)
 
 
 @dataclass
@@ -419,6 +422,13 @@ class Engine:
         self._prefill_lengths = [16 << i for i in range(max(1, self.max_len.bit_length()))]
         self.dtype = dtype
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.decoder = None
+        if self.config.lean_decoder and self.layer_devices is None:
+            reason = LeanDecoder.unsupported(model)
+            if reason is None:
+                self.decoder = LeanDecoder(model)
+            else:
+                log.info("engine: transformers' forward for this model (%s)", reason)
         # learned image gates decide once per picture: each row's decision per block, kept across decode steps
         self._pictures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # top-k -> (slots, weights) [rows+1, blocks, k]
         self._route_states: dict[tuple, torch.Tensor] = {}  # (image gates?, decays, d) -> routing state [rows+1, S, d]
@@ -525,8 +535,8 @@ class Engine:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
                  plan: CallRouting | None, leading: int = 0, length: int | None = None) -> Any:
         self.kv.address(rows, positions, leading=leading, length=length)
-        return self.routed.run(ids, plan, attention_mask=mask, position_ids=positions, past_key_values=self.kv,
-                               use_cache=True, logits_to_keep=1)
+        return self.routed.run(ids, plan, forward=self.decoder, attention_mask=mask, position_ids=positions,
+                               past_key_values=self.kv, use_cache=True, logits_to_keep=1)
 
     def _prefill_forward(self, entries: list[tuple[_Job, int, list[int]]]) -> tuple[torch.Tensor, _Producing]:
         """Write each (job, cache row, prompt) into its row, positions from 0, in ONE forward; returns the last

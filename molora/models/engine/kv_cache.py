@@ -87,12 +87,18 @@ class RowKVCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Write [n, H, T, D] new keys/values at the addressed places; return the rows' whole buffers."""
+        return self.store(layer_idx, key_states.transpose(1, 2), value_states.transpose(1, 2))
+
+    def store(self, layer_idx: int, keys_nthd: torch.Tensor, values_nthd: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update` for keys/values laid out [n, T, H, D] (the projections' own layout: no transposes), as the
+        engine's LeanDecoder writes them; returns the rows' whole buffers [n, H, L, D]."""
         if self._rows is None:
             raise RuntimeError("RowKVCache.address(rows, positions) must be called before each forward")
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         index = (self._rows[:, None], slice(None), self._positions)  # advanced dims first: [n, T, H, D]
-        keys[index] = key_states.transpose(1, 2).to(keys.dtype)
-        values[index] = value_states.transpose(1, 2).to(values.dtype)
+        keys[index] = keys_nthd.to(keys.dtype)
+        values[index] = values_nthd.to(values.dtype)
         if self._leading:
             return keys[:self._leading, :, :self._length], values[:self._leading, :, :self._length]
         return keys[self._rows, :, :self._length], values[self._rows, :, :self._length]

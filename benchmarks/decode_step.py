@@ -1,0 +1,210 @@
+"""The decode step (issue: overhead, not work): E1, E2 and E4 in ONE run, each forward of the engine side by side.
+
+    python benchmarks/decode_step.py                          # H200: Qwen3-1.7B shape, random bf16 weights
+    python benchmarks/decode_step.py --shape tiny --device cpu --new 8     # a dry run on a CPU
+
+Rows (greedy, 32-token prompts, exactly --new tokens per row, tokens/s; batch 1 and 32):
+    weight-bandwidth limit          bytes a batch-1 step must read / measured copy bandwidth
+    transformers generate, eager    the base model
+    transformers generate, static cache + torch.compile   `cache_implementation="static"` (transformers compiles the
+                                    decode forward, mode "reduce-overhead"); warmed up on the same shapes first
+    engine (transformers forward)   EngineConfig(lean_decoder=False): transformers' module forward, captured
+    engine (lean decoder)           the engine's own forward (models/engine/decoder.py), captured
+each engine row without adapters and with 2 rank-16 adapters routed by vocabulary range.  Then, per forward: kernels
+and GPU time of one decode step (profiler, widths 1 and 32), the captured step's replay time, and whether the
+lean and the transformers forward give the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's molora
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving.py's helpers
+
+from serving import GREEDY, hf_generate, profile_step, prompt_ids, run_engine, sync  # noqa: E402
+
+from molora.kernels.graphs import graph_paths  # noqa: E402
+from molora.models.engine.core import Engine, EngineConfig  # noqa: E402
+from molora.models.engine.generation import GenerationConfig, Request  # noqa: E402
+from molora.models.engine.synthetic import SHAPES, random_adapters, random_routed_model  # noqa: E402
+from molora.routing import VocabRangeRouter  # noqa: E402
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a 2 GiB device-to-device copy (read + write)."""
+    buf = torch.empty(2 * 2 ** 30, dtype=torch.uint8, device=device)
+    out = torch.empty_like(buf)
+    out.copy_(buf)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        out.copy_(buf)
+    sync(device)
+    seconds = time.perf_counter() - start
+    del buf, out
+    return 2 * 2 ** 31 * 10 / seconds
+
+
+def compiled_generate(model, batch: int, new: int, device: str, vocab_size: int) -> float:
+    """tokens/s of transformers' generate with a static cache (its decode forward compiled), after two warm-up
+    calls on the very same shapes (the first compiles)."""
+    ids = torch.randint(5, vocab_size, (batch, 32), device=device)
+    args = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                pad_token_id=0, cache_implementation="static")
+    for _ in range(2):
+        model.generate(ids, **args)
+    sync(device)
+    started = time.perf_counter()
+    model.generate(ids, **args)
+    sync(device)
+    return batch * new / (time.perf_counter() - started)
+
+
+def engine_rows(routed, vocab, device: str, new: int, lean: bool, rng: random.Random) -> tuple[dict, Engine]:
+    engine = Engine(routed, vocab, device=device,
+                    config=EngineConfig(max_rows=64, max_len=32 + new + 8, lean_decoder=lean))
+    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, **GREEDY)
+    rows = {}
+    for batch in (1, 32):
+        for label, router in (("no adapters", None), ("2 adapters by vocabulary", VocabRangeRouter(vocab, "txt", "img"))):
+            requests = [Request(prompt_ids(vocab, 32, rng), router) for _ in range(batch)]
+            run_engine(engine, requests, [config] * batch)  # warm-up: captures this width
+            best = max((run_engine(engine, requests, [config] * batch) for _ in range(3)), key=lambda r: r["tok_s"])
+            rows[(label, batch)] = best["tok_s"]
+            print(f"engine ({'lean' if lean else 'transformers'} forward), {label:26s} batch {batch:2d}: "
+                  f"{best['tok_s']:9.1f} tok/s (median gap {statistics.median(best['gaps_ms']):.2f} ms)", flush=True)
+    return rows, engine
+
+
+def greedy_tokens(engine: Engine, vocab, requests: list[Request], new: int) -> list[list[int]]:
+    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, **GREEDY)
+    out: list[list[int]] = [[] for _ in requests]
+    for index, item in engine.stream(requests, [config] * len(requests)):
+        if hasattr(item, "token"):
+            out[index].append(item.token)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="qwen3-1.7b", choices=sorted(SHAPES))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--new", type=int, default=128, help="new tokens per request")
+    parser.add_argument("--no-compile", action="store_true", help="skip the static cache + compile baseline")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    device, new = args.device, args.new
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    import transformers
+    results: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device == "cuda"
+                     else "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
+                     "shape": args.shape, "new": new}
+    print(json.dumps(results), flush=True)
+    routed, vocab = random_routed_model(args.shape, device=device, dtype=dtype, num_slots=4, r_max=16)
+    for adapter in random_adapters(routed, ["txt", "img"], rank=16):
+        routed.add_adapter(adapter)
+    model = routed.model
+    table: dict = {}
+
+    rng = random.Random(0)
+    for lean in (False, True):
+        rows, engine = engine_rows(routed, vocab, device, new, lean, rng)
+        name = "lean" if lean else "transformers"
+        table.update({(f"engine ({name} forward), {k[0]}", k[1]): v for k, v in rows.items()})
+        if device == "cuda":
+            replay = {}
+            for width, (graph, _) in sorted(engine._graphs.items()):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                graph.replay()
+                start.record()
+                for _ in range(20):
+                    graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                replay[width] = round(start.elapsed_time(end) / 20, 3)
+            print(f"captured step GPU ms by width ({name}):", replay, flush=True)
+            results[f"replay_ms_{name}"] = replay
+            with graph_paths():  # the kernels the captured step replays (the dispatcher's graph-mode paths)
+                results[f"profile_{name}"] = {w: profile_step(engine, w, f"{name} forward, width {w}")
+                                              for w in (1, 32)}
+        engine.close()
+        del engine
+        gc.collect()
+
+    # the same greedy tokens from both forwards (captured on CUDA), 8 rows routed by vocabulary
+    requests = [Request(prompt_ids(vocab, 32, random.Random(i)), VocabRangeRouter(vocab, "txt", "img"))
+                for i in range(8)]
+    outs = []
+    for lean in (False, True):
+        engine = Engine(routed, vocab, device=device, config=EngineConfig(max_rows=16, max_len=32 + 40,
+                                                                          lean_decoder=lean))
+        outs.append(greedy_tokens(engine, vocab, requests, 32))
+        engine.close()
+    same = sum(a == b for a, b in zip(*outs))
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(*outs)]
+    print(f"greedy tokens, lean vs transformers forward: {same}/{len(requests)} rows identical "
+          f"(first differing step per row: {first_diff})", flush=True)
+    results["same_tokens"] = f"{same}/{len(requests)}"
+
+    # transformers' baselines on a plain model of the same shape (no routed layers for torch.compile to trip on)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(Qwen3Config(**SHAPES[args.shape], attn_implementation="sdpa")).to(dtype).eval()
+    for batch in (1, 32):
+        table[("transformers generate, eager", batch)] = hf_generate(model, batch, 32, new, device, vocab.vocab_size)
+        print(f"transformers generate, eager batch {batch}: {table[('transformers generate, eager', batch)]:.1f}",
+              flush=True)
+    if not args.no_compile:
+        for batch in (1, 32):
+            try:
+                table[("transformers generate, static cache + compile", batch)] = compiled_generate(
+                    model, batch, new, device, vocab.vocab_size)
+                print(f"transformers static + compile batch {batch}: "
+                      f"{table[('transformers generate, static cache + compile', batch)]:.1f}", flush=True)
+            except Exception as err:  # say so in the table
+                print(f"static + compile batch {batch} failed: {type(err).__name__}: {err}", flush=True)
+    if device == "cuda":
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        bandwidth = copy_bandwidth(device)
+        results.update(weight_bytes=weight_bytes, copy_bandwidth_GBs=bandwidth / 1e9)
+        table[("weight-bandwidth limit", 1)] = bandwidth / weight_bytes
+        print(f"weights {weight_bytes / 1e9:.3f} GB, copy bandwidth {bandwidth / 1e9:.0f} GB/s, limit "
+              f"{bandwidth / weight_bytes:.0f} tok/s at batch 1", flush=True)
+
+    labels = list(dict.fromkeys(k[0] for k in table))
+    print("\n| tokens/s | batch 1 | batch 32 |\n|---|---|---|")
+    for label in labels:
+        cells = [f"{table[(label, b)]:,.1f}" if (label, b) in table else "" for b in (1, 32)]
+        print(f"| {label} | {cells[0]} | {cells[1]} |")
+    limit = table.get(("weight-bandwidth limit", 1))
+    compiled = {b: table.get(("transformers generate, static cache + compile", b)) for b in (1, 32)}
+    for name in ("transformers", "lean"):
+        routed_row = f"engine ({name} forward), 2 adapters by vocabulary"
+        plain_row = f"engine ({name} forward), no adapters"
+        e1 = [table[(routed_row, b)] / table[(plain_row, b)] for b in (1, 32)]
+        line = f"{name} forward: E1 routed/unrouted {e1[0]:.3f} / {e1[1]:.3f}"
+        if limit:
+            line += (f"; E2 routed {table[(routed_row, 1)] / limit:.3f} of the limit, unrouted "
+                     f"{table[(plain_row, 1)] / limit:.3f}")
+        if all(compiled.values()):
+            line += (f"; E4 vs static+compile {table[(routed_row, 1)] / compiled[1]:.2f}x (batch 1), "
+                     f"{table[(routed_row, 32)] / compiled[32]:.2f}x (batch 32)")
+        print(line)
+    results["table"] = {f"{k[0]} | {k[1]}": v for k, v in table.items()}
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The engine's LeanDecoder: the same logits as transformers' own forward of the same routed model (Qwen3 with q/k
+norms and grouped KV heads, Llama), prefill and decode through the engine's RowKVCache; the engine gives the same
+tokens with it as with transformers' forward, learned rows included; models it cannot run keep transformers' forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from molora.models.engine.core import Engine, EngineConfig, Token
+from molora.models.engine.decoder import LeanDecoder
+from molora.models.engine.generation import GenerationConfig, Request
+from molora.models.engine.kv_cache import RowKVCache
+from molora.models.engine.sampling import SamplingConfig
+from molora.models.engine.synthetic import random_adapters, random_routed_model
+from molora.routing import LearnedGates, LearnedRouter, VocabRangeRouter, attach_routed_lora
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GREEDY = dict(text=SamplingConfig(0.0), image=SamplingConfig(0.0))
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=300, max_position_embeddings=128,
+                         attn_implementation="sdpa")
+    torch.manual_seed(1)
+    return attach_routed_lora(LlamaForCausalLM(config).eval(), num_slots=2, r_max=8)
+
+
+def _qwen3():
+    routed, _ = random_routed_model("tiny", device="cpu", dtype=torch.float32, num_slots=2, r_max=8)
+    return routed
+
+
+def _steps(routed, forward, ids: torch.Tensor, slots: torch.Tensor) -> list[torch.Tensor]:
+    """Prefill ids[:, :5] into rows 0-1 of a RowKVCache, then decode ids[:, 5:] one at a time; the logits of each
+    call (its last position), every position routed to `slots`."""
+    model = routed.model
+    kv = RowKVCache.for_model(model.config, 2, 16, dtype=torch.float32, device="cpu")
+    columns = torch.arange(16)
+    rows = torch.arange(2)
+    logits = []
+    with torch.no_grad():
+        for start, end in [(0, 5), *((t, t + 1) for t in range(5, ids.shape[1]))]:
+            chunk = ids[:, start:end]
+            positions = torch.arange(start, end).repeat(2, 1)
+            mask = torch.where(columns[None, None, :] <= positions[:, :, None], 0.0, float("-inf"))[:, None]
+            plan = routed.make_routing(2, end - start, slots[:, start:end].reshape(-1), routed.cache.num_slots)
+            kv.address(rows, positions, leading=2 if end - start == 1 else 0)
+            out = routed.run(chunk, plan, forward=forward, attention_mask=mask, position_ids=positions,
+                             past_key_values=kv, use_cache=True, logits_to_keep=1)
+            logits.append(out.logits[:, -1])
+    return logits
+
+
+@pytest.mark.parametrize("make", [_qwen3, _llama], ids=["qwen3 (q/k norms, grouped KV heads)", "llama"])
+def test_lean_decoder_gives_transformers_logits_through_the_row_cache(make):
+    routed = make()
+    for adapter in random_adapters(routed, ["a", "b"], rank=8, std=0.2):
+        routed.add_adapter(adapter)
+    vocab_size = routed.model.config.vocab_size
+    ids = torch.randint(5, vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    slots = torch.tensor([[0, 0, 1, -1, 0, 1, 1, 0, -1], [1, -1, 1, 0, 0, -1, 1, 1, 0]])
+    reference = _steps(routed, None, ids, slots)
+    lean = _steps(routed, LeanDecoder(routed.model), ids, slots)
+    for want, got in zip(reference, lean):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _tokens(engine: Engine, requests: list[Request], config: GenerationConfig) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for index, item in engine.stream(requests, config):
+        if isinstance(item, Token):
+            out.setdefault(index, []).append(item.token)
+    return out
+
+
+def test_the_engine_gives_the_same_tokens_with_either_forward_learned_rows_included():
+    routed, vocab = random_routed_model("tiny", device="cpu", dtype=torch.float32, num_slots=4, image_size=64)
+    for adapter in random_adapters(routed, ["a", "b", "c"], std=0.2):
+        routed.add_adapter(adapter)
+    torch.manual_seed(3)
+    gates = LearnedGates.for_model(routed, ["a", "b", "c"], context_decays=(0.5, 0.9), init_std=0.5)
+    g = torch.Generator().manual_seed(5)
+    prompts = [[vocab.bos_id, *torch.randint(vocab.text_start, vocab.vocab_size, (n,), generator=g).tolist()]
+               for n in (4, 9, 6)]
+    routers = [VocabRangeRouter(vocab, "a", "b"), None, LearnedRouter(gates, top_k=2)]
+    requests = [Request(p, r) for p, r in zip(prompts, routers)]
+    config = GenerationConfig(max_new_tokens=12, **GREEDY)
+    runs = []
+    for lean in (True, False):
+        engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_rows=8, max_len=48, lean_decoder=lean))
+        runs.append(_tokens(engine, requests, config))
+        assert (engine.decoder is not None) == lean
+        engine.close()
+    assert runs[0] == runs[1] and all(len(t) == 12 for t in runs[0].values())
+
+
+def test_models_the_lean_decoder_cannot_run_keep_transformers_forward(caplog):
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32))
+    assert "model type 'gpt2'" in LeanDecoder.unsupported(gpt2)
+    sliding = Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                           vocab_size=64, use_sliding_window=True, sliding_window=8,
+                                           max_window_layers=0))
+    assert LeanDecoder.unsupported(sliding) == "sliding-window attention"
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        LeanDecoder(sliding)
+    routed = attach_routed_lora(sliding, num_slots=1, r_max=4)
+    from molora.models.engine.synthetic import id_range_vocab
+
+    engine = Engine(routed, id_range_vocab(64, image_size=16), device="cpu", config=EngineConfig(max_rows=4,
+                                                                                                  max_len=24))
+    with caplog.at_level("INFO", logger="molora.models.engine.core"):
+        engine._setup()
+    assert engine.decoder is None and "sliding-window attention" in caplog.text
+    engine.close()
