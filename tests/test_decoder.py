@@ -120,3 +120,32 @@ def test_models_the_lean_decoder_cannot_run_keep_transformers_forward(caplog):
         engine._setup()
     assert engine.decoder is None and "sliding-window attention" in caplog.text
     engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_failing_compiler_leaves_the_eager_pieces_and_the_same_tokens(monkeypatch, caplog):
+    """Where torch.compile fails (no compiler, an unsupported model), the decoder logs one line and runs its pieces
+    eagerly: the tokens are those of a decoder built without compiling, captured steps included."""
+    routed, vocab = random_routed_model("tiny", device="cuda", dtype=torch.bfloat16, num_slots=2, image_size=64)
+    for adapter in random_adapters(routed, ["a", "b"], std=0.2):
+        routed.add_adapter(adapter)
+    requests = [Request([vocab.bos_id, 7 + i, 9], VocabRangeRouter(vocab, "a", "b")) for i in range(3)]
+    config = GenerationConfig(max_new_tokens=10, **GREEDY)
+    plain = Engine(routed, vocab, device="cuda", config=EngineConfig(max_rows=4, max_len=32))
+    plain._setup()
+    plain.decoder = LeanDecoder(routed.model, compile=False)
+    want = _tokens(plain, requests, config)
+    plain.close()
+
+    def broken(fn, **kwargs):
+        def call(*args, **kw):
+            raise RuntimeError("no working C compiler")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    engine = Engine(routed, vocab, device="cuda", config=EngineConfig(max_rows=4, max_len=32))
+    with caplog.at_level("WARNING", logger="molora.models.engine.decoder"):
+        got = _tokens(engine, requests, config)
+    engine.close()
+    assert got == want
+    assert caplog.text.count("running them eagerly") == 1

@@ -18,6 +18,7 @@ architecture).  Learned (MoLoRA) gates route on each block's input exactly as th
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -26,6 +27,8 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from molora.routing.context import current_routing
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -100,10 +103,25 @@ class LeanDecoder:
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                  past_key_values: Any, use_cache: bool = True, logits_to_keep: int = 1,
                  **unused: Any) -> CausalLMOutputWithPast:
+        self._fuse(input_ids.device)
+        try:
+            return self._forward(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep)
+        except Exception as err:
+            if not self.compile or input_ids.device.type != "cuda":
+                raise
+            # no working compiler here (or it failed on this model): the same pieces eagerly, from now on.  A
+            # forward that failed part-way is simply run again: it rewrites the same KV entries with the same values
+            log.warning("engine: compiling the decoder's elementwise pieces failed (%s: %s); running them eagerly",
+                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            self.compile, self._fused_on = False, None
+            self._fuse(input_ids.device)
+            return self._forward(input_ids, attention_mask, position_ids, past_key_values, logits_to_keep)
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 cache: Any, logits_to_keep: int) -> CausalLMOutputWithPast:
         n, T = input_ids.shape
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         G = H // Hkv
-        self._fuse(input_ids.device)
         x = self.base.embed_tokens(input_ids)
         cos, sin = self.base.rotary_emb(x, position_ids)  # [n, T, D], the model's own rope type and scaling
         sin_signed = torch.cat((-sin[..., :D // 2], sin[..., D // 2:]), -1)  # rotate_half's signs, once
@@ -113,7 +131,7 @@ class LeanDecoder:
             mask = mask.expand(n, G, T, mask.shape[-1]).reshape(n, 1, G * T, mask.shape[-1])
         routing = current_routing()
         learned = routing is not None and bool(routing.learned)
-        cache, eps = past_key_values, self.eps
+        eps = self.eps
         first = self.blocks[0].input_layernorm
         h = self.norm(x, first.weight, first.variance_epsilon)
         for i, block in enumerate(self.blocks):
