@@ -9,7 +9,8 @@ Rows (greedy, 32-token prompts, exactly --new tokens per row, tokens/s; batch 1 
     transformers generate, static cache + torch.compile   `cache_implementation="static"` (transformers compiles the
                                     decode forward, mode "reduce-overhead"); warmed up on the same shapes first
     engine (transformers forward)   EngineConfig(lean_decoder=False): transformers' module forward, captured
-    engine (lean decoder)           the engine's own forward (models/engine/decoder.py), captured
+    engine (lean decoder)           the engine's own forward (models/engine/decoder.py), captured; also with
+                                    overlap_steps=False (each step's tokens read before the next step is launched)
 each engine row without adapters and with 2 rank-16 adapters routed by vocabulary range.  Then, per forward: kernels
 and GPU time of one decode step (profiler, widths 1 and 32), the captured step's replay time, and whether the
 lean and the transformers forward give the same greedy tokens.
@@ -70,9 +71,11 @@ def compiled_generate(model, batch: int, new: int, device: str, vocab_size: int)
     return batch * new / (time.perf_counter() - started)
 
 
-def engine_rows(routed, vocab, device: str, new: int, lean: bool, rng: random.Random) -> tuple[dict, Engine]:
-    engine = Engine(routed, vocab, device=device,
-                    config=EngineConfig(max_rows=64, max_len=32 + new + 8, lean_decoder=lean))
+def engine_rows(routed, vocab, device: str, new: int, lean: bool, overlap: bool, rng: random.Random
+                ) -> tuple[dict, Engine]:
+    engine = Engine(routed, vocab, device=device, config=EngineConfig(max_rows=64, max_len=32 + new + 8,
+                                                                      lean_decoder=lean, overlap_steps=overlap))
+    name = ("lean" if lean else "transformers") + ("" if overlap else ", steps not overlapped")
     config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, **GREEDY)
     rows = {}
     for batch in (1, 32):
@@ -81,7 +84,7 @@ def engine_rows(routed, vocab, device: str, new: int, lean: bool, rng: random.Ra
             run_engine(engine, requests, [config] * batch)  # warm-up: captures this width
             best = max((run_engine(engine, requests, [config] * batch) for _ in range(3)), key=lambda r: r["tok_s"])
             rows[(label, batch)] = best["tok_s"]
-            print(f"engine ({'lean' if lean else 'transformers'} forward), {label:26s} batch {batch:2d}: "
+            print(f"engine ({name} forward), {label:26s} batch {batch:2d}: "
                   f"{best['tok_s']:9.1f} tok/s (median gap {statistics.median(best['gaps_ms']):.2f} ms)", flush=True)
     return rows, engine
 
@@ -117,11 +120,11 @@ def main() -> None:
     table: dict = {}
 
     rng = random.Random(0)
-    for lean in (False, True):
-        rows, engine = engine_rows(routed, vocab, device, new, lean, rng)
-        name = "lean" if lean else "transformers"
+    for lean, overlap in ((False, True), (True, False), (True, True)):
+        rows, engine = engine_rows(routed, vocab, device, new, lean, overlap, rng)
+        name = ("lean" if lean else "transformers") + ("" if overlap else ", steps not overlapped")
         table.update({(f"engine ({name} forward), {k[0]}", k[1]): v for k, v in rows.items()})
-        if device == "cuda":
+        if device == "cuda" and overlap:
             replay = {}
             for width, (graph, _) in sorted(engine._graphs.items()):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

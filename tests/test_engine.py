@@ -222,6 +222,48 @@ def test_captured_steps_equal_eager_steps_while_adapters_move_between_slots():
     assert captured.stats()["graphs"] and routed.cache.stats()["evictions"] >= 6
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_overlapped_steps_deliver_exactly_each_requests_tokens():
+    """On CUDA a step is launched before the previous one's tokens are read: a request that ends at its row's last
+    position, ends early or samples gets the tokens it gets without the overlap; side by side, every request gets
+    its count of tokens in order and its end, and one cancelled mid-way ends cancelled with a prefix of its own."""
+    routed, vocab = random_routed_model("tiny", device="cuda", dtype=torch.float32, num_slots=4, image_size=64)
+    for adapter in random_adapters(routed, ["a", "b"], std=0.2):
+        routed.add_adapter(adapter)
+    overlapped = Engine(routed, vocab, device="cuda", config=EngineConfig(max_len=40, max_rows=8))
+    plain = Engine(routed, vocab, device="cuda", config=EngineConfig(max_len=40, max_rows=8, overlap_steps=False))
+    base = prompts(vocab, 5, seed=9, length=(3, 8))
+    requests = [Request(p, VocabRangeRouter(vocab, "a", "b")) for p in base]
+    configs = [GenerationConfig(max_new_tokens=40 - len(p), min_new_tokens=40 - len(p), seed=i, cfg_scale=1.0,
+                                **GREEDY) if i % 2 == 0 else
+               GenerationConfig(max_new_tokens=5 + 3 * i, seed=i, cfg_scale=1.0) for i, p in enumerate(base)]
+    want = [solo(plain, r, c) for r, c in zip(requests, configs)]
+    assert [solo(overlapped, r, c) for r, c in zip(requests, configs)] == want
+    assert [len(w) for w in want[::2]] == [40 - len(p) for p in base[::2]]  # to the row's last position
+    handles = [overlapped.submit(r, c) for r, c in zip(requests, configs)]
+    got = []
+    for i, handle in enumerate(handles):
+        items = []
+        while not items or not isinstance(items[-1], (Done, Exception)):
+            items.append(handle.sink.get(timeout=60)[1])
+            if i == 1 and len(items) == 3:
+                handle.cancel()
+        got.append(items)
+    for i, items in enumerate(got):
+        tokens = [t for t in items if isinstance(t, Token)]
+        assert [t.index for t in tokens] == list(range(len(tokens)))
+        if i == 1:
+            assert items[-1].reason == "cancelled" and len(tokens) < len(want[1])
+        else:
+            assert len(tokens) == len(want[i]) and items[-1].reason == ("length" if i % 2 == 0 else
+                                                                         plain_reason(plain, requests[i], configs[i]))
+    assert overlapped.stats()["running"] == 0 and routed.cache.pins("a") == 0
+
+
+def plain_reason(engine, request, config):
+    return [item for _, item in engine.stream([request], config) if isinstance(item, Done)][0].reason
+
+
 def test_a_request_that_does_not_fit_in_memory_fails_alone(model, monkeypatch):
     routed, vocab = model
     engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128, batch_prefill=True))

@@ -103,7 +103,9 @@ class EngineConfig:
     """max_rows: rows decoded together (a CFG request takes two); max_len: positions per row (prompt + new
     tokens), default the model's; KV space is max_rows x max_len positions, allocated once.  cuda_graphs: capture
     the decode step per width on CUDA.  lean_decoder: run Llama-family models (Llama, Mistral, Qwen2/3) through
-    LeanDecoder (models/engine/decoder.py) instead of transformers' module forward.  queue_timeout_s: how long a request may wait for room.  batch_prefill:
+    LeanDecoder (models/engine/decoder.py) instead of transformers' module forward.  overlap_steps: on CUDA, launch
+    each decode step before the previous step's tokens are read (the host's work per step runs beside the GPU's).
+    queue_timeout_s: how long a request may wait for room.  batch_prefill:
     prefill requests admitted at the same step boundary in one forward.  exact_rows=False lets the CPU decode as
     few rows as are live: a lone request is faster (one picture + ~60 words 2.4 s instead of 3.0-3.15 s on the
     embedded model, quiet 2-core CPU), and a row's numbers may then differ slightly with the batch it shares."""
@@ -115,6 +117,7 @@ class EngineConfig:
     batch_prefill: bool | None = None  # prefill newcomers together (default: on CUDA; see Engine._admit)
     exact_rows: bool = True  # CPU: decode >= CPU_MIN_WIDTH rows so a row's numbers never depend on its batch
     lean_decoder: bool = True  # Llama-family models run the engine's own forward (engine/decoder.py)
+    overlap_steps: bool = True  # CUDA: launch step t+1 before reading step t's tokens
 
 
 @dataclass
@@ -272,6 +275,8 @@ class Engine:
         self._graphs: dict[int, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._prefill_graphs: dict[tuple[int, int], tuple[Any, tuple, tuple]] = {}
         self._index_cache: _Batch | None = None
+        self._pending: _HostCopy | None = None  # CUDA: the launched step whose tokens are not read yet
+        self._last_delivery: float | None = None
         _ENGINES.add(self)
 
     # --- the public side (any thread) ----------------------------------------------------------------------
@@ -401,6 +406,7 @@ class Engine:
                         time.sleep(0.0005)  # only copies in flight: poll their events
                 except Exception as err:  # a broken step fails the requests in it; the engine keeps serving
                     log.exception("decode step failed")
+                    self._pending = None
                     for job in [*self._starting, *self._running.values()]:
                         self._end(job, error=GenerationError(f"generation failed: {type(err).__name__}: {err}"))
         for job in [*self._waiting, *self._starting, *self._running.values()]:
@@ -416,7 +422,7 @@ class Engine:
         self.kv = RowKVCache.for_model(model.config, self.max_rows + 1, self.max_len, dtype=dtype,
                                        device=self.device, layer_devices=self.layer_devices)
         self.scratch_row = self.max_rows
-        self.states = RowStates(self.vocab, self.max_rows, self.device, self.logits_size)
+        self.states = RowStates(self.vocab, self.max_rows, self.device, self.logits_size, self.max_len)
         self.columns = torch.arange(self.max_len, device=self.device)
         self.all_rows = torch.arange(self.max_rows, device=self.device)
         self._prefill_lengths = [16 << i for i in range(max(1, self.max_len.bit_length()))]
@@ -775,6 +781,10 @@ class Engine:
         return noise
 
     def _step(self) -> None:
+        """Decode one token for every running row.  On CUDA a step is launched before the previous step's tokens
+        are read: the GPU decodes step t+1 while the host waits for step t's tokens and tells their consumers
+        (every input of step t+1 is already on the device).  A row that step t finished decodes once more into
+        its own row; that token is dropped (_deliver skips finished requests)."""
         started = time.perf_counter()
         batch = self._indices()
         jobs, rows, twin_of, twin_rows = batch.jobs, batch.rows, batch.twin_of, batch.twin_rows
@@ -783,20 +793,47 @@ class Engine:
         tokens = self.states.choose(rows, logits[rows], uncond, self._noise(jobs, logits.shape[-1]), batch.filters)
         done = self.states.advance(rows, tokens, twin_of, twin_rows)
         self.steps += 1
-        self._emit(jobs, tokens, producing[rows], done, len(jobs))
-        if self.step_ms is not None:
-            self.step_ms.append((time.perf_counter() - started) * 1000.0)
+        launched = self._to_host(jobs, tokens, producing[rows], done, len(jobs))
+        previous, self._pending = self._pending, launched
+        if previous is not None:
+            self._deliver(previous)
+        if self.device.type != "cuda" or not self.config.overlap_steps or not self._running:  # deliver it now
+            self._pending = None
+            self._deliver(launched)
+        if self.step_ms is not None and (previous is not None or self._pending is None):
+            now = time.perf_counter()  # a step's time: from the previous delivery (or this step's start) to this one
+            self.step_ms.append((now - (self._last_delivery if self._last_delivery is not None else started)) * 1e3)
+            self._last_delivery = now if self._running else None
 
     def _emit(self, jobs: list[_Job], tokens: torch.Tensor, producing: _Producing, done: torch.Tensor,
               batch: int) -> None:
-        """One host transfer for the step: tokens, producing slots, done flags (and learned routing's top-k
-        slots and weights, in 1e-4 steps); then tell every consumer."""
+        """Read a forward's tokens and tell every consumer now (a prefill's first tokens)."""
+        self._deliver(self._to_host(jobs, tokens, producing, done, batch))
+
+    def _to_host(self, jobs: list[_Job], tokens: torch.Tensor, producing: _Producing, done: torch.Tensor,
+                 batch: int) -> _HostCopy:
+        """Start one host transfer for the step: tokens, producing slots, done flags (and learned routing's top-k
+        slots and weights, in 1e-4 steps), into pinned memory on CUDA (no wait here)."""
         parts = [tokens, producing.slots.long(), done.long()]
         k = 0
         if producing.mix_slots is not None and producing.mix_weights is not None:
             k = producing.mix_slots.shape[1]
             parts += [producing.mix_slots.reshape(-1).long(), (producing.mix_weights.reshape(-1) * 1e4).round().long()]
-        host = torch.cat(parts).tolist()
+        flat = torch.cat(parts)
+        if flat.device.type != "cuda":
+            return _HostCopy(jobs, flat, None, k, batch)
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _HostCopy(jobs, host, ready, k, batch)
+
+    def _deliver(self, copy: _HostCopy) -> None:
+        """Wait for a step's tokens and tell every consumer; requests that ended meanwhile are skipped."""
+        if copy.ready is not None:
+            copy.ready.synchronize()
+        host = copy.host.tolist()
+        jobs, k, batch = copy.jobs, copy.k, copy.batch
         now = time.perf_counter()
         n = len(jobs)
         names = self.routed.cache.slots
@@ -807,6 +844,8 @@ class Engine:
         eos = self.vocab.eos_id
         mix_slots, mix_weights = host[3 * n:3 * n + n * k], host[3 * n + n * k:]
         for i, job in enumerate(jobs):
+            if job.handle.finished:  # ended (or cancelled) after this step was launched: its token is void
+                continue
             token, slot = host[i], host[n + i]
             mix = ()
             if k and job.learned is not None:
@@ -818,6 +857,17 @@ class Engine:
             job.last = now
             if host[2 * n + i]:
                 self._end(job, "eos" if token == eos else "length")
+
+
+@dataclass
+class _HostCopy:
+    """A step's tokens on their way to the host: `host` (pinned, filled when `ready` fires; None: already there)."""
+
+    jobs: list[_Job]
+    host: torch.Tensor
+    ready: Any
+    k: int
+    batch: int
 
 
 @dataclass

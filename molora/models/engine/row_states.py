@@ -32,8 +32,12 @@ NO_LIMIT = 2 ** 62  # max_images of a request that sets none
 class RowStates:
     """Decode tables for `max_rows` rows of one engine (see the module docstring)."""
 
-    def __init__(self, vocab: UnifiedVocab, max_rows: int, device: torch.device, logits_size: int) -> None:
+    def __init__(self, vocab: UnifiedVocab, max_rows: int, device: torch.device, logits_size: int,
+                 max_len: int | None = None) -> None:
         self.vocab, self.max_rows, self.device = vocab, max_rows, device
+        # the last position a row may write: a row that has just finished can decode once more before the engine
+        # frees it (the engine launches a step before it reads the previous one's tokens), at most here
+        self.last_pos = (max_len - 1) if max_len is not None else None
         self.phase_masks = build_phase_masks(vocab, device, logits_size)
         self.modality = vocab.modality_table(device).long()  # input id -> TEXT / IMAGE
         self.feeds_uncond = self.modality == IMAGE  # ids an unconditional twin is fed (image-span inputs)
@@ -144,17 +148,21 @@ class RowStates:
         n_new = self.n_new[rows] + 1
         self.n_new[rows] = n_new
         self.feed_ids[rows] = tokens
-        self.feed_pos[rows] = self.feed_pos[rows] + 1
+        self.feed_pos[rows] = self._bounded(self.feed_pos[rows] + 1)
         if twin_rows is not None:
             # a twin sees only image spans: `<bos>` (+ a negative prompt) then the current span; a new image
             # restarts it right after that prefix
             token = tokens[twin_of]
             feeds = self.feeds_uncond[token]
-            after = self.feed_pos[twin_rows] + self.real[twin_rows].long()
+            after = self._bounded(self.feed_pos[twin_rows] + self.real[twin_rows].long())
             self.feed_pos[twin_rows] = torch.where(token == vocab.boi_id, self.twin_start[twin_rows], after)
             self.feed_ids[twin_rows] = torch.where(feeds, token, vocab.pad_id)
             self.real[twin_rows] = feeds
         return (tokens == vocab.eos_id) | (n_new >= self.max_new[rows])
+
+    def _bounded(self, positions: torch.Tensor) -> torch.Tensor:
+        """Positions kept inside a row (only a finished row's one extra step could pass its last position)."""
+        return positions if self.last_pos is None else positions.clamp_(max=self.last_pos)
 
     def decode_inputs(self, width: int, columns: torch.Tensor, dtype: torch.dtype
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
