@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import time
 
 import gradio as gr
@@ -79,7 +80,19 @@ def create_demo(pipe: InterleavedPipeline, concurrency: int = DEFAULT_CONCURRENC
     return demo
 
 
+def stop_on_sigterm() -> None:
+    """Let SIGTERM (how Docker, Kubernetes and Spaces stop a container) end the app the way Ctrl+C does: the server
+    closes and the exit handlers remove the app's temporary folder and every session's files in Gradio's cache.
+    (Python's default for SIGTERM ends the process at once, leaving them behind.)"""
+    def interrupt(signum: int, frame: object) -> None:
+        log.info("SIGTERM: shutting down")
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: list[str] | None = None) -> None:
+    stop_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own health checks, one line per request
     args = parse_args(argv)

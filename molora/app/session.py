@@ -10,6 +10,11 @@ the tab closes (Gradio's unload event) the session's adapters leave the pipeline
 removed; an adapter still held by the session's own last generation is retried until that generation has stopped.
 Gradio's delete_callback (an hour later) and the app's shutdown (`SessionRegistry.close_all`) run the same cleanup,
 which is idempotent.
+
+Gradio keeps its own copies of what crosses the page, in its upload cache: the files a visitor uploads and the files
+the app hands out (the document's download, the gallery's pictures). Each is registered with its session
+(`SessionRegistry.track`) and deleted when the session ends, so a closed tab leaves nothing reachable by URL; at
+shutdown (Ctrl+C, SIGTERM, interpreter exit) every copy still registered goes too.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class SessionState:
     uploads: dict[str, str] = field(default_factory=dict)  # display name -> internal name in the pipeline
     workdir: Path | None = None
     root: Path | None = None  # where `folder()` makes the session's folder (the app's own temporary folder)
+    download: str | None = None  # the last document handed out (a file of Gradio's cache)
 
     def bind(self, session_id: str) -> None:
         """Tie the state to the Gradio session on first use (the id is unknown when the state is created)."""
@@ -146,6 +152,23 @@ def _remove_adapter(pipe: Any, name: str, retries: int) -> None:
         timer.start()
 
 
+def _remove_files(files: dict[str, set[str]]) -> None:
+    """Delete every file in `files` ({session: paths}) and the folder Gradio made for it when left empty."""
+    for paths in list(files.values()):
+        for path in list(paths):
+            _remove_file(path)
+    files.clear()
+
+
+def _remove_file(path: str) -> None:
+    file = Path(path)
+    try:
+        file.unlink(missing_ok=True)
+        file.parent.rmdir()  # Gradio's cache keeps each file in a folder of its own (named by its hash)
+    except OSError:
+        pass  # not empty (another file of the same content), or gone already
+
+
 class SessionRegistry:
     """The live sessions of one app, by Gradio session hash, and the app's temporary folder that holds their files.
 
@@ -156,9 +179,37 @@ class SessionRegistry:
         self.pipe = pipe
         self.root = Path(tempfile.mkdtemp(prefix="molora-app-"))
         self._sessions: dict[str, SessionState] = {}
+        self._files: dict[str, set[str]] = {}  # session hash -> its files in Gradio's cache
         self._lock = threading.Lock()
         # the folder goes when the registry does, and at the latest when the interpreter exits (Ctrl-C included)
         self._remove_root = weakref.finalize(self, shutil.rmtree, str(self.root), True)
+        self._remove_files = weakref.finalize(self, _remove_files, self._files)
+
+    def track(self, session_hash: str | None, path: str | Path) -> str:
+        """Register a file of Gradio's cache (an upload, a download handed out) as the session's: deleted when the
+        session ends. Returns the path."""
+        path = str(path)
+        if session_hash:
+            with self._lock:
+                self._files.setdefault(session_hash, set()).add(path)
+        return path
+
+    def untrack(self, session_hash: str | None, path: str | Path) -> None:
+        """Delete one of the session's files now (e.g. the previous run's download), unless another session
+        holds the same file (same content, same cache path)."""
+        path = str(path)
+        with self._lock:
+            self._files.get(session_hash or "", set()).discard(path)
+            shared = any(path in paths for paths in self._files.values())
+        if not shared:
+            _remove_file(path)
+
+    def _release_files(self, session_hash: str | None) -> None:
+        with self._lock:
+            paths = self._files.pop(session_hash, set()) if session_hash else set()
+            held = set().union(*self._files.values()) if self._files else set()
+        for path in paths - held:
+            _remove_file(path)
 
     def __deepcopy__(self, memo: dict) -> SessionRegistry:
         """The registry is the app's one shared service, not a value: a copy of it is itself.
@@ -185,6 +236,7 @@ class SessionRegistry:
             state = self._sessions.pop(session_hash, None) if session_hash else None
         if state is not None:
             state.cleanup(self.pipe)
+        self._release_files(session_hash)
 
     def forget(self, state: SessionState) -> None:
         """Gradio dropped the state (delete_callback): clean it up if the tab's end did not."""
@@ -192,10 +244,12 @@ class SessionRegistry:
             if state.session_id is not None and self._sessions.get(state.session_id) is state:
                 del self._sessions[state.session_id]
         state.cleanup(self.pipe)
+        self._release_files(state.session_id)
 
     def close_all(self) -> None:
         with self._lock:
             states, self._sessions = list(self._sessions.values()), {}
         for state in states:
             state.cleanup(self.pipe)
+        self._remove_files()
         self._remove_root()

@@ -18,16 +18,21 @@ Named API endpoints (each gradio_client.Client is one session):
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import json
 import logging
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import gradio as gr
+from gradio import processing_utils
+from gradio.utils import get_upload_folder
 
 from molora.app.render import BASE_LABEL, RunView, color_map
 from molora.app.session import NONE_CHOICE, SessionRegistry, SessionState
@@ -288,19 +293,45 @@ class MoLoRAApp:
         routing_map = (gr.HighlightedText(value=view.routing_map(), color_map=view.routing_colors(colors))
                        if fresh["routing"] else skip)
         cache = state.visible_cache(self.pipe.cache_stats(), self.builtin)
-        return (view.text if fresh["text"] else skip, view.images if fresh["images"] else skip,
+        return (view.text if fresh["text"] else skip, self._cached_images(view, state) if fresh["images"] else skip,
                 path if fresh["file"] else skip, keys["document"] if fresh["document"] else skip, routing_map,
                 view.stats_html(cache, colors, status) + (view.routing_tips_html() if fresh["routing"] else ""),
                 view.rejected_html() if fresh["drafts"] else skip)
 
-    @staticmethod
-    def _save_document(document, state: SessionState) -> str:
-        """The download: Document.save_html (the same file the Python API writes), with the session's names."""
+    def _save_document(self, document, state: SessionState) -> str:
+        """The download: Document.save_html (the same file the Python API writes) of the document as the visitor
+        may see it (`public_document`: their names for adapters, no server paths), placed in Gradio's cache as
+        the session's file, which replaces the session's previous download and goes when the session ends."""
         folder = Path(state.folder()) / f"doc-{time.time_ns()}"
         folder.mkdir()
         path = folder / "molora-document.html"
-        document.save_html(path, labels=state.display_names())
-        return str(path)
+        public_document(document, state.display_names(), Path(str(self.pipe.path)).name).save_html(path)
+        cached = processing_utils.save_file_to_cache(path, cache_dir=get_upload_folder())
+        shutil.rmtree(folder, ignore_errors=True)  # one copy is enough: the cache's, which the page links to
+        previous, state.download = state.download, cached
+        if previous is not None and previous != cached:
+            self.sessions.untrack(state.session_id, previous)
+        return self.sessions.track(state.session_id, cached)
+
+    def _cached_images(self, view: RunView, state: SessionState) -> list[str]:
+        """The gallery's pictures as files of Gradio's cache registered with the session (handed over as PIL
+        images, Gradio would write copies nobody deletes)."""
+        cache = get_upload_folder()
+        return [self.sessions.track(state.session_id, processing_utils.save_pil_to_cache(image, cache, format="png"))
+                for image in view.images]
+
+    def _track_upload(self, session_hash: str | None, path: str) -> None:
+        """Register an uploaded file with the session if it is Gradio's copy (a file elsewhere is not ours)."""
+        if Path(path).resolve().is_relative_to(Path(get_upload_folder()).resolve()):
+            self.sessions.track(session_hash, path)
+
+    def track_uploads(self, files: list[str] | None, request: gr.Request) -> Any:
+        """An upload reached Gradio's cache: register its files with the session (deleted when it ends) and list
+        each file name once (adding a file again, say after a refused upload, replaces the earlier copy)."""
+        for file in files or []:
+            self._track_upload(request.session_hash, file)
+        once = latest_of_each_name(files)
+        return gr.skip() if once == files else once  # unchanged: the list is not re-rendered
 
     # --- adapters -------------------------------------------------------------------------------
     def upload_adapter(self, files, name: str, modality: str, state: SessionState, request: gr.Request):
@@ -311,6 +342,8 @@ class MoLoRAApp:
                 raise UploadError(f"modality must be {AUTO_MODALITY!r}, 'text' or 'image', got {modality!r}")
             files = files if isinstance(files, list) else [files] if files else []
             paths = [f if isinstance(f, str) else getattr(f, "path", None) or f.name for f in files]
+            for path in paths:  # Gradio's copies of the upload: deleted when the session ends
+                self._track_upload(request.session_hash, path)
             upload = validate_upload(paths)
             how = "as you chose"
             if modality == AUTO_MODALITY:
@@ -486,7 +519,7 @@ class MoLoRAApp:
             routing.change(picker_hints, inputs=[routing], outputs=[text_adapter, image_adapter],
                            api_visibility="private", show_progress="hidden", queue=False)
             # adding a file again (say after a refused upload) replaces the earlier copy instead of listing it twice
-            upload_files.upload(latest_of_each_name, inputs=[upload_files], outputs=[upload_files],
+            upload_files.upload(self.track_uploads, inputs=[upload_files], outputs=[upload_files],
                                 api_visibility="private", show_progress="hidden", queue=False)
             upload_button.click(self.upload_adapter,
                                 inputs=[upload_files, upload_name, upload_modality, state],
@@ -526,6 +559,22 @@ def CheckedSlider(*args: Any, **kwargs: Any) -> gr.Slider:  # noqa: N802 (used l
 
     slider.preprocess = preprocess
     return slider
+
+
+def public_document(document, labels: dict[str, str], model_name: str):
+    """A copy of `document` that carries only what its visitor may see: the session's internal adapter names
+    ("mine@3f9a...", which hold part of the session's id) become the visitor's own names, and the model is named by
+    its folder's name, not its path on the server."""
+    public = copy.copy(document)
+    public.routing = [dataclasses.replace(r, adapter=labels.get(r.adapter, r.adapter),
+                                          mix=tuple((labels.get(n, n), w) for n, w in r.mix))
+                      for r in document.routing]
+    public.meta = copy.deepcopy(document.meta)
+    for key in ("text_adapter", "image_adapter"):
+        public.meta[key] = labels.get(public.meta.get(key), public.meta.get(key))
+    if "model" in public.meta:
+        public.meta["model"] = model_name
+    return public
 
 
 def user_error(message: str, **kwargs) -> gr.Error:
