@@ -226,7 +226,9 @@ def test_captured_steps_equal_eager_steps_while_adapters_move_between_slots():
 def test_cuda_overlapped_steps_deliver_exactly_each_requests_tokens():
     """On CUDA a step is launched before the previous one's tokens are read: a request that ends at its row's last
     position, ends early or samples gets the tokens it gets without the overlap; side by side, every request gets
-    its count of tokens in order and its end, and one cancelled mid-way ends cancelled with a prefix of its own."""
+    its tokens in order and one end (after exactly its budget when it ends by length), and one cancelled mid-way
+    ends cancelled.  (Side by side, the batch's width may round a row's numbers differently, so values are compared
+    one request at a time.)"""
     routed, vocab = random_routed_model("tiny", device="cuda", dtype=torch.float32, num_slots=4, image_size=64)
     for adapter in random_adapters(routed, ["a", "b"], std=0.2):
         routed.add_adapter(adapter)
@@ -240,28 +242,25 @@ def test_cuda_overlapped_steps_deliver_exactly_each_requests_tokens():
     want = [solo(plain, r, c) for r, c in zip(requests, configs)]
     assert [solo(overlapped, r, c) for r, c in zip(requests, configs)] == want
     assert [len(w) for w in want[::2]] == [40 - len(p) for p in base[::2]]  # to the row's last position
+    configs[1] = GenerationConfig(max_new_tokens=30, min_new_tokens=30, seed=1, cfg_scale=1.0)  # the one cancelled
     handles = [overlapped.submit(r, c) for r, c in zip(requests, configs)]
-    got = []
     for i, handle in enumerate(handles):
         items = []
         while not items or not isinstance(items[-1], (Done, Exception)):
             items.append(handle.sink.get(timeout=60)[1])
             if i == 1 and len(items) == 3:
                 handle.cancel()
-        got.append(items)
-    for i, items in enumerate(got):
         tokens = [t for t in items if isinstance(t, Token)]
-        assert [t.index for t in tokens] == list(range(len(tokens)))
+        budget = configs[i].max_new_tokens
+        assert [t.index for t in tokens] == list(range(len(tokens))) and isinstance(items[-1], Done)
         if i == 1:
-            assert items[-1].reason == "cancelled" and len(tokens) < len(want[1])
+            assert items[-1].reason == "cancelled" and len(tokens) < budget
         else:
-            assert len(tokens) == len(want[i]) and items[-1].reason == ("length" if i % 2 == 0 else
-                                                                         plain_reason(plain, requests[i], configs[i]))
+            if tokens[-1].token == vocab.eos_id:
+                assert items[-1].reason == "eos"
+            else:
+                assert items[-1].reason == "length" and len(tokens) == budget
     assert overlapped.stats()["running"] == 0 and routed.cache.pins("a") == 0
-
-
-def plain_reason(engine, request, config):
-    return [item for _, item in engine.stream([request], config) if isinstance(item, Done)][0].reason
 
 
 def test_a_request_that_does_not_fit_in_memory_fails_alone(model, monkeypatch):
