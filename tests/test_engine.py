@@ -244,8 +244,8 @@ def test_cuda_overlapped_steps_deliver_exactly_each_requests_tokens():
     assert [len(w) for w in want[::2]] == [40 - len(p) for p in base[::2]]  # to the row's last position
     configs[1] = GenerationConfig(max_new_tokens=30, min_new_tokens=30, seed=1, cfg_scale=1.0)  # the one cancelled
     handles = [overlapped.submit(r, c) for r, c in zip(requests, configs)]
-    for i, handle in enumerate(handles):
-        items = []
+    for i in (1, 0, 2, 3, 4):  # the one to cancel first, while it runs
+        handle, items = handles[i], []
         while not items or not isinstance(items[-1], (Done, Exception)):
             items.append(handle.sink.get(timeout=60)[1])
             if i == 1 and len(items) == 3:
