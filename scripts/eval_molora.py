@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
         record("peft_arrow", score(fn, encoded, pad, adapters, args.batch_size, args.device), time.time() - t0)
     if "peft_xlora" in want:
         from molora_xlora import xlora_row
-        xlora_row(args, adapters, tok, encoded, pad, record)
+        xlora_row(args, adapters, tok, encoded, pad, record, fresh_lm, score)
 
     for metric in ("mixed", "mixed_spans"):
         base = rows.get("base", {}).get(metric)

@@ -26,8 +26,10 @@ from molora.models.families.shapes.data import Schedule
 from molora.models.families.shapes.domain_batches import answer_loss, make_batch
 
 
-def xlora_row(args, adapters: list[str], tok, encoded, pad: int, record) -> None:
-    from eval_molora import fresh_lm, score
+def xlora_row(args, adapters: list[str], tok, encoded, pad: int, record, fresh_lm, score) -> None:
+    """Train peft's X-LoRA classifier over the domain adapters on a fresh base model (`fresh_lm(model_dir,
+    device)`) and record its row, scored by `score`: both eval_molora's, passed in, so this module imports nothing
+    from the script that calls it."""
     from peft import XLoraConfig, get_peft_model
     config_path = args.router.parent / "config.json"
     cfg = json.loads(config_path.read_text())
