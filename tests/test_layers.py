@@ -139,3 +139,21 @@ def test_modality_map_refuses_other_values():
         ModalityMap(torch.tensor([0, 2]))
     with pytest.raises(RoutingError):
         ModalityMap(torch.tensor([0.0, 1.0]))
+
+
+def test_the_scripts_import_each_other_without_circles():
+    """scripts/*.py may share helpers (train_router's data, eval_molora's scoring) but never in a circle, lazy imports
+    inside functions included."""
+    scripts = {p.stem: p for p in (ROOT / "scripts").glob("*.py")}
+    graph = {name: {m.split(".")[0] for m in _imports(path)} & set(scripts) - {name} for name, path in scripts.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        for imported in sorted(graph[name]):
+            assert imported not in path, f"import cycle: {' -> '.join(path[path.index(imported):] + [imported])}"
+            if imported not in done:
+                visit(imported, [*path, imported])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [name])
