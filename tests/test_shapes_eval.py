@@ -350,3 +350,23 @@ def test_merge_joins_runs_split_by_condition_and_refuses_mismatches(tmp_path, ca
     with pytest.raises(SystemExit):
         main(["--merge", str(paths[0]), str(tmp_path / "bad.json")])
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_a_table_written_before_the_run_ends_says_it_is_partial():
+    from molora.models.families.shapes.eval import is_partial
+
+    tables = []
+    results, final = run_shapes_eval(FakePipeline(), n_per_category=4, progress=False, conditions=["base"],
+                                     categories=["colour", "image_to_text"],
+                                     on_result=lambda res, table: tables.append(table))
+    assert tables[0].startswith("**Partial results: 1 of 2 (condition, category) sets scored**")
+    assert "Partial" not in tables[-1] and "Partial" not in final and not is_partial(results)
+
+
+def test_the_run_says_how_many_documents_and_estimates_the_time_after_its_first_batch(caplog):
+    with caplog.at_level("INFO", logger="molora.models.families.shapes.eval"):
+        run_shapes_eval(FakePipeline(), n_per_category=4, batch_size=2, progress=True, conditions=["base"],
+                        categories=["colour", "image_to_text"])
+    said = caplog.text
+    assert "ShapesEval: 8 documents (1 conditions x 2 categories x 4 prompts)" in said
+    assert "s a document so far, so about" in said and "for all 8" in said

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -354,9 +355,16 @@ def run_shapes_eval(pipeline, *, n_per_category: int = 200, conditions: Iterable
         log.warning("ShapesEval: skipping condition %s: %s", name, why)
     prompt_sets = {c: build_prompts(c, n_per_category, seed) for c in categories}
     results: dict = {"n_per_category": n_per_category, "seed": seed, "skipped": skipped,
-                     "generation_overrides": dict(generate_kwargs or {}), "conditions": {}}
-    total = sum(len(conds) * -(-len(p) // batch_size) for p in prompt_sets.values())
-    bar = tqdm(total=total, desc="ShapesEval", disable=not progress)
+                     "generation_overrides": dict(generate_kwargs or {}), "conditions": {},
+                     "progress": {"done": 0, "total": len(conds) * len(prompt_sets)}}  # (condition, category) sets
+    documents = len(conds) * sum(len(p) for p in prompt_sets.values())
+    if progress:
+        log.info("ShapesEval: %d documents (%d conditions x %d categories x %d prompts); the bar's estimate of the "
+                 "time left settles after the first batches (a CPU is slow: about a second a document on 2 cores)",
+                 documents, len(conds), len(prompt_sets), n_per_category)
+    # counted in documents, not batches: a batch's cost varies with its category, a document's far less
+    bar = tqdm(total=documents, desc="ShapesEval", unit="doc", disable=not progress)
+    started = time.perf_counter()
     for cond in conds:
         t0 = time.perf_counter()
         per_cat: dict = {}
@@ -374,9 +382,14 @@ def run_shapes_eval(pipeline, *, n_per_category: int = 200, conditions: Iterable
                     raise ShapesError(f"pipeline returned {len(docs)} documents for {len(batch)} prompts")
                 for p, d in zip(batch, docs):
                     records.append(_record(cond, p, d))
-                bar.update(1)
+                bar.update(len(batch))
+                if progress and bar.n == len(batch):  # the first batch: say what the whole run will cost
+                    pace = (time.perf_counter() - started) / len(batch)
+                    log.info("ShapesEval: %.2f s a document so far, so about %s for all %d", pace,
+                             _duration(pace * documents), documents)
             per_cat[cat] = _summary(records)
             records_all.extend(records)
+            results["progress"]["done"] += 1
             results["conditions"][cond.name] = {
                 "condition": asdict(cond),
                 "categories": per_cat,
@@ -386,6 +399,20 @@ def run_shapes_eval(pipeline, *, n_per_category: int = 200, conditions: Iterable
                 on_result(results, results_markdown(results))
     bar.close()
     return results, results_markdown(results)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def is_partial(results: dict) -> bool:
+    """Whether `results` hold fewer (condition, category) sets than their run set out to score."""
+    done = results.get("progress", {})
+    return bool(done) and done.get("done", 0) < done.get("total", 0)
 
 
 def merge_results(parts: Sequence[dict]) -> dict:
@@ -413,6 +440,8 @@ def merge_results(parts: Sequence[dict]) -> dict:
                           f"{category_sets}")
     for name in merged["conditions"]:
         merged["skipped"].pop(name, None)
+    if all("progress" in part for part in parts):
+        merged["progress"] = {key: sum(part["progress"][key] for part in parts) for key in ("done", "total")}
     order = {name: i for i, name in enumerate(CONDITIONS)}
     merged["conditions"] = dict(sorted(merged["conditions"].items(), key=lambda kv: order.get(kv[0], len(order))))
     return merged
@@ -430,6 +459,10 @@ def results_markdown(results: dict) -> str:
     head = (["condition", "adapters (routing)", "T2I"] + [short[c] for c in CATEGORIES]
             + ["outline rate", "pirate rate", "style ok", "style ∧ content"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    if is_partial(results):
+        done = results["progress"]
+        lines.insert(0, f"**Partial results: {done['done']} of {done['total']} (condition, category) sets scored** "
+                        "(the run was stopped, or is still running); a '–' is a set not scored yet.\n")
     for name, res in results["conditions"].items():
         c, s, cats = res["condition"], res["summary"], res["categories"]
         adapters = ", ".join(a for a in (c["text_adapter"], c["image_adapter"]) if a) or "none"
@@ -461,7 +494,9 @@ def results_markdown(results: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="molora evaluate", description="ShapesEval: score the embedded model on held-out shape scenes.")
     ap.add_argument("--model", default=None, help="model directory (default: the embedded assets/model)")
-    ap.add_argument("--n", type=int, default=200, help="prompts per category")
+    ap.add_argument("--n", type=int, default=200,
+                    help="prompts per category (default 200: hours on a 2-core CPU, minutes on a GPU; the progress "
+                         "bar estimates the time left; try --n 10 first)")
     ap.add_argument("--conditions", nargs="*", default=None, choices=CONDITIONS)
     ap.add_argument("--categories", nargs="*", default=None, choices=CATEGORIES)
     ap.add_argument("--batch-size", type=int, default=32)
@@ -517,10 +552,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from molora.models import InterleavedPipeline  # the generation API (helper G); imported only to run
 
     pipe = InterleavedPipeline.from_pretrained(args.model, r_max=args.r_max, device=args.device)
-    results, table = run_shapes_eval(pipe, n_per_category=args.n, conditions=args.conditions,
-                                     categories=args.categories, batch_size=args.batch_size, seed=args.seed,
-                                     text_adapter=args.text_adapter, image_adapter=args.image_adapter,
-                                     generate_kwargs=overrides, on_result=write)
+    try:
+        results, table = run_shapes_eval(pipe, n_per_category=args.n, conditions=args.conditions,
+                                         categories=args.categories, batch_size=args.batch_size, seed=args.seed,
+                                         text_adapter=args.text_adapter, image_adapter=args.image_adapter,
+                                         generate_kwargs=overrides, on_result=write)
+    except KeyboardInterrupt:
+        kept = " and ".join(p for p in (args.out, args.json) if p)
+        print("stopped" + (f": the partial results so far are in {kept}, marked partial" if kept else
+                           " (give --out / --json to keep partial results)"), file=sys.stderr)
+        return 130
     print(table)
     write(results, table)
     return 0
