@@ -32,28 +32,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's molora
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving.py's helpers
 
-from serving import GREEDY, hf_generate, profile_step, prompt_ids, run_engine, sync  # noqa: E402
+from serving import GREEDY, copy_bandwidth, hf_generate, profile_step, prompt_ids, run_engine, sync  # noqa: E402
 
 from molora.kernels.graphs import graph_paths  # noqa: E402
 from molora.models.engine.core import Engine, EngineConfig  # noqa: E402
 from molora.models.engine.generation import GenerationConfig, Request  # noqa: E402
 from molora.models.engine.synthetic import SHAPES, random_adapters, random_routed_model  # noqa: E402
 from molora.routing import VocabRangeRouter  # noqa: E402
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes per second of a 2 GiB device-to-device copy (read + write)."""
-    buf = torch.empty(2 * 2 ** 30, dtype=torch.uint8, device=device)
-    out = torch.empty_like(buf)
-    out.copy_(buf)
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(10):
-        out.copy_(buf)
-    sync(device)
-    seconds = time.perf_counter() - start
-    del buf, out
-    return 2 * 2 ** 31 * 10 / seconds
 
 
 def compiled_generate(model, batch: int, new: int, device: str, vocab_size: int) -> float:

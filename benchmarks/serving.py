@@ -70,6 +70,21 @@ def run_engine(engine: Engine, requests: list[Request], configs: list[Generation
             "lat_p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))], "gaps_ms": gaps}
 
 
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a 2 GiB device-to-device copy (read + write)."""
+    buf = torch.empty(2 * 2 ** 30, dtype=torch.uint8, device=device)
+    out = torch.empty_like(buf)
+    out.copy_(buf)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        out.copy_(buf)
+    sync(device)
+    seconds = time.perf_counter() - start
+    del buf, out
+    return 2 * 2 ** 31 * 10 / seconds
+
+
 def hf_generate(model, batch: int, prompt_len: int, new: int, device: str, vocab_size: int, **kw) -> float:
     """tokens/s of transformers' generate (greedy, exactly `new` tokens per row)."""
     ids = torch.randint(5, vocab_size, (batch, prompt_len), device=device)
@@ -273,16 +288,7 @@ def main() -> None:
 
     # --- memory bandwidth floor ---------------------------------------------------------------------------------
     if device == "cuda":
-        buf = torch.empty(2 * 2 ** 30, dtype=torch.uint8, device=device)
-        out = torch.empty_like(buf)
-        out.copy_(buf)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(10):
-            out.copy_(buf)
-        torch.cuda.synchronize()
-        bandwidth = 2 * buf.numel() * 10 / (time.perf_counter() - start)
-        del buf, out
+        bandwidth = copy_bandwidth(device)
         results["copy_bandwidth_GBs"] = bandwidth / 1e9
         floor = bandwidth / step_bytes
         results["floor_tok_s_batch1"] = floor
