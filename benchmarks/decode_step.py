@@ -13,7 +13,8 @@ Rows (greedy, 32-token prompts, exactly --new tokens per row, tokens/s; batch 1 
                                     overlap_steps=False (each step's tokens read before the next step is launched)
 each engine row without adapters and with 2 rank-16 adapters routed by vocabulary range.  Then, per forward: kernels
 and GPU time of one decode step (profiler, widths 1 and 32), the captured step's replay time, and whether the
-lean and the transformers forward give the same greedy tokens.
+lean and the transformers forward give the same greedy tokens.  `--learned`: learned top-2 rows (random gates with a
+base expert and a routing state, as the shipped router has) against vocabulary routing, in the default engine.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from molora.kernels.graphs import graph_paths  # noqa: E402
 from molora.models.engine.core import Engine, EngineConfig  # noqa: E402
 from molora.models.engine.generation import GenerationConfig, Request  # noqa: E402
 from molora.models.engine.synthetic import SHAPES, random_adapters, random_routed_model  # noqa: E402
-from molora.routing import VocabRangeRouter  # noqa: E402
+from molora.routing import LearnedGates, LearnedRouter, VocabRangeRouter  # noqa: E402
 
 
 def compiled_generate(model, batch: int, new: int, device: str, vocab_size: int) -> float:
@@ -56,15 +57,20 @@ def compiled_generate(model, batch: int, new: int, device: str, vocab_size: int)
     return batch * new / (time.perf_counter() - started)
 
 
-def engine_rows(routed, vocab, device: str, new: int, lean: bool, overlap: bool, rng: random.Random
-                ) -> tuple[dict, Engine]:
+def engine_rows(routed, vocab, device: str, new: int, lean: bool, overlap: bool, rng: random.Random,
+                learned: LearnedRouter | None = None) -> tuple[dict, Engine]:
+    """tokens/s of one engine configuration: no adapters and vocabulary routing (or, with `learned`, vocabulary
+    routing and learned top-2 rows), batch 1 and 32."""
     engine = Engine(routed, vocab, device=device, config=EngineConfig(max_rows=64, max_len=32 + new + 8,
                                                                       lean_decoder=lean, overlap_steps=overlap))
     name = ("lean" if lean else "transformers") + ("" if overlap else ", steps not overlapped")
     config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, **GREEDY)
+    routers = [("2 adapters by vocabulary", VocabRangeRouter(vocab, "txt", "img"))]
+    routers.insert(0 if learned is None else 1, ("no adapters", None) if learned is None else
+                   ("learned top-2 over 2 adapters", learned))
     rows = {}
     for batch in (1, 32):
-        for label, router in (("no adapters", None), ("2 adapters by vocabulary", VocabRangeRouter(vocab, "txt", "img"))):
+        for label, router in routers:
             requests = [Request(prompt_ids(vocab, 32, rng), router) for _ in range(batch)]
             run_engine(engine, requests, [config] * batch)  # warm-up: captures this width
             best = max((run_engine(engine, requests, [config] * batch) for _ in range(3)), key=lambda r: r["tok_s"])
@@ -90,6 +96,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128, help="new tokens per request")
     parser.add_argument("--no-compile", action="store_true", help="skip the static cache + compile baseline")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--learned", action="store_true",
+                        help="only learned top-2 rows (random gates) against vocabulary routing, default engine")
     args = parser.parse_args()
     device, new = args.device, args.new
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -105,6 +113,15 @@ def main() -> None:
     table: dict = {}
 
     rng = random.Random(0)
+    if args.learned:  # learned rows decode eagerly (not captured): how far they are from vocabulary routing
+        torch.manual_seed(0)
+        gates = LearnedGates.for_model(routed, ["txt", "img"], base_expert=True, context_decays=(0.5, 0.9))
+        rows, engine = engine_rows(routed, vocab, device, new, True, True, rng, LearnedRouter(gates, top_k=2))
+        for batch in (1, 32):
+            ratio = rows[("learned top-2 over 2 adapters", batch)] / rows[("2 adapters by vocabulary", batch)]
+            print(f"learned top-2 / vocabulary routing, batch {batch}: {ratio:.3f}")
+        engine.close()
+        return
     for lean, overlap in ((False, True), (True, False), (True, True)):
         rows, engine = engine_rows(routed, vocab, device, new, lean, overlap, rng)
         name = ("lean" if lean else "transformers") + ("" if overlap else ", steps not overlapped")
