@@ -45,9 +45,17 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return site
 
 
-def _run(site: Path, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    # the installed folder only: no checkout on the path (cwd is elsewhere, PYTHONPATH names just the install)
-    env = {**os.environ, "PYTHONPATH": str(site), "MOLORA_THREADS": "1"}
+def _run(site: Path, args: list[str], cwd: Path, *, without_triton: bool = False) -> subprocess.CompletedProcess:
+    # the installed folder only: no checkout on the path (cwd is elsewhere, PYTHONPATH names just the install);
+    # without_triton: as a CPU machine that installed requirements.txt (tests/test_entry_points.py's probe)
+    path = [str(site)]
+    if without_triton:
+        from test_entry_points import NO_TRITON
+
+        (cwd / "no_triton").mkdir(exist_ok=True)
+        (cwd / "no_triton" / "sitecustomize.py").write_text(NO_TRITON)
+        path.insert(0, str(cwd / "no_triton"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "MOLORA_THREADS": "1"}
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -72,8 +80,9 @@ def test_hugging_face_kernels_stays_importable_beside_the_installed_copy(install
 
 
 def test_the_installed_command_writes_a_document_on_the_embedded_model(installed: Path, tmp_path: Path):
+    """... with triton unimportable, as on a CPU machine that installed the project and requirements.txt."""
     result = _run(installed, [str(installed / "bin" / "molora"), "generate", "Draw a red circle.", "--seed", "0",
-                              "--start-image", "--out", "doc.html"], tmp_path)
+                              "--start-image", "--out", "doc.html"], tmp_path, without_triton=True)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "doc.html").is_file()
     usage = _run(installed, [str(installed / "bin" / "molora"), "--help"], tmp_path)
