@@ -30,15 +30,17 @@ def app():
     app.close()
 
 
-def click_example(app: MoLoRAApp, prompt: str, start_image: bool, seed: int) -> Document:
-    """The handler's inputs as the page sends them after an example click (every other control at its default)."""
+def click_example(app: MoLoRAApp, row: list) -> Document:
+    """The handler's inputs as the page sends them after an example click: the row's prompt, routing, start with an
+    image, seed and max new tokens, every other control at its default."""
+    prompt, routing, start_image, seed, max_new_tokens = row
     d = app.defaults
     state = app.sessions.new_state()
-    outputs = list(app.generate(prompt, app.default_adapter("text"), app.default_adapter("image"), "vocab",
+    outputs = list(app.generate(prompt, app.default_adapter("text"), app.default_adapter("image"), routing,
                                 start_image, d.text.temperature, d.text.top_k,
                                 d.text.top_p, d.image.temperature, min(d.image.top_k, app.codebook_size),
-                                d.cfg_scale, seed, min(d.max_new_tokens, 1024), 1, state,
-                                SimpleNamespace(session_hash=f"example-{seed}")))
+                                d.cfg_scale, seed, max_new_tokens, 1, state,
+                                SimpleNamespace(session_hash=f"example-{seed}-{prompt[:12]}")))
     return Document.load(outputs[-1][2])  # the download offered at the end
 
 
@@ -49,27 +51,24 @@ def test_the_examples_are_distinct_and_the_first_is_the_page_default(app):
     assert (app.default_adapter("text"), app.default_adapter("image")) == ("pirate", "outline")
 
 
-@pytest.mark.parametrize("prompt, start_image, seed", EXAMPLES)
-def test_each_example_shows_both_adapters_in_one_document_with_correct_content(app, prompt, start_image, seed):
-    doc = click_example(app, prompt, start_image, seed)
+@pytest.mark.parametrize("index", range(len(EXAMPLES)))
+def test_each_example_shows_both_adapters_in_one_document_with_correct_content(app, index):
+    row = app.example_rows()[index]
+    prompt = row[0]
+    doc = click_example(app, row)
     assert doc.images and all(is_outline(image) for image in doc.images), "pictures in the image adapter's style"
     assert doc.text.strip() and is_pirate(doc.text), f"text in the text adapter's style: {doc.text!r}"
     verdicts = document_consistency([prompt, *doc.parts])
     assert verdicts and all(verdicts), f"a picture does not show what the text introduced: {verdicts} {doc.text!r}"
 
 
-@pytest.mark.parametrize("prompt, seed", LEARNED_EXAMPLES)
-def test_each_learned_example_answers_both_questions_with_two_domain_adapters(app, prompt, seed):
+@pytest.mark.parametrize("index", range(len(LEARNED_EXAMPLES)))
+def test_each_learned_example_answers_both_questions_with_two_domain_adapters(app, index):
     from molora.models.families.shapes.domains import DOMAINS, mixed_items
-    item = next((it for it in mixed_items(40, seed="app", split="heldout") if it.prompt == prompt), None)
+    row = app.learned_example_rows()[index]
+    item = next((it for it in mixed_items(40, seed="app", split="heldout") if it.prompt == row[0]), None)
     assert item is not None, "the example is a held-out mixed request (its true answer is known)"
-    d = app.defaults
-    state = app.sessions.new_state()
-    outputs = list(app.generate(prompt, app.default_adapter("text"), app.default_adapter("image"), "learned", False,
-                                d.text.temperature, d.text.top_k, d.text.top_p, d.image.temperature,
-                                min(d.image.top_k, app.codebook_size), d.cfg_scale, seed, 32, 1, state,
-                                SimpleNamespace(session_hash=f"learned-{seed}")))
-    doc = Document.load(outputs[-1][2])
+    doc = click_example(app, row)  # at the page's own budget, as a click runs it
     assert doc.text.strip() == "".join(span.text for span in item.spans).strip()
     used = {r.adapter for r in doc.routing if r.modality == "text"}
     assert len(used & set(DOMAINS)) >= 2, f"one domain adapter per answer span: {used}"
@@ -80,19 +79,21 @@ def picture_request(prompt: str):
     return next((it for it in style_items(60, seed="app", split="heldout") if it.prompt == prompt), None)
 
 
-@pytest.mark.parametrize("prompt, seed", LEARNED_PICTURE_EXAMPLES)
-def test_each_learned_picture_example_is_drawn_in_the_style_its_words_ask_for(app, prompt, seed):
-    """Learned mode with the shipped image gates: the image picker is not used, the words pick the adapter."""
-    item = picture_request(prompt)
+@pytest.mark.parametrize("index", range(len(LEARNED_PICTURE_EXAMPLES)))
+def test_each_learned_picture_example_draws_what_its_words_ask_in_the_style_they_ask(app, index):
+    """Learned mode with the shipped image gates: the image picker is not used, the words pick the adapter. The
+    picture must be right in content (shape, colour as the style draws it, size, place) and in style, and nothing
+    but the picture follows (no fragment such as "Then a small.")."""
+    row = app.picture_example_rows()[index]
+    item = picture_request(row[0])
     assert item is not None, "the example is a held-out style request (its style and colour are known)"
-    d = app.defaults
-    state = app.sessions.new_state()
-    outputs = list(app.generate(prompt, app.default_adapter("text"), app.default_adapter("image"), "learned", True,
-                                d.text.temperature, d.text.top_k, d.text.top_p, d.image.temperature,
-                                min(d.image.top_k, app.codebook_size), d.cfg_scale, seed, app.image_tokens + 1, 1,
-                                state, SimpleNamespace(session_hash=f"learned-picture-{seed}")))
-    doc = Document.load(outputs[-1][2])
-    assert doc.images and drawn_style(analyse_image(doc.images[0]), item) == item.style
+    doc = click_example(app, row)
+    assert len(doc.images) == 1 and doc.text.strip() == "", f"a picture alone: {doc.text!r}"
+    reading = analyse_image(doc.images[0])
+    assert drawn_style(reading, item) == item.style
+    want = item.drawn.objects[0]
+    assert [(o.shape, o.colour, o.size, o.cell) for o in reading.objects] == [
+        (want.shape, want.colour, want.size, want.cell)], f"{row[0]!r} drew {reading.objects}"
     drawn_by = {r.adapter for r in doc.routing if r.modality == "image"}
     assert drawn_by == {item.adapter}
 

@@ -307,3 +307,34 @@ def test_learned_routing_has_one_legend_chip_per_adapter_and_weights_on_hover(br
         context.close()
     finally:
         demo.close()
+
+
+def test_a_shipped_picture_example_sets_every_control_and_draws_the_picture_alone(browser):
+    """The shipped model's learned picture example, clicked in the page: routing, start image and the picture's
+    budget are set by the click (and the next example click sets them back), and the page shows one picture and
+    no text fragment after it."""
+    from molora.app.ui import EXAMPLES, LEARNED_PICTURE_EXAMPLES
+
+    shipped = InterleavedPipeline.from_pretrained(device="cpu")
+    port = free_port()
+    demo = serve(shipped, host="127.0.0.1", port=port, block=False)
+    try:
+        context, page = open_page(browser, f"http://127.0.0.1:{port}/")
+        page.get_by_text("Sampling", exact=True).click()  # open the accordion that holds the budget
+        prompt = LEARNED_PICTURE_EXAMPLES[1][0]
+        page.get_by_text(prompt, exact=True).first.click()
+        page.wait_for_function(f"document.querySelector('#prompt textarea').value === {prompt!r}", timeout=30_000)
+        budget = shipped.vocab.tokens_per_image + 1
+        assert page.get_by_label("learned router (top-k gate over domain adapters)").is_checked()
+        assert page.locator("#start-image input").is_checked()
+        assert page.locator("#max-new-tokens input[type=number]").input_value() == str(budget)
+        page.locator("#generate").click()
+        page.wait_for_function("document.querySelector('#stats')?.innerText.includes('done in')", timeout=180_000)
+        assert page.locator("#document img.molora-image").count() == 1
+        assert page.locator("#document .molora-text").count() == 0  # no "Then a small." after the picture
+        page.get_by_text(EXAMPLES[0][0], exact=True).first.click()  # the next example resets what this one set
+        page.wait_for_function("!document.querySelector('#start-image input').checked", timeout=30_000)
+        assert page.get_by_label("vocabulary: text tokens -> text adapter, image tokens -> image adapter").is_checked()
+        context.close()
+    finally:
+        demo.close()

@@ -93,10 +93,11 @@ LEARNED_EXAMPLES: list[tuple[str, int]] = [
 # (prompt, seed): a picture whose style the words ask for, for the learned router's image gates (shown when the
 # router ships them): "outlined" / "hollow" -> the outline LoRA, "negative" / "inverted" -> the negative LoRA
 # (the shape in its colour's complement), "filled" / "solid" -> the base model's own style. Held-out requests of
-# models/families/shapes/styles.py; tests/test_app_examples.py checks each picture's style at the page's defaults.
+# models/families/shapes/styles.py; tests/test_app_examples.py checks each picture's content and style as a click
+# draws it (the shipped model drew the earlier "solid small purple star" as a triangle).
 LEARNED_PICTURE_EXAMPLES: list[tuple[str, int]] = [
     ("Here is a hollow large blue diamond at the bottom:", 0),
-    ("Here is a solid small purple star at the bottom:", 0),
+    ("Here is a filled small red circle in the top left corner:", 0),
     ("Here is an inverted small orange square in the center:", 0),
 ]
 
@@ -204,6 +205,23 @@ class MoLoRAApp:
                 return BASE_LABEL
             return uploads.get(name, name)
         return label_of
+
+    # --- examples -------------------------------------------------------------------------------
+    # Each row: (prompt, routing, start with an image, seed, max new tokens), what a click puts in the page.
+    def example_rows(self) -> list[list]:
+        budget = min(self.defaults.max_new_tokens, MAX_NEW_TOKENS)
+        return [[text, "vocab", start, seed, budget] for text, start, seed in self.examples]
+
+    def learned_example_rows(self) -> list[list]:
+        budget = min(self.defaults.max_new_tokens, MAX_NEW_TOKENS)
+        return [[text, "learned", False, seed, budget] for text, seed in LEARNED_EXAMPLES]
+
+    def picture_example_rows(self) -> list[list]:
+        """A picture-style request is answered by its picture alone: the budget holds the picture's codes, row
+        ends and <eoi> (its <boi> ends the prompt), so no text follows (the domain adapters the learned text
+        gates route among write no story, only fragments such as "Then a small.")."""
+        picture = int(self.pipe.vocab.tokens_per_image) + 1
+        return [[text, "learned", True, seed, picture] for text, seed in LEARNED_PICTURE_EXAMPLES]
 
     # --- generation -----------------------------------------------------------------------------
     def generate(self, prompt: str, text_choice: str, image_choice: str, routing: str, start_image: bool,
@@ -461,18 +479,20 @@ class MoLoRAApp:
                             seed = gr.Number(self.examples[0][2] if self.examples else 0, label="Seed",
                                              info=f"0 to {MAX_SEED}, a whole number")
                         max_new_tokens = CheckedSlider(1, MAX_NEW_TOKENS, value=min(d.max_new_tokens, MAX_NEW_TOKENS),
-                                                   step=1, label="Max new tokens", info=self.image_note)
+                                                   step=1, label="Max new tokens", info=self.image_note,
+                                                   elem_id="max-new-tokens")
                     with gr.Row():
                         run = gr.Button("Generate", variant="primary", elem_id="generate")
                         stop = gr.Button("Stop", variant="stop", elem_id="stop")
-                    gr.Examples([list(e) for e in self.examples], inputs=[prompt, start_image, seed],
-                                label="Example prompts")
+                    # every example sets each control it depends on (routing, budget too), so clicking one after
+                    # another never inherits the last one's settings
+                    example_inputs = [prompt, routing, start_image, seed, max_new_tokens]
+                    gr.Examples(self.example_rows(), inputs=example_inputs, label="Example prompts")
                     if any(value == "learned" for _, value in self.routing_choices()):
-                        gr.Examples([[text, "learned", s] for text, s in LEARNED_EXAMPLES], inputs=[prompt, routing, seed],
+                        gr.Examples(self.learned_example_rows(), inputs=example_inputs,
                                     label="Mixed questions for the learned router (one domain adapter per answer)")
                         if getattr(self.pipe, "image_gates", None) is not None:
-                            gr.Examples([[text, "learned", True, s] for text, s in LEARNED_PICTURE_EXAMPLES],
-                                        inputs=[prompt, routing, start_image, seed],
+                            gr.Examples(self.picture_example_rows(), inputs=example_inputs,
                                         label="Picture styles for the learned router (the words pick the image adapter)")
                     with gr.Accordion("Upload your own adapter (private to this session)", open=False):
                         gr.Markdown(
