@@ -1,6 +1,7 @@
 """Per-picture learned routing among image adapters: does each picture come out in the style its words asked for?
 
-Held-out requests (models/families/shapes/styles.py, split "heldout"), a third "outlined"/"hollow", a third
+Held-out requests (models/families/shapes/styles.py, split "heldout", drawn from --seed: another seed, other
+requests; several seeds pool theirs), a third "outlined"/"hollow", a third
 "filled"/"solid", a third "negative"/"inverted". Each row generates the pictures with the model's defaults and a
 fixed seed, and ShapesEval's exact reader judges the style (models/families/shapes/styles.drawn_style); `content` also checks
 the picture shows what the style draws for the words (shape, size, cell; the named colour, or its complement for
@@ -10,11 +11,15 @@ the picture shows what the style draws for the words (shape, size, cell; the nam
     second picture     a document that already holds a picture in ANOTHER style, then the sentence -> the
                        second picture (per-picture routing inside one document)
 
+Seed "eval" (the default) is the validation seed: image-gate variants were chosen on it, so its report opens with
+NOT HELD OUT (models/families/shapes/eval_seeds.py); report on test seeds. Every rate carries its 95% Wilson interval
+(models/families/shapes/stats.py). --sample-seed seeds the sampling of the pictures.
+
 Rows: base (no adapter: filled), outline everywhere (vocabulary routing to the outline LoRA: what a per-request
 choice gives a document that mixes styles), oracle (the requested style's expert for the request), and learned
 (the router's image gates pick per picture from the words; text gates as shipped).
 
-    python scripts/eval_image_styles.py --json benchmarks/image_styles_eval.json
+    python scripts/eval_image_styles.py --seed 1 2 3 --n 99 --json benchmarks/image_styles_eval.json
 """
 
 from __future__ import annotations
@@ -33,8 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from molora.models.engine.runtime import device_name  # noqa: E402
 from molora.models.families.shapes import world  # noqa: E402
 from molora.models.families.shapes.analyse import analyse_image  # noqa: E402
+from molora.models.families.shapes.errors import ShapesError  # noqa: E402
 from molora.models.families.shapes.eval import score_text_to_image  # noqa: E402
+from molora.models.families.shapes.eval_seeds import VALIDATION_SEED, check_seeds, selection_warning  # noqa: E402
 from molora.models.families.shapes.prompts import EvalPrompt  # noqa: E402
+from molora.models.families.shapes.stats import wilson_interval  # noqa: E402
 from molora.models.families.shapes.styles import STYLES, StyleItem, drawn_style, style_items  # noqa: E402
 from molora.models.pipeline import InterleavedPipeline  # noqa: E402
 
@@ -42,13 +50,31 @@ log = logging.getLogger("eval_image_styles")
 ROWS = ("base", "outline everywhere", "oracle (requested style's expert)", "learned image gates")
 
 
-def prompts(items: list[StyleItem], second: bool) -> list[list]:
+def requests(seeds: list[str], n: int) -> tuple[list[StyleItem], list[StyleItem]]:
+    """Every seed's `n` held-out requests, pooled, and for each the request whose picture comes first in the
+    second-picture rows (seed "<seed>-first"; style_items cycles the styles, so first request i+1 asks for another
+    style than request i)."""
+    items, firsts = [], []
+    for seed in seeds:
+        items += style_items(n, seed=seed, split="heldout")
+        firsts += style_items(n + 1, seed=f"{seed}-first", split="heldout")[1:]
+    return items, firsts
+
+
+def prompts(items: list[StyleItem], second: bool, firsts: list[StyleItem] | None = None) -> list[list]:
     """One prompt per item: its sentence, or (second) another request's sentence and picture in another style,
-    then its sentence (style_items cycles the styles, so the request after item i asks for another one)."""
+    then its sentence."""
     if not second:
         return [[it.prompt] for it in items]
-    firsts = style_items(len(items) + 1, seed="eval-first", split="heldout")
-    return [[first.prompt, world.render(first.drawn), it.prompt] for it, first in zip(items, firsts[1:])]
+    if firsts is None:
+        firsts = style_items(len(items) + 1, seed=f"{VALIDATION_SEED}-first", split="heldout")[1:]
+    return [[first.prompt, world.render(first.drawn), it.prompt] for it, first in zip(items, firsts)]
+
+
+def rate(hits: list[bool]) -> dict:
+    """A rate with its 95% Wilson interval: {"p", "ci95": [lo, hi], "k", "n"}."""
+    k, n = sum(hits), len(hits)
+    return {"p": round(k / max(1, n), 4), "ci95": [round(x, 4) for x in wilson_interval(k, n)], "k": k, "n": n}
 
 
 def run_row(pipe: InterleavedPipeline, items: list[StyleItem], batch: list[list], routing: str,
@@ -65,56 +91,88 @@ def run_row(pipe: InterleavedPipeline, items: list[StyleItem], batch: list[list]
         style_ok.append(picture is not None and drawn_style(analyse_image(picture), item) == item.style)
         content_ok.append(score_text_to_image(EvalPrompt("text_to_image", item.prompt, item.drawn), picture))
     n = len(items)
-    per_style = {}
+    per_style, ci = {}, {"style": rate(style_ok), "content": rate(content_ok)}
     for style in STYLES:
         asked = [ok for ok, it in zip(style_ok, items) if it.style == style]
         per_style[f"style_{style}"] = round(sum(asked) / max(1, len(asked)), 4)
+        ci[f"style_{style}"] = rate(asked)
     return {"style": round(sum(style_ok) / n, 4), "content": round(sum(content_ok) / n, 4), **per_style,
+            "ci95": ci, "style_hits": "".join("1" if ok else "0" for ok in style_ok),
             "seconds": round(time.time() - t0, 1)}
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="model directory (default: the repo's assets)")
-    p.add_argument("--n", type=int, default=99, help="held-out requests (a third of each style)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=int, default=99, help="held-out requests per seed (a third of each style)")
+    p.add_argument("--seed", nargs="+", default=[VALIDATION_SEED],
+                   help=f"held-out request seeds; several pool their requests (default {VALIDATION_SEED!r}: the "
+                        "validation seed, not held out; report on others, e.g. --seed 1 2 3)")
+    p.add_argument("--sample-seed", type=int, default=0, help="seed of the pictures' sampling")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS),
                    help="which rows to run (default: all)")
     args = p.parse_args(argv)
+    try:
+        seeds, held_out = check_seeds(args.seed)
+    except ShapesError as e:
+        p.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     pipe = InterleavedPipeline.from_pretrained(args.model, device=args.device)
     if pipe.image_gates is None:
         raise SystemExit("no image gates are loaded (train them: scripts/train_image_router.py)")
-    items = style_items(args.n, seed="eval", split="heldout")
+    items, firsts = requests(seeds, args.n)
     rows: dict = {}
     for kind, second in (("one picture", False), ("second picture", True)):
-        batch = prompts(items, second)
+        batch = prompts(items, second, firsts)
         settings = {"base": ("none", None), "outline everywhere": ("vocab", "outline"),
                     "oracle (requested style's expert)": ("vocab", [it.adapter for it in items]),
                     "learned image gates": ("learned", None)}
-        rows[kind] = {name: run_row(pipe, items, batch, *settings[name], args.seed) for name in args.rows}
+        rows[kind] = {name: run_row(pipe, items, batch, *settings[name], args.sample_seed) for name in args.rows}
         for name, r in rows[kind].items():
-            log.info("%s / %s: %s", kind, name, r)
+            log.info("%s / %s: %s", kind, name, {k: v for k, v in r.items() if k not in ("ci95", "style_hits")})
     config_path = (args.model or Path(__file__).resolve().parents[1] / "assets") / "router" / "config.json"
     section = json.loads(config_path.read_text()).get("image_gates", {}) if config_path.is_file() else {}
-    results = {"rows": rows, "setup": {"n": args.n, "seed": args.seed, "split": "heldout",
+    results = {"rows": rows, "setup": {"n": args.n, "seeds": seeds, "held_out": held_out,
+                                       "sample_seed": args.sample_seed, "split": "heldout",
                                        "image_gates_context_decays": list(pipe.image_gates.context_decays),
                                        "image_gates": {k: section[k] for k in ("steps", "second", "val") if k in section},
                                        "device": device_name(args.device), "torch": torch.__version__,
                                        "threads": torch.get_num_threads()}}
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
-    lines = ["| row | one picture: style | outlined / filled / negative asked | content | second picture: style "
-             "| outlined / filled / negative asked | content |", "|---|---|---|---|---|---|---|"]
+    print(report(results))
+    return results
+
+
+def report(results: dict) -> str:
+    """Style rates with 95% Wilson intervals (NOT HELD OUT first on a selection seed); per seed when pooled."""
+    rows, setup = results["rows"], results["setup"]
+    seeds = setup["seeds"]
+    lines = [] if setup["held_out"] else [selection_warning(seeds), ""]
+    lines += [f"Seeds {' '.join(seeds)}: {setup['n']} held-out requests per seed; 95% Wilson intervals in brackets",
+              "| row | one picture: style | outlined / filled / negative asked | content | second picture: style "
+              "| outlined / filled / negative asked | content |", "|---|---|---|---|---|---|---|"]
+
+    def ci(r: dict, key: str) -> str:
+        c = r["ci95"][key]
+        return f"{c['p']:.3f} ({c['ci95'][0]:.3f}–{c['ci95'][1]:.3f})"
     for name in rows["one picture"]:
         a, b = rows["one picture"][name], rows["second picture"][name]
         asked = [" / ".join(f"{r[f'style_{s}']:.3f}" for s in STYLES) for r in (a, b)]
-        lines.append(f"| {name} | {a['style']:.3f} | {asked[0]} | {a['content']:.3f} | {b['style']:.3f} | {asked[1]} | "
-                     f"{b['content']:.3f} |")
-    print("\n".join(lines))
-    return results
+        lines.append(f"| {name} | {ci(a, 'style')} | {asked[0]} | {ci(a, 'content')} | {ci(b, 'style')} | {asked[1]} "
+                     f"| {ci(b, 'content')} |")
+    if len(seeds) > 1:
+        n = setup["n"]
+        lines += ["", "Style rate per seed (one picture / second picture)", "| row | " + " | ".join(seeds) + " |",
+                  "|---|" + "---|" * len(seeds)]
+        for name in rows["one picture"]:
+            hits = [rows[k][name]["style_hits"] for k in ("one picture", "second picture")]
+            lines.append(f"| {name} | " + " | ".join(
+                " / ".join(f"{h[i * n:(i + 1) * n].count('1') / n:.3f}" for h in hits) for i in range(len(seeds)))
+                + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

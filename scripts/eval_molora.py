@@ -176,7 +176,8 @@ def summarise(hits: Hits, encoded: list[EncodedItem]) -> dict:
     """Accuracy per domain, on mixed requests, mixed spans and all items (counts' proportions)."""
     c = counts(hits, encoded)
     out = {k: round(k_ / n, 4) for k, (k_, n) in c.items() if k not in ("all", "single_domain", "mixed_spans")}
-    out["all"] = round(c["all"][0] / c["all"][1], 4) if "all" in c else None
+    if None not in hits[0]:  # "all" only for a row that scores every item
+        out["all"] = round(c["all"][0] / c["all"][1], 4)
     if "mixed_spans" in c:
         out["mixed_spans"] = round(c["mixed_spans"][0] / c["mixed_spans"][1], 4)
     return out
@@ -327,7 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
     pad = tok.vocab.pad_id
     encoded, item_seed = seeded_items(tok, adapters, args.seed, args.n_per_domain, args.n_mixed)
     setup = {"seeds": args.seed, "held_out": args.held_out, "n_per_domain": args.n_per_domain,
-             "n_mixed": args.n_mixed, "adapters": adapters, "router": str(args.router), "split": "heldout"}
+             "n_mixed": args.n_mixed, "adapters": adapters, "router": str(args.router), "split": "heldout",
+             "bootstrap": args.bootstrap}
     results: dict = json.loads(args.json.read_text()) if args.json and args.json.is_file() else {}
     old = results.get("setup", {})
     if results.get("rows") and any(old.get(k) != v for k, v in setup.items()):
@@ -335,18 +337,19 @@ def main(argv: list[str] | None = None) -> dict:
                          "pass another --json")
     rows: dict = results.setdefault("rows", {})
     by_seed: dict = results.setdefault("by_seed", {})
+    ci95: dict = results.setdefault("ci95", {})  # per row: {metric: [p, lo, hi, right, n]} (95% Wilson)
     per_item: dict[str, Hits] = {}
 
     def record(name: str, hits: Hits, seconds: float, **extra) -> None:
         per_item[name] = hits
-        rows[name] = {**summarise(hits, encoded), "ci95": intervals(hits, encoded), "seconds": round(seconds, 1),
-                      **extra}
+        rows[name] = {**summarise(hits, encoded), "seconds": round(seconds, 1), **extra}
+        ci95[name] = intervals(hits, encoded)
         if len(args.seed) > 1:
             for seed in args.seed:
                 keep = [i for i, s in enumerate(item_seed) if s == seed]
                 by_seed.setdefault(seed, {})[name] = summarise(
                     ([hits[0][i] for i in keep], [hits[1][i] for i in keep]), [encoded[i] for i in keep])
-        log.info("%s: %s", name, {k: v for k, v in rows[name].items() if k != "ci95"})
+        log.info("%s: %s", name, rows[name])
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(results, indent=2))
@@ -474,8 +477,9 @@ def row_order(name: str) -> tuple[int, str]:
     return 99, name
 
 
-def cell(r: dict, metric: str) -> str:
-    ci = r.get("ci95", {}).get(metric)
+def cell(r: dict, metric: str, ci95: dict | None = None) -> str:
+    """"p (lo–hi)" from the row's Wilson intervals `ci95` ({metric: [p, lo, hi, ...]}), or the bare value."""
+    ci = (ci95 or {}).get(metric)
     if ci is None:
         return f"{r[metric]:.3f}" if r.get(metric) is not None else "–"
     return f"{ci[0]:.3f} ({ci[1]:.3f}–{ci[2]:.3f})"
@@ -486,17 +490,20 @@ def report(results: dict, adapters: list[str]) -> str:
     beside the any-pair reference, then routing agreement; with several seeds, each seed's mixed accuracy."""
     setup, rows = results["setup"], results["rows"]
     seeds = setup.get("seeds", [setup.get("seed")])
+
+    def wilson(name: str) -> dict | None:
+        return results.get("ci95", {}).get(name)
     out = [] if setup.get("held_out", True) else [selection_warning(seeds), ""]
     out.append(f"Seeds {' '.join(map(str, seeds))}: {setup.get('n_per_domain')} items per domain + "
                f"{setup.get('n_mixed')} mixed requests per seed, held-out split; greedy exact match; "
-               "95% Wilson intervals in brackets")
+               "95% Wilson intervals in brackets (mixed spans: each span one trial)")
     cols = ["single_domain", *adapters, "mixed", "mixed_spans"]
     names = sorted(rows, key=row_order)
     out += ["", "Absolute accuracy", "| row | single-domain mean | " + " | ".join(adapters)
             + " | mixed (both spans exact) | mixed spans |", "|---|" + "---|" * len(cols)]
-    out += [f"| {n} | " + " | ".join(cell(rows[n], c) for c in cols) + " |" for n in names]
+    out += [f"| {n} | " + " | ".join(cell(rows[n], c, wilson(n)) for c in cols) + " |" for n in names]
     out += ["", f"Recovery of the per-span oracle on mixed requests: (row - base) / (oracle_span - base); 95% paired "
-            f"bootstrap over requests ({BOOTSTRAP_RESAMPLES} resamples by default, seed {BOOTSTRAP_SEED})",
+            f"bootstrap over requests ({setup.get('bootstrap', BOOTSTRAP_RESAMPLES)} resamples, seed {BOOTSTRAP_SEED})",
             f"  oracle = {ORACLE_LINE}", f"  {PAIR_LINE}", "",
             "| row | recovery, whole requests | recovery, spans |", "|---|---|---|"]
     for n in names:
@@ -510,12 +517,12 @@ def report(results: dict, adapters: list[str]) -> str:
         out.append(f"| {n} | " + " | ".join(parts) + " |")
     if "oracle_span" in rows:
         out += ["", "| reference | mixed (both spans exact) | recovery, whole requests |", "|---|---|---|",
-                f"| oracle_span | {cell(rows['oracle_span'], 'mixed')} | 1 (by definition) |"]
+                f"| oracle_span | {cell(rows['oracle_span'], 'mixed', wilson('oracle_span'))} | 1 (by definition) |"]
         if "any_pair" in rows:
             r = rows["any_pair"]
             ci = r.get("oracle_recovery_mixed_ci95")
             rec = r.get("oracle_recovery_mixed")
-            out.append(f"| any_pair | {cell(r, 'mixed')} | " + ("–" if rec is None else f"{rec:.3f}")
+            out.append(f"| any_pair | {cell(r, 'mixed', wilson('any_pair'))} | " + ("–" if rec is None else f"{rec:.3f}")
                        + (f" ({ci[0]:.3f}–{ci[1]:.3f})" if ci else "") + " |")
     for n in names:
         v = rows[n].get("mixed_vs_oracle")
@@ -533,7 +540,7 @@ def report(results: dict, adapters: list[str]) -> str:
         for n in names:
             per = [results["by_seed"].get(s, {}).get(n, {}).get("mixed") for s in seeds]
             out.append(f"| {n} | " + " | ".join("–" if v is None else f"{v:.3f}" for v in per)
-                       + f" | {cell(rows[n], 'mixed')} |")
+                       + f" | {cell(rows[n], 'mixed', wilson(n))} |")
     return "\n".join(out)
 
 

@@ -137,10 +137,45 @@ def test_pooled_report_prints_absolute_accuracies_first_with_intervals(tiny, tmp
     assert text.index("Absolute accuracy") < text.index("Recovery of the per-span oracle") < text.index("outright, per seed")
     assert "NOT HELD OUT" not in text
     rows = results["rows"]
-    assert rows["any_pair"]["ci95"]["mixed"][4] == 8 and "count" not in rows["any_pair"]  # mixed requests only
-    assert rows["base"]["ci95"]["single_domain"][4] == 12 and set(results["by_seed"]) == {"1", "2"}
+    ci95 = results["ci95"]
+    assert ci95["any_pair"]["mixed"][4] == 8 and "count" not in rows["any_pair"]  # mixed requests only
+    assert "all" not in rows["any_pair"] and ci95["base"]["single_domain"][4] == 12
+    assert ci95["base"]["mixed"][:3] == [0.0, 0.0, pytest.approx(wilson_interval(0, 8)[1], abs=1e-4)]
+    assert set(results["by_seed"]) == {"1", "2"}
     assert rows["any_pair"]["mixed"] >= max(rows[r]["mixed"] for r in ("oracle_span", "single:count"))
     assert json.loads(out.read_text())["setup"]["seeds"] == ["1", "2"]
     with pytest.raises(SystemExit, match="other items"):  # merging rows of other items into that file is refused
         ev.main(["--model-dir", str(root / "model"), "--adapters-dir", str(root / "adapters"), "--adapters",
                  *ADAPTERS, "--rows", "base", "--seed", "3", "--n", "2", "--json", str(out)])
+
+
+# --- image styles ------------------------------------------------------------------------------------------
+
+def test_image_style_requests_are_drawn_from_the_seed():
+    from molora.models.families.shapes.styles import style_items
+    ev = load_script("eval_image_styles")
+    one, firsts = ev.requests(["1"], 6)
+    assert ev.requests(["1"], 6) == (one, firsts)
+    other, _ = ev.requests(["2"], 6)
+    assert not {it.prompt for it in one} & {it.prompt for it in other}
+    assert all(f.style != it.style for f, it in zip(firsts, one))  # the first picture is in another style
+    assert ev.requests(["eval"], 6)[1] == style_items(7, seed="eval-first", split="heldout")[1:]  # as before
+    pooled, pooled_firsts = ev.requests(["1", "2"], 6)
+    assert pooled == one + other and pooled_firsts[:6] == firsts
+
+
+def test_image_style_report_gives_wilson_intervals_per_seed_and_flags_the_validation_seed():
+    ev = load_script("eval_image_styles")
+    hits = [True] * 5 + [False] * 5 + [True] * 10
+    row = {"style": 0.75, "content": 0.75, **{f"style_{s}": 0.75 for s in ("outline", "filled", "negative")},
+           "ci95": {"style": ev.rate(hits), "content": ev.rate(hits)}, "style_hits": "".join("10"[not h] for h in hits)}
+    assert row["ci95"]["style"]["ci95"] == pytest.approx(wilson_interval(15, 20), abs=1e-4)
+    results = {"rows": {"one picture": {"learned image gates": row}, "second picture": {"learned image gates": row}},
+               "setup": {"n": 10, "seeds": ["1", "2"], "held_out": True}}
+    text = ev.report(results)
+    lo, hi = wilson_interval(15, 20)
+    assert f"0.750 ({lo:.3f}–{hi:.3f})" in text and "| learned image gates | 0.500 / 0.500 | 1.000 / 1.000 |" in text
+    results["setup"].update(seeds=["eval"], held_out=False)
+    assert ev.report(results).startswith("NOT HELD OUT")
+    with pytest.raises(SystemExit):
+        ev.main(["--seed", "1", "val0"])
