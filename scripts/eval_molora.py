@@ -541,6 +541,17 @@ def report(results: dict, adapters: list[str]) -> str:
             per = [results["by_seed"].get(s, {}).get(n, {}).get("mixed") for s in seeds]
             out.append(f"| {n} | " + " | ".join("–" if v is None else f"{v:.3f}" for v in per)
                        + f" | {cell(rows[n], 'mixed', wilson(n))} |")
+        recovered = [n for n in names if "oracle_recovery_mixed" in rows[n] and n.startswith(("ours", "any_pair"))]
+        if recovered:
+            out += ["", "Recovery of the per-span oracle on mixed requests, per seed",
+                    "| row | " + " | ".join(map(str, seeds)) + " | pooled |", "|---|" + "---|" * (len(seeds) + 1)]
+            for n in recovered:
+                per = []
+                for s in seeds:
+                    got = results["by_seed"].get(s, {})
+                    v = recovery(*(got.get(x, {}).get("mixed", float("nan")) for x in (n, "base", "oracle_span")))
+                    per.append("–" if v is None or v != v else f"{v:.3f}")
+                out.append(f"| {n} | " + " | ".join(per) + f" | {rows[n]['oracle_recovery_mixed']:.3f} |")
     return "\n".join(out)
 
 
