@@ -110,3 +110,25 @@ def test_sigterm_removes_the_apps_folder_and_its_files_in_gradios_cache(tiny_ass
     assert not list(temp.glob("molora-app-*")), "the app's temporary folder outlived SIGTERM"
     left = [p for p in files_under(cache) if p.stat().st_size]  # Gradio's upload parser leaves an empty temp file
     assert left == [], f"SIGTERM left files in Gradio's cache: {left}"
+
+
+def test_the_page_is_served_before_the_warm_up_ends(tiny_assets, tmp_path):
+    """Start-up to a served page is loading alone: the warm-up generation runs once the page is up."""
+    port = free_port()
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--model", str(tiny_assets / "model"), "--host",
+                             "127.0.0.1", "--port", str(port)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any("warm-up done" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "\n".join(lines)
+            lines.append(line)
+        served = next(i for i, line in enumerate(lines) if "Running on local URL" in line)
+        warmed = next(i for i, line in enumerate(lines) if "warm-up done" in line)
+        assert served < warmed, "".join(lines)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)

@@ -53,11 +53,12 @@ def load_pipeline(model: str | None, device: str | None, grid: str | None = None
 
 
 def warm_up(pipe: InterleavedPipeline) -> None:
-    """One short image generation before the first visitor: on CPU the first run after loading is slower than
-    later ones (tiny test model, one 258-token image, 2 shared cores: 1.6 s first, 0.4 s second), so we pay it
-    here rather than the first visitor."""
+    """One short image generation as the app starts: on CPU the first run after loading is slower than later ones
+    (tiny test model, one 258-token image, 2 shared cores: 1.6 s first, 0.4 s second), so we pay it rather than the
+    first visitor. `main` runs it once the page is served (a visitor who comes at once shares its forward passes):
+    the page was 7-14 s later when the warm-up ran first (embedded model, 2 busy cores)."""
     text, image = default_adapter(pipe.adapters, "text"), default_adapter(pipe.adapters, "image")
-    log.info("warming up: one short generation before serving (a few seconds on a CPU)")
+    log.info("warming up: one short generation (a few seconds on a CPU; the page is served meanwhile)")
     started = time.perf_counter()
     pipe.generate("Draw a red circle.", text_adapter=text, image_adapter=image, routing="vocab", seed=0,
                   start_image=True, max_new_tokens=pipe.vocab.tokens_per_image + 2)
@@ -65,11 +66,12 @@ def warm_up(pipe: InterleavedPipeline) -> None:
 
 
 def serve(pipe: InterleavedPipeline, *, host: str | None = None, port: int | None = None,
-          concurrency: int = DEFAULT_CONCURRENCY, block: bool = True) -> gr.Blocks:
-    """Launch the page for `pipe`; with block=False return at once (tests, notebooks) and stop it with .close()."""
+          concurrency: int = DEFAULT_CONCURRENCY, block: bool = True, quiet: bool | None = None) -> gr.Blocks:
+    """Launch the page for `pipe`; with block=False return at once (tests, notebooks) and stop it with .close().
+    `quiet` (default: not block): leave out Gradio's "Running on local URL" lines."""
     demo = create_demo(pipe, concurrency)
-    demo.launch(server_name=host, server_port=port, prevent_thread_lock=not block, quiet=not block,
-                **launch_kwargs())
+    demo.launch(server_name=host, server_port=port, prevent_thread_lock=not block,
+                quiet=(not block) if quiet is None else quiet, **launch_kwargs())
     return demo
 
 
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_cpu_threads(args.threads)
     pipe = load_pipeline(args.model, args.device, args.grid)
+    demo = serve(pipe, host=args.host, port=args.port, concurrency=args.concurrency, block=False, quiet=False)
     if not args.no_warmup:
         warm_up(pipe)
-    serve(pipe, host=args.host, port=args.port, concurrency=args.concurrency)
+    demo.block_thread()  # until Ctrl+C or SIGTERM
