@@ -438,3 +438,29 @@ def test_a_prompt_that_is_not_text_is_refused_in_the_page_naming_the_bytes(pipe)
                               1.0, 1.0, 0, 1.0, 0, 8, 1, app.sessions.new_state(), SimpleNamespace(session_hash="x")))
     finally:
         app.close()
+
+
+def test_stop_ends_the_page_even_when_the_generation_does_not_see_the_signal(pipe, monkeypatch):
+    """On ZeroGPU the generation runs in a worker process that the Stop button's signal does not reach: the page
+    stops waiting after a grace period, closes the stream (which cancels the request) and says it stopped."""
+    import molora.app.ui as ui
+    from molora.models.engine.events import TextDelta
+
+    def deaf_stream(*args, **kwargs):
+        while True:  # a generation that never sees the StopSignal
+            time.sleep(0.02)
+            yield TextDelta(" word", [7], ["text_style"])
+
+    monkeypatch.setattr(ui, "stream_events", deaf_stream)
+    monkeypatch.setattr(ui, "STOP_GRACE_SECONDS", 0.5)
+    app = MoLoRAApp(pipe)
+    tab = SimpleNamespace(session_hash="deaf")
+    run = app.generate("x", "text_style", "image_style", "vocab", False, 1.0, 0, 1.0, 1.0, 0, 1.0, 0, 8, 1,
+                       app.sessions.new_state(), tab)
+    next(run)
+    next(run)
+    app.stop(tab)
+    started = time.monotonic()
+    outputs = list(run)
+    assert time.monotonic() - started < 10 and "stopped after" in outputs[-1][5]
+    app.close()

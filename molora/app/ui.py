@@ -62,6 +62,7 @@ MAX_PROMPT_CHARS = 2000
 MAX_NEW_TOKENS = 1024
 MAX_BEST_OF_UI = 8  # each candidate costs a whole document (and its captions) on a shared CPU
 REFRESH_SECONDS = 0.2  # the page is refreshed at most this often while tokens stream
+STOP_GRACE_SECONDS = 5.0  # Stop not answered by a Finished within this: the page stops waiting for it
 ROUTING_REFRESH_SECONDS = 1.0  # ... and the routing map (hundreds of tokens, re-sent whole) at most this often
 
 # (prompt, start with an image, seed): story openings in the shapes world's own phrasing (models/families/shapes/text.py), each
@@ -261,6 +262,8 @@ class MoLoRAApp:
             yield self._outputs(view, colors, f"starting…{note}", state, None, sent)  # clears the old download
             try:
                 for batch in in_background(run, REFRESH_SECONDS):
+                    if signal.stopped_for(STOP_GRACE_SECONDS):
+                        break  # the generation did not see the signal (a ZeroGPU worker): closing it cancels it
                     changed = [view.apply(event) for event in batch]
                     if any(changed) and view.document is None:
                         status = f"generating… {time.perf_counter() - started:.1f} s{note}"
@@ -273,6 +276,10 @@ class MoLoRAApp:
             finally:
                 if _STOPS.get(stop_key) is signal:
                     del _STOPS[stop_key]
+            if view.document is None and signal.is_set():
+                status = f"stopped after {len(view.tokens)} tokens{note}"
+                yield self._outputs(view, colors, status, state, None)
+                return
             if view.document is None:
                 raise user_error("generation ended without a document; see the server log")
             path = self._save_document(view.document, state)

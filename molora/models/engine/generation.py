@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -186,16 +187,22 @@ class StopSignal:
         self._lock = threading.Lock()
         self._handles: list[Any] = []
         self._stopped = False
+        self._stopped_at: float | None = None
 
     def stop(self) -> None:
         with self._lock:
             self._stopped = True
+            self._stopped_at = self._stopped_at or time.monotonic()
             handles, self._handles = self._handles, []
         for handle in handles:
             handle.cancel()
 
     def is_set(self) -> bool:
         return self._stopped
+
+    def stopped_for(self, seconds: float) -> bool:
+        """Whether stop() was called at least `seconds` ago."""
+        return self._stopped_at is not None and time.monotonic() - self._stopped_at >= seconds
 
     def attach(self, handles: Sequence[Any]) -> None:
         """Requests (engine RequestHandles) this signal cancels; cancelled at once if it was stopped already."""
