@@ -26,7 +26,8 @@ causal routing). Rows:
                       the base model (LabelRouter): the per-span oracle recovery is measured against
     oracle_span_rerun not one pass: each span scored with its own domain's adapter on the whole sequence
     any_pair          an upper reference on mixed requests: solved when SOME ordered pair of adapters (the first
-                      span answered by one, the second by the other, the prompt to the base) solves it
+                      span answered by one, the second by the other, the prompt to the base; the same adapter twice
+                      included) solves it; E * E passes over the mixed requests
 
 Mixed requests are scored twice: the whole answer (both spans), and per span given the right earlier span
 (mixed_spans, teacher forced).
@@ -462,9 +463,9 @@ def add_recovery(rows: dict, per_item: dict[str, Hits], encoded: list[EncodedIte
 
 ORACLE_LINE = ("per-span oracle (oracle_span): every answer position routed to the adapter of the true domain of the "
                "span it predicts, the prompt read by the base model, in one pass")
-PAIR_LINE = ("any adapter pair (any_pair): a mixed request counts when some ordered pair of adapters, the first span "
-             "answered by one and the second by the other, answers it whole (an upper reference for per-span routing "
-             "over these adapters)")
+PAIR_LINE = ("any adapter pair (any_pair): a mixed request counts when some ordered pair of adapters (one adapter "
+             "twice included), the first span answered by one and the second by the other, answers it whole (an "
+             "upper reference for per-span routing over these adapters)")
 
 
 def row_order(name: str) -> tuple[int, str]:
