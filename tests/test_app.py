@@ -422,6 +422,7 @@ def test_a_refusal_is_logged_as_one_line_without_a_traceback(url, capfd, caplog)
     ("text_temperature", 5.0, "Text temperature must be from 0 to 2, got 5"),
     ("max_new_tokens", 5000, "Max new tokens must be from 1 to 1024, got 5000"),
     ("text_top_k", 2.5, "Text top-k (0 = off) takes whole numbers, got 2.5"),
+    ("routing", "sideways", "Routing: Value: 'sideways' (type: <class 'str'>) is not in the list of choices"),
 ])
 def test_an_out_of_range_api_value_is_refused_naming_the_control_in_one_log_line(url, capfd, field, value, message):
     with pytest.raises(AppError, match=re.escape(message)):

@@ -457,7 +457,7 @@ class MoLoRAApp:
                                                     value=self.default_adapter("image"), label="Image adapter",
                                                     info=PICKER_HINTS["vocab"][1],
                                                     allow_custom_value=True, elem_id="image-adapter")
-                    routing = gr.Radio(self.routing_choices(), value="vocab", label="Routing")
+                    routing = quiet_refusals(gr.Radio(self.routing_choices(), value="vocab", label="Routing"))
                     with gr.Row():
                         start_image = gr.Checkbox(False, label="Start with an image",
                                                   info="text -> image: the prompt is followed by <boi>",
@@ -511,9 +511,9 @@ class MoLoRAApp:
                                                elem_id="upload-files")
                         with gr.Row():
                             upload_name = gr.Textbox(label="Name", placeholder="my-adapter", max_lines=1)
-                            upload_modality = gr.Radio([("as its molora.json says", AUTO_MODALITY), "text", "image"],
-                                                       value=AUTO_MODALITY, label="Use for",
-                                                       elem_id="upload-modality")
+                            upload_modality = quiet_refusals(gr.Radio(
+                                [("as its molora.json says", AUTO_MODALITY), "text", "image"],
+                                value=AUTO_MODALITY, label="Use for", elem_id="upload-modality"))
                         upload_button = gr.Button("Load adapter")
                         upload_status = gr.Markdown(label="Upload status")
                 with gr.Column(scale=3):
@@ -602,6 +602,21 @@ def public_document(document, labels: dict[str, str], model_name: str):
     if "model" in public.meta:
         public.meta["model"] = model_name
     return public
+
+
+def quiet_refusals(component: Any) -> Any:
+    """`component` with Gradio's own check of an API value (e.g. a choice not in a radio's list) refused as one
+    log line naming the control, not a traceback per bad value."""
+    original = component.preprocess
+
+    def preprocess(payload: Any) -> Any:
+        try:
+            return original(payload)
+        except gr.Error as err:
+            raise user_error(f"{component.label or 'a control'}: {err.message}") from None
+
+    component.preprocess = preprocess
+    return component
 
 
 def user_error(message: str, **kwargs) -> gr.Error:
