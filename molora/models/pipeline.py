@@ -475,6 +475,9 @@ class InterleavedPipeline:
         the first of n candidates that passes the check is returned). A prompt is a str, a PIL image or a list
         mixing them (images are VQ-encoded into <boi> codes <eoi>, so image -> text works).
         `text_adapter` / `image_adapter` may be lists (one per prompt) to route each row differently.
+        max_new_tokens is held exactly; where the model begins a picture the rest of it cannot hold, the document
+        ends cleanly before that picture, with a notice (never the model's next-best words in its place).
+        `stop` (a StopSignal): stop() from another thread ends it early with the document so far.
 
         >>> doc = pipe.generate("a blue star", seed=0, start_image=True, image_adapter="outline")
         >>> doc.images[0].size
