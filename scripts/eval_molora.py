@@ -28,6 +28,8 @@ causal routing). Rows:
     any_pair          an upper reference on mixed requests: solved when SOME ordered pair of adapters (the first
                       span answered by one, the second by the other, the prompt to the base; the same adapter twice
                       included) solves it; E * E passes over the mixed requests
+    fair_check        not a row: each adapter alone in peft through AnswerOnly must reproduce single:<name> item for
+                      item (it runs the single rows); the report prints the count of identical items
 
 Mixed requests are scored twice: the whole answer (both spans), and per span given the right earlier span
 (mixed_spans, teacher forced).
@@ -77,7 +79,7 @@ from molora.routing import LabelRouter, LearnedGates, LearnedRouter, SequenceRou
 log = logging.getLogger("eval_molora")
 REPO = Path(__file__).resolve().parents[1]
 ROWS = ("base", "single", "every", "oracle_request", "peft_cat", "peft_ties", "peft_dare_ties", "peft_arrow", "peft_xlora",
-        "ours", "oracle_span", "any_pair")
+        "ours", "oracle_span", "any_pair", "fair_check")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -284,6 +286,20 @@ def peft_arrow(args, adapters: list[str]) -> dict[str, Callable]:
     return {"peft_arrow": fair.everywhere, "peft_arrow:answer": fair.logits}
 
 
+def fair_check(args, adapters: list[str], encoded: list[EncodedItem], pad: int, per_item: dict[str, Hits]) -> dict:
+    """The fair way checked: each adapter alone in peft, run through AnswerOnly, must score single:<name>'s items
+    exactly (same whole-answer and span hits, item for item); if it does, the :answer rows are peft's models under
+    our adapters' contract and nothing else. {name: {"same": items with equal hits, "n": items}}."""
+    from peft import PeftModel
+    out = {}
+    for a in adapters:
+        fair = AnswerOnly(PeftModel.from_pretrained(fresh_lm(args.model_dir, args.device), str(args.adapters_dir / a)))
+        whole, spans = score(fair.logits, encoded, pad, adapters, args.batch_size, args.device)
+        ref = per_item[f"single:{a}"]
+        out[a] = {"same": sum(w == rw and s == rs for w, s, rw, rs in zip(whole, spans, *ref)), "n": len(encoded)}
+    return out
+
+
 # --- the any-pair reference --------------------------------------------------------------------------------
 
 def pair_labels(batch, encoded: list[EncodedItem], first: int, second: int) -> torch.Tensor:
@@ -367,6 +383,8 @@ def main(argv: list[str] | None = None) -> dict:
             record(name, score(fn, encoded, pad, adapters, args.batch_size, args.device), time.time() - t0)
 
     want = set(args.rows)
+    if "fair_check" in want:
+        want.add("single")
     if "base" in want:
         routed_row("base", lambda b: None)
     if "single" in want or "oracle_request" in want:
@@ -407,6 +425,9 @@ def main(argv: list[str] | None = None) -> dict:
         peft_rows({name: fn for name, fn in peft_merges(args, adapters).items() if name.split(":")[0] in merges})
     if "peft_arrow" in want:
         peft_rows(peft_arrow(args, adapters))
+    if "fair_check" in want:
+        results["fair_check"] = fair_check(args, adapters, encoded, pad, per_item)
+        log.info("fair_check: %s", results["fair_check"])
     if "peft_xlora" in want:
         from molora_xlora import xlora_row
         xlora_row(args, adapters, tok, encoded, pad, record, fresh_lm, score)
@@ -530,6 +551,9 @@ def report(results: dict, adapters: list[str]) -> str:
         if v:
             out.append(f"{n} solves {v['share_of_oracle_solved']:.3f} of the mixed requests the oracle solves; "
                        f"{v['share_oracle_fails']:.3f} of the ones it solves the oracle fails")
+    if results.get("fair_check"):
+        out.append("\nfair-baseline hook (AnswerOnly) check, each adapter alone in peft vs single:<name>, items with "
+                   "identical hits: " + ", ".join(f"{a} {c['same']}/{c['n']}" for a, c in results["fair_check"].items()))
     for k in (1, 2):
         r = rows.get(f"ours_top{k}", {})
         if "agreement" in r:

@@ -131,7 +131,7 @@ def test_pooled_report_prints_absolute_accuracies_first_with_intervals(tiny, tmp
     root, ev, _, _ = tiny
     out = tmp_path / "eval.json"
     results = ev.main(["--model-dir", str(root / "model"), "--adapters-dir", str(root / "adapters"),
-                       "--adapters", *ADAPTERS, "--rows", "base", "single", "oracle_span", "any_pair",
+                       "--adapters", *ADAPTERS, "--rows", "base", "oracle_span", "any_pair", "fair_check",
                        "--seed", "1", "2", "--n-per-domain", "3", "--n-mixed", "4", "--json", str(out)])
     text = capsys.readouterr().out
     assert text.index("Absolute accuracy") < text.index("Recovery of the per-span oracle") < text.index("outright, per seed")
@@ -141,7 +141,9 @@ def test_pooled_report_prints_absolute_accuracies_first_with_intervals(tiny, tmp
     assert ci95["any_pair"]["mixed"][4] == 8 and "count" not in rows["any_pair"]  # mixed requests only
     assert "all" not in rows["any_pair"] and ci95["base"]["single_domain"][4] == 12
     assert ci95["base"]["mixed"][:3] == [0.0, 0.0, pytest.approx(wilson_interval(0, 8)[1], abs=1e-4)]
-    assert set(results["by_seed"]) == {"1", "2"}
+    assert set(results["by_seed"]) == {"1", "2"} and "single:count" in rows  # fair_check runs the single rows
+    assert results["fair_check"] == {a: {"same": 20, "n": 20} for a in ADAPTERS}
+    assert "hook (AnswerOnly) check" in text
     assert rows["any_pair"]["mixed"] >= max(rows[r]["mixed"] for r in ("oracle_span", "single:count"))
     assert json.loads(out.read_text())["setup"]["seeds"] == ["1", "2"]
     with pytest.raises(SystemExit, match="other items"):  # merging rows of other items into that file is refused
