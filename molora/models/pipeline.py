@@ -40,9 +40,10 @@ from PIL import Image
 
 from molora.models.document import Document
 from molora.models.engine.best_of import candidate_config, stream_best_of
+from molora.models.engine.budget import document_events
 from molora.models.engine.builder import DocumentBuilder
-from molora.models.engine.core import Done, Engine, EngineConfig, RequestHandle, Token
-from molora.models.engine.events import Event, Finished, Notice, StepTiming
+from molora.models.engine.core import Engine, EngineConfig, RequestHandle
+from molora.models.engine.events import Event, Finished
 from molora.models.engine.generation import GenerationConfig, Request, StopSignal, check_text, open_image_span
 from molora.models.engine.sampling import GenerationError
 from molora.models.families.family import load_family_model, make_check
@@ -69,7 +70,6 @@ from molora.routing import (
 log = logging.getLogger(__name__)
 
 ROUTING_MODES = ("vocab", "sequence", "none", "learned")
-SENTENCE_ENDS = (".", "!", "?", ":", ";", '."', '!"', '?"')  # where text may end, or a picture follow
 Prompt = str | Image.Image | Sequence[str | Image.Image]
 
 
@@ -360,7 +360,7 @@ class InterleavedPipeline:
         # The engine masks <boi> once a picture no longer fits its budget, and the model then writes its next-best
         # words in the picture's place: word salad ("comes aboard:At added aboard:First"). So the engine gets room
         # for one more picture than the caller's budget, and the pipeline holds the caller's budget itself: a
-        # picture the budget cannot hold ends the document cleanly before its <boi> (_row_budget_end). Where the
+        # picture the budget cannot hold ends the document cleanly before its <boi> (engine/budget.py). Where the
         # model's positions leave no such room, the last tokens are "blind" (a wish for a picture is not seen
         # there), and the document ends at the first sentence end among them.
         extra, blind_from = 0, None
@@ -401,68 +401,8 @@ class InterleavedPipeline:
             raise
         if stop is not None:
             stop.attach(handles)
-        return self._document_events(sink, handles, builders, budget, stop)
+        return document_events(sink, handles, builders, budget, stop, self.vocab, self.max_positions)
 
-    def _document_events(self, sink: queue.Queue, handles: list[RequestHandle], builders: list[DocumentBuilder],
-                         budget: tuple[int, int | None], stop: StopSignal | None) -> Iterator[Event]:
-        limit = budget[0]
-        open_rows = set(range(len(handles)))
-        ending: dict[int, str] = {}  # rows the pipeline ended (cancelled), waiting for the engine to free them
-        try:
-            for builder in builders:
-                yield from builder.start()
-            times: list[list[float]] = [[] for _ in builders]
-            while open_rows:
-                row, item = sink.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if row not in open_rows:
-                    continue
-                builder = builders[row]
-                if isinstance(item, Done):  # the engine freed the row: its adapters are unpinned
-                    open_rows.discard(row)
-                    reason = ending.pop(row, item.reason)
-                    if reason == "cancelled" and stop is not None and stop.is_set():
-                        reason = "stopped"
-                    yield from self._finish(builder, reason, times[row])
-                    continue
-                if row in ending:  # tokens the engine made before it saw the cancel: not the caller's
-                    continue
-                times[row].append(item.ms)
-                yield StepTiming(item.index, item.ms, batch=item.batch, row=row)
-                notice = self._row_budget_end(builder, item, budget)
-                if notice is None:
-                    yield from builder.add(item.token, item.adapter, item.mix)
-                    if item.index + 1 < limit or item.token == self.vocab.eos_id:  # <eos>: the engine's Done
-                        continue
-                else:
-                    builder.doc.notices.append(notice)
-                    yield Notice(notice, row)
-                # the caller's budget is spent, or the next picture would not fit in it: the row ends when the
-                # engine has freed it (one step), so a caller that returns finds its adapters unpinned
-                ending[row] = "length"
-                handles[row].cancel()
-        finally:
-            for handle in handles:  # a consumer that stopped early cancels the requests still running
-                if not handle.finished:
-                    handle.cancel()
-
-    def _row_budget_end(self, builder: DocumentBuilder, item: Token, budget: tuple[int, int | None]) -> str | None:
-        """Why the row ends before `item` (a notice), or None. It ends when `item` opens a picture the budget
-        cannot hold, or is a blind token (see _stream_rows) after a sentence end."""
-        limit, blind_from = budget
-        span = self.vocab.image_span_tokens
-        if builder.in_image:
-            return None
-        if item.token == self.vocab.boi_id and limit - item.index < span:
-            return (f"the document ends here: the model began picture {builder.images + 1} with "
-                    f"{limit - item.index} of max_new_tokens={limit} left, and a picture takes {span} "
-                    f"({self.vocab.image_span_note()}); raise max_new_tokens to draw it")
-        if blind_from is not None and item.index >= blind_from and builder.text_so_far().rstrip().endswith(
-                SENTENCE_ENDS):
-            return (f"the document ends at a sentence end: the model's {self.max_positions} positions leave no room "
-                    f"for another picture ({span} tokens) after it")
-        return None
 
     def generate(self, prompt: Prompt | list[Prompt], *, text_adapter: str | None | Sequence[str | None] = None,
                  image_adapter: str | None | Sequence[str | None] = None, routing: str = "vocab",
@@ -490,20 +430,6 @@ class InterleavedPipeline:
                 documents[event.row] = event.document
         ordered = [documents[row] for row in sorted(documents)]
         return ordered if split_prompts(prompt)[1] else ordered[0]
-
-    def _finish(self, builder: DocumentBuilder, reason: str, times: list[float]) -> list[Event]:
-        """Stamp the request's timing (its first token includes the prompt's prefill) and close the document."""
-        steps, total_ms = len(times), sum(times)
-        first_ms = times[0] if times else 0.0
-        decode_ms = (total_ms - first_ms) / max(steps - 1, 1)
-        builder.doc.meta["timing"] = {"steps": steps, "total_ms": round(total_ms, 3),
-                                      "ms_per_step": round(total_ms / max(steps, 1), 3),
-                                      "prefill_ms": round(first_ms, 3), "decode_ms_per_step": round(decode_ms, 3)}
-        notices = []
-        if reason == "stopped":
-            builder.doc.notices.append(f"stopped after {steps} tokens")
-            notices.append(Notice(builder.doc.notices[-1], builder.row))
-        return notices + builder.finish(reason)
 
 
 def read_router_config(path: Path) -> dict:
