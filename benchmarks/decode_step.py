@@ -33,7 +33,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's molora
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving.py's helpers
 
-from serving import GREEDY, copy_bandwidth, hf_generate, profile_step, prompt_ids, run_engine, sync  # noqa: E402
+from serving import (  # noqa: E402
+    GREEDY,
+    copy_bandwidth,
+    hf_generate,
+    profile_step,
+    prompt_ids,
+    replay_ms,
+    run_engine,
+    sync,
+)
 
 from molora.kernels.graphs import graph_paths  # noqa: E402
 from molora.models.engine.core import Engine, EngineConfig  # noqa: E402
@@ -127,16 +136,7 @@ def main() -> None:
         name = ("lean" if lean else "transformers") + ("" if overlap else ", steps not overlapped")
         table.update({(f"engine ({name} forward), {k[0]}", k[1]): v for k, v in rows.items()})
         if device == "cuda" and overlap:
-            replay = {}
-            for width, (graph, _) in sorted(engine._graphs.items()):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                graph.replay()
-                start.record()
-                for _ in range(20):
-                    graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                replay[width] = round(start.elapsed_time(end) / 20, 3)
+            replay = {width: round(ms, 3) for width, ms in replay_ms(engine).items()}
             print(f"captured step GPU ms by width ({name}):", replay, flush=True)
             results[f"replay_ms_{name}"] = replay
             with graph_paths():  # the kernels the captured step replays (the dispatcher's graph-mode paths)

@@ -70,6 +70,21 @@ def run_engine(engine: Engine, requests: list[Request], configs: list[Generation
             "lat_p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))], "gaps_ms": gaps}
 
 
+def replay_ms(engine: Engine) -> dict[int, float]:
+    """GPU milliseconds of each captured decode step (by width), replayed 20 times with nothing else running."""
+    times = {}
+    for width, (graph, _) in sorted(engine._graphs.items()):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times[width] = start.elapsed_time(end) / 20
+    return times
+
+
 def copy_bandwidth(device: str) -> float:
     """Bytes per second of a 2 GiB device-to-device copy (read + write)."""
     buf = torch.empty(2 * 2 ** 30, dtype=torch.uint8, device=device)
@@ -233,15 +248,7 @@ def main() -> None:
     # GPU time of one captured step (replayed with nothing else running), for the host-vs-GPU split
     gpu_ms = {}
     if device == "cuda" and engine._graphs:
-        for width, (graph, _) in sorted(engine._graphs.items()):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            graph.replay()
-            start.record()
-            for _ in range(20):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            gpu_ms[width] = start.elapsed_time(end) / 20
+        gpu_ms = replay_ms(engine)
         print("captured step GPU time by width (ms):", {w: round(v, 3) for w, v in gpu_ms.items()}, flush=True)
         results["profile"] = {w: profile_step(engine, w, f"decode width {w}") for w in (1, 32)}
     results["gpu_step_ms"] = gpu_ms

@@ -11,7 +11,6 @@ import copy
 import logging
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
-import httpx
 import numpy as np
 import pytest
 from gradio_client import Client, handle_file
@@ -37,15 +35,10 @@ from molora.models import InterleavedPipeline
 from molora.models.engine.best_of import CHECKS
 from molora.models.families.shapes.testing import write_tiny_adapter
 from molora.routing import LearnedGates
+from tests.app_process import free_port, wait_until_served
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE_TOKENS = 274  # 16 rows of 16 codes and a row marker + <eoi> + one more step for <eos> or text
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -244,16 +237,7 @@ def test_python_app_py_serves_on_the_port_from_the_environment(tiny_assets):
     proc = subprocess.Popen([sys.executable, "app.py", "--no-warmup"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"app.py exited early:\n{proc.stdout.read()}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("app.py did not start serving within 90 s")
+        wait_until_served(proc, port, 90, "app.py")
         adapters = client(f"http://127.0.0.1:{port}/").predict(api_name="/adapters")
         assert adapters["builtin"] == {"image_style": "image", "text_style": "text"}
     finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,6 @@ import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import pytest
 from gradio_client import Client, handle_file
 
@@ -23,6 +21,7 @@ from molora.app.ui import MoLoRAApp
 from molora.models import InterleavedPipeline
 from molora.models.document import Document
 from molora.models.families.shapes.testing import write_tiny_adapter
+from tests.app_process import free_port, wait_until_served
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,12 +68,6 @@ def test_a_closed_tab_leaves_no_upload_or_output_in_gradios_cache(tiny_assets, p
     app.close()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_sigterm_removes_the_apps_folder_and_its_files_in_gradios_cache(tiny_assets, pirate_zip, tmp_path):
     temp, cache = tmp_path / "tmp", tmp_path / "gradio"
     temp.mkdir()
@@ -85,16 +78,7 @@ def test_sigterm_removes_the_apps_folder_and_its_files_in_gradios_cache(tiny_ass
                              "--host", "127.0.0.1", "--port", str(port), "--no-warmup"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"the app exited early:\n{proc.stdout.read()}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("the app did not serve within 120 s")
+        wait_until_served(proc, port, 120, "the app")
         visitor = Client(f"http://127.0.0.1:{port}/", verbose=False)
         visitor.predict([handle_file(str(pirate_zip))], "mypirate", "text", api_name="/upload_adapter")
         visitor.predict(prompt="Draw a red circle.", text_choice="mypirate", image_choice="image_style",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import time
 import zipfile
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 from molora.app.server import serve
 from molora.models import InterleavedPipeline
 from molora.models.families.shapes.testing import write_tiny_adapter
+from tests.app_process import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
@@ -27,12 +27,6 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 
 MISSING = (f"{CHROMIUM} is missing: install Debian's chromium package (apt-get install chromium) to run the browser "
            "tests")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
