@@ -7,8 +7,9 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-# the README's CPU command: torch from its CPU index (PyPI's Linux torch is the multi-GB CUDA build)
-python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# the README's CPU command: torch from its CPU index (PyPI's Linux torch is the multi-GB CUDA build); one retry:
+# where that index is unreachable, pip takes a local copy of the same wheel (find-links) without minutes of retries
+python -m pip install -q --retries 1 torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 python -m pip install -q -r requirements-dev.txt
 # Hugging Face's `kernels` wheel (transformers requires it), also kept as a file: tests/test_install.py installs the
 # project beside it in a folder of its own
