@@ -161,12 +161,16 @@ def _remove_files(files: dict[str, set[str]]) -> None:
 
 
 def _remove_file(path: str) -> None:
+    """Delete one file a session was handed, then its folder in Gradio's cache (one folder per file, named by its
+    hash) unless another file of the same content still lives there."""
     file = Path(path)
     try:
         file.unlink(missing_ok=True)
-        file.parent.rmdir()  # Gradio's cache keeps each file in a folder of its own (named by its hash)
-    except OSError:
-        pass  # not empty (another file of the same content), or gone already
+    except OSError as err:
+        log.warning("could not delete a session's file %s: %s", file, err)
+        return
+    if file.parent.is_dir() and not any(file.parent.iterdir()):
+        file.parent.rmdir()
 
 
 class SessionRegistry:
