@@ -122,7 +122,7 @@ def main() -> None:
     table: dict = {}
 
     rng = random.Random(0)
-    if args.learned:  # learned rows decode eagerly (not captured): how far they are from vocabulary routing
+    if args.learned:  # learned rows (captured like the others): how far they are from vocabulary routing
         torch.manual_seed(0)
         gates = LearnedGates.for_model(routed, ["txt", "img"], base_expert=True, context_decays=(0.5, 0.9))
         rows, engine = engine_rows(routed, vocab, device, new, True, True, rng, LearnedRouter(gates, top_k=2))

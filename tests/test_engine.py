@@ -299,3 +299,71 @@ def test_exact_rows_off_lets_the_cpu_decode_only_the_live_rows(model):
     config = GenerationConfig(max_new_tokens=12, min_new_tokens=12, seed=0, cfg_scale=1.0, **GREEDY)
     tokens = solo(fast, Request(prompts(vocab, 1)[0], VocabRangeRouter(vocab, "a", "b")), config)
     assert len(tokens) == 12 and {a for _, a in tokens} <= {"a", "b"}
+
+
+def learned_batch(routed, vocab):
+    """Requests of two learned routers (one with routing-state text gates and per-picture image gates, one with
+    plain top-1 gates; one request guided, one inside a picture) beside a vocabulary-routed request."""
+    torch.manual_seed(0)  # random gates whose decisions vary by position
+    first = LearnedRouter(
+        LearnedGates.for_model(routed, ["a", "b"], base_expert=True, context_decays=(0.5, 0.9), init_std=1.0),
+        top_k=2, vocab=vocab,
+        image_gates=LearnedGates.for_model(routed, ["c"], base_expert=True, context_decays=(0.7,), init_std=1.0))
+    second = LearnedRouter(LearnedGates.for_model(routed, ["b", "c"], init_std=1.0), top_k=1)
+    ps = prompts(vocab, 3, seed=4)
+    picture = [vocab.bos_id, 20, vocab.boi_id, vocab.image_start + 1]
+    requests = [Request(ps[0], first), Request(picture, first), Request(ps[1], second),
+                Request(ps[2], VocabRangeRouter(vocab, "a", "d"))]
+    configs = [GenerationConfig(max_new_tokens=24, seed=0, cfg_scale=2.0 if i == 0 else 1.0, **GREEDY)
+               for i in range(len(requests))]
+    return requests, configs
+
+
+def routed_tokens(engine, requests, configs):
+    """Per request: its (token, adapter, top-k mix) in order, all requests running side by side."""
+    handles = [engine.submit(r, c) for r, c in zip(requests, configs)]
+    out = []
+    for handle in handles:
+        items = []
+        while not items or not isinstance(items[-1], (Done, Exception)):
+            items.append(handle.sink.get(timeout=120)[1])
+        assert isinstance(items[-1], Done), items[-1]
+        out.append([(t.token, t.adapter, t.mix) for t in items if isinstance(t, Token)])
+    return out
+
+
+def test_learned_rows_of_two_routers_beside_a_static_row_decode_as_alone():
+    """Learned rows decode through per-router row tables (the form a captured step reads): side by side, every
+    request gets exactly the tokens, adapters and top-k mixes it gets alone."""
+    routed, vocab = random_routed_model("tiny", device="cpu", dtype=torch.float32, num_slots=4, image_size=64)
+    for adapter in random_adapters(routed, ["a", "b", "c", "d"], std=0.2):
+        routed.add_adapter(adapter)
+    requests, configs = learned_batch(routed, vocab)
+    engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128))
+    alone = [routed_tokens(engine, [r], [c])[0] for r, c in zip(requests, configs)]
+    assert routed_tokens(engine, requests, configs) == alone
+    assert {a for row in alone[:3] for _, a, _ in row} >= {"a", "b", "c"}  # the gates chose several adapters
+    assert all(len(mix) == 2 for _, _, mix in alone[0][:5])  # top-2 rows report both adapters
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_learned_steps_equal_eager_steps_while_adapters_move(monkeypatch):
+    """Learned rows are captured too: the replayed step gives the eager step's tokens, adapters and mixes, also
+    after the adapters moved between slots and after a learned graph was dropped (LEARNED_GRAPHS)."""
+    from molora.models.engine import core
+    monkeypatch.setattr(core, "LEARNED_GRAPHS", 1)
+    routed, vocab = random_routed_model("tiny", device="cuda", dtype=torch.float32, num_slots=4, image_size=64)
+    for adapter in random_adapters(routed, ["a", "b", "c", "d", "e", "f"], std=0.2):
+        routed.add_adapter(adapter)
+    captured = Engine(routed, vocab, device="cuda", config=EngineConfig(max_len=128, max_rows=8))
+    eager = Engine(routed, vocab, device="cuda", config=EngineConfig(max_len=128, max_rows=8, cuda_graphs=False))
+    requests, configs = learned_batch(routed, vocab)
+    evict = [Request(p, VocabRangeRouter(vocab, "e", "f")) for p in prompts(vocab, 2, seed=8)]
+    for _ in range(2):  # the second round: slots reassigned by the evicting requests in between
+        assert routed_tokens(captured, requests, configs) == routed_tokens(eager, requests, configs)
+        assert routed_tokens(captured, requests[2:3], configs[2:3]) == routed_tokens(eager, requests[2:3],
+                                                                                     configs[2:3])
+        assert collect(captured.stream(evict, configs[3])) == collect(eager.stream(evict, configs[3]))
+    stats = captured.stats()
+    assert len(stats["learned_graphs"]) == 1 and stats["graphs"]
+    assert routed.cache.stats()["evictions"] >= 4

@@ -311,6 +311,11 @@ class LearnedRouter:
         if self.vocab is not None:
             self._vocab_router = VocabRangeRouter(self.vocab, None, self.image_adapter)
 
+    @property
+    def max_k(self) -> int:
+        """The most adapters one position mixes: the top-k of its text gates or, if larger, of its image gates."""
+        return max(self.top_k, self.image_top_k if self.image_gates is not None else 1)
+
     def adapters(self) -> list[str]:
         extra = [self.image_adapter] if self.image_adapter is not None else []
         image = self.image_gates.adapters if self.image_gates is not None else []
@@ -368,6 +373,9 @@ class LearnedGroup:
     updates: torch.Tensor | None = None
     state: torch.Tensor | None = field(default=None, repr=False)
     state_out: torch.Tensor | None = field(default=None, repr=False)
+    # [b] bool: the rows of the batch this router routes, when the group covers every row of a batch shared with
+    # other routers (a serving engine's decode step: fixed shapes, so a captured step can route learned rows)
+    member: torch.Tensor | None = None
 
     @property
     def per_picture(self) -> bool:
@@ -375,19 +383,24 @@ class LearnedGroup:
 
     @classmethod
     def for_router(cls, router: LearnedRouter, rows: torch.Tensor | None, input_ids: torch.Tensor,
-                   slot_of: Mapping[str, int], device: torch.device | str) -> list[LearnedGroup]:
-        """One group per gate set of `router` over these rows (`input_ids`: those rows' ids)."""
+                   slot_of: Mapping[str, int], device: torch.device | str, *, member: torch.Tensor | None = None,
+                   expert_slots: Mapping[LearnedGates, torch.Tensor] | None = None) -> list[LearnedGroup]:
+        """One group per gate set of `router` over these rows (`input_ids`: those rows' ids). With `member` [b]
+        bool, the group covers every row and routes only the member rows; `expert_slots` (per gate set, [E] long)
+        replaces the slots looked up in `slot_of`: tensors a captured step reads, written in place between steps."""
         groups = []
         pad = getattr(router.vocab, "pad_id", None)
         real = input_ids != pad if isinstance(pad, int) else torch.ones_like(input_ids, dtype=torch.bool)
         for gates, k, mask in router.gate_sets(input_ids):
             image = gates is router.image_gates
-            anchor = picture_anchor(mask) if image else None
             # the state is the words: updated by text positions for every gate set. Image gates route positions
             # whose own ids say nothing of the style asked; the sentence before a picture does (benchmarks/RESULTS.md)
             updates = ((~mask if image else mask) & real) if gates.context_decays else None
-            groups.append(cls(router, rows, gates.expert_slots(slot_of, device), mask, gates, k, anchor,
-                              updates=updates))
+            if member is not None:
+                mask = mask & member[:, None]
+            anchor = picture_anchor(mask) if image else None
+            slots = expert_slots[gates] if expert_slots is not None else gates.expert_slots(slot_of, device)
+            groups.append(cls(router, rows, slots, mask, gates, k, anchor, updates=updates, member=member))
         return groups
 
     def decide(self, block: int, hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
@@ -445,6 +458,8 @@ def routing_state(embeddings: torch.Tensor, updates: torch.Tensor, decays: Seque
     no Python loop over tokens), so prefill equals token-by-token decode when each step passes the last state."""
     b, t, d = embeddings.shape
     e = embeddings.float() * updates[..., None]
+    # log(decay) computed in float32 and held as a Python number: no host-to-device copy inside a captured step
+    log_decays = [torch.log(torch.tensor(lam, dtype=torch.float32)).item() for lam in decays]
     prev = embeddings.new_zeros(b, len(decays), d, dtype=torch.float32) if state_in is None else state_in.float()
     out = []
     for c0 in range(0, t, STATE_CHUNK):
@@ -452,8 +467,7 @@ def routing_state(embeddings: torch.Tensor, updates: torch.Tensor, decays: Seque
         c = n.shape[1]
         causal = torch.ones(c, c, dtype=torch.bool, device=e.device).tril()
         chunk = []
-        for i, lam in enumerate(decays):
-            log_lam = torch.log(torch.tensor(lam, dtype=torch.float32, device=e.device))
+        for i, (lam, log_lam) in enumerate(zip(decays, log_decays)):
             gap = (n[:, :, None] - n[:, None, :]).clamp(min=0)  # updates after s up to t: exponent >= 0
             w = torch.where(causal, torch.exp(gap * log_lam), torch.zeros((), device=e.device)) * (1 - lam)
             chunk.append(w @ e[:, c0:c0 + c] + torch.exp(n * log_lam)[..., None] * prev[:, i, None])

@@ -18,8 +18,10 @@ One background thread owns the model (gpt-fast's loop, vLLM's scheduler in minia
 
 Routing is device tables written in place (models/engine/row_states.py): a row's (text, image) slots and the
 vocabulary's modality table; the captured step reads them, so no slot number is baked into a graph and adapters
-may come and go between replays.  Learned (MoLoRA) rows run the same step eagerly: their gates decide per block,
-and gates that read a routing state continue each row's state from its previous step (`_hold_states`).
+may come and go between replays.  Learned (MoLoRA) rows are captured too: each learned router's rows and its
+experts' slots are device tables written in place when the batch changes (`_LearnedRows`), its gates decide per
+block inside the step, and gates that read a routing state continue each row's state from its previous step
+(`_hold_states`).
 
 A model dispatched over several devices by accelerate (`from_pretrained(..., device_map=...)`): the engine's
 tables and inputs live on the first device (the input embedding's), each attention layer's KV cache on its
@@ -39,7 +41,7 @@ import random
 import threading
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +76,8 @@ CPU_MIN_WIDTH = 4
 # Eager steps read only the KV columns the batch has written, rounded up to this many (shapes stay few; the masked
 # columns beyond a row's own length add exact zeros, so a row's result does not depend on its neighbours' lengths).
 KV_COLUMN_BLOCK = 64
+# Captured decode steps with learned rows, one per (width, learned routers in the batch): the oldest goes beyond this
+LEARNED_GRAPHS = 8
 
 
 _ENGINES: weakref.WeakSet = weakref.WeakSet()
@@ -188,16 +192,44 @@ class _Job:
 @dataclass
 class _Batch:
     """The running batch as the decode step needs it: jobs by row, their prompt rows [n], the positions in `rows`
-    of guided jobs and their twin rows [m] (None without guidance), the decode width, whether any job routes by
-    learned gates (then the step runs eagerly) and whether any filters by top-k / top-p."""
+    of guided jobs and their twin rows [m] (None without guidance), the decode width, the learned routers' tables
+    (one per distinct LearnedRouter in the batch) and whether any job filters by top-k / top-p."""
 
     jobs: list[_Job]
     rows: torch.Tensor
     twin_of: torch.Tensor | None
     twin_rows: torch.Tensor | None
     width: int
-    learned: bool
+    learned: tuple[_LearnedRows, ...]
     filters: bool
+
+
+@dataclass(eq=False)
+class _LearnedRows:
+    """One LearnedRouter's inputs to a decode step, written in place whenever the running batch changes, so that
+    a captured step reads them: which cache rows the router routes (`member`, [rows + 1] bool), and each of its gate
+    sets' expert -> hot-set slot map ([E] long; adapters are pinned per request, so the map holds while it runs)."""
+
+    router: LearnedRouter
+    member: torch.Tensor
+    expert_slots: dict[Any, torch.Tensor]
+
+    @classmethod
+    def for_router(cls, router: LearnedRouter, rows: int, device: torch.device) -> _LearnedRows:
+        gate_sets = [router.gates] + ([router.image_gates] if router.image_gates is not None else [])
+        sets = {gates: torch.full((gates.num_experts,), -1, dtype=torch.long, device=device) for gates in gate_sets}
+        return cls(router, torch.zeros(rows, dtype=torch.bool, device=device), sets)
+
+    def write(self, jobs: list[_Job]) -> None:
+        """Point the tables at these jobs (the router's jobs in the running batch): their rows and slots."""
+        member = torch.zeros(self.member.shape, dtype=torch.bool)
+        slot_of: dict[str, int] = {}
+        for job in jobs:
+            member[[r for r in (job.row, job.twin) if r is not None]] = True
+            slot_of.update(job.slot_of)
+        self.member.copy_(member)
+        for gates, slots in self.expert_slots.items():
+            slots.copy_(gates.expert_slots(slot_of, "cpu"))
 
 
 def _route_of(router: Router | None, vocab: UnifiedVocab) -> tuple[str | None, str | None, LearnedRouter | None]:
@@ -273,6 +305,9 @@ class Engine:
         self.steps = 0
         self.step_ms: list[float] | None = None  # set to a list to record each decode step's wall time
         self._graphs: dict[int, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # decode steps with learned rows: (width, id of each learned router) -> (graph, outputs, the routers' tables)
+        self._learned_graphs: OrderedDict[tuple[int, ...], tuple[Any, Any, tuple[_LearnedRows, ...]]] = OrderedDict()
+        self._learned_rows: dict[int, _LearnedRows] = {}  # id(LearnedRouter) -> its tables (holding the router)
         self._prefill_graphs: dict[tuple[int, int], tuple[Any, tuple, tuple]] = {}
         self._index_cache: _Batch | None = None
         self._pending: _HostCopy | None = None  # CUDA: the launched step whose tokens are not read yet
@@ -368,7 +403,8 @@ class Engine:
             return {"running": len(self._running), "starting": len(self._starting),
                     "waiting": len(self._waiting) + len(self._incoming), "free_rows": len(self._free),
                     "max_rows": self.max_rows, "max_len": self.max_len, "steps": self.steps,
-                    "graphs": sorted(self._graphs), "prefill_graphs": sorted(self._prefill_graphs)}
+                    "graphs": sorted(self._graphs), "prefill_graphs": sorted(self._prefill_graphs),
+                    "learned_graphs": [key[0] for key in self._learned_graphs]}
 
     def close(self) -> None:
         """Stop the loop; requests still queued or running end with an error."""
@@ -586,7 +622,7 @@ class Engine:
         plan = self._plan(ids, slots.view(-1), members, routed)
         out = self._forward(ids, positions, rows, mask, plan, length=length)
         self._keep_pictures(plan, rows)
-        self._keep_states(plan, rows)
+        self._keep_states(plan, rows, positions)
         return self._last_logits(out), _producing(out.routing, slots[:, -1])
 
     def _last_logits(self, out: Any) -> torch.Tensor:
@@ -681,28 +717,61 @@ class Engine:
                 jobs, tensor([j.row for j in jobs]),
                 tensor([i for i, _ in pairs]) if pairs else None, tensor([t for _, t in pairs]) if pairs else None,
                 width=next(w for w in self.widths if w > highest),
-                learned=any(j.learned is not None for j in jobs),
+                learned=self._learned_tables(jobs),
                 filters=any(j.config.text.filters or j.config.image.filters for j in jobs))
         return self._index_cache
 
-    def _decode(self, width: int, jobs: list[_Job], learned: bool) -> tuple[torch.Tensor, _Producing]:
-        """Logits [W, V] and producing slots [W] of one decode step over rows [0, W)."""
-        if self.use_graphs and not learned:
-            return self._replay(width)
-        needed = max(len(j.prompt) + j.emitted for j in jobs)
-        return self._decode_body(width, jobs, self._columns(needed), routed=any(j.names for j in jobs))
+    def _learned_tables(self, jobs: list[_Job]) -> tuple[_LearnedRows, ...]:
+        """Write each learned router's tables for these running jobs (allocating a router's tables, and the
+        per-row decision and state tables its gates keep, on its first use)."""
+        by_router: dict[int, list[_Job]] = {}
+        for job in jobs:
+            if job.learned is not None:
+                by_router.setdefault(id(job.learned), []).append(job)
+        tables = []
+        for key, members in by_router.items():
+            table = self._learned_rows.get(key)
+            if table is None:
+                router = members[0].learned
+                table = self._learned_rows[key] = _LearnedRows.for_router(router, self.max_rows + 1, self.device)
+                for gates in table.expert_slots:
+                    per_picture = gates is router.image_gates
+                    if per_picture:
+                        self._picture_tables(router.image_top_k)
+                    if gates.context_decays:
+                        self._state_table(gates, per_picture)
+            table.write(members)
+            tables.append(table)
+        if len(self._learned_rows) > len(tables):
+            self._forget_learned()
+        return tuple(tables)
 
-    def _decode_body(self, width: int, jobs: list[_Job], length: int | None = None, routed: bool = True
-                     ) -> tuple[torch.Tensor, _Producing]:
+    def _decode(self, width: int, jobs: list[_Job], learned: tuple[_LearnedRows, ...]
+                ) -> tuple[torch.Tensor, _Producing]:
+        """Logits [W, V] and producing slots [W] of one decode step over rows [0, W)."""
+        if self.use_graphs:
+            return self._replay(width, learned)
+        needed = max(len(j.prompt) + j.emitted for j in jobs)
+        return self._decode_body(width, learned, self._columns(needed), routed=any(j.names for j in jobs))
+
+    def _decode_body(self, width: int, learned: tuple[_LearnedRows, ...] = (), length: int | None = None,
+                     routed: bool = True) -> tuple[torch.Tensor, _Producing]:
         columns = self.columns if length is None else self.columns[:length]
         ids, positions, mask, slots = self.states.decode_inputs(width, columns, self.dtype)
-        members = [(job, row) for job in jobs for row in (job.row, job.twin) if row is not None]
-        plan = self._plan(ids, slots, members, routed)
+        plan = None
+        if routed:  # every learned group covers all rows and routes its router's member rows: fixed shapes
+            groups = [group for table in learned
+                      for group in LearnedGroup.for_router(table.router, None, ids, {}, self.device,
+                                                           member=table.member[:width],
+                                                           expert_slots=table.expert_slots)]
+            plan = self.routed.make_routing(width, 1, slots, self.routed.cache.num_slots, learned=groups,
+                                            k=max((g.top_k for g in groups), default=1))
+        rows = self.all_rows[:width]
         self._hold_pictures(plan)
-        self._hold_states(plan, self.all_rows[:width])
-        out = self._forward(ids, positions, self.all_rows[:width], mask, plan, leading=width, length=length)
-        self._keep_pictures(plan, self.all_rows[:width])
-        self._keep_states(plan, self.all_rows[:width])
+        self._hold_states(plan, rows, positions)
+        out = self._forward(ids, positions, rows, mask, plan, leading=width, length=length)
+        self._keep_pictures(plan, rows)
+        self._keep_states(plan, rows, positions)
         return self._last_logits(out), _producing(out.routing, slots)
 
     def _picture_tables(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -712,29 +781,36 @@ class Engine:
                                  torch.zeros(shape, dtype=torch.float32, device=self.device))
         return self._pictures[k]
 
-    def _state_table(self, group: Any) -> torch.Tensor:
-        """Each row's routing state after its last forward, one table per gate set's role (text or image gates)
-        and decays: gate sets with other decays (or updated by other positions) never share a state."""
-        gates = group.gates
-        key = (group.per_picture, gates.context_decays, gates.d_model)
+    def _state_table(self, gates: Any, per_picture: bool) -> torch.Tensor:
+        """Each row's routing state [2, rows + 1, S, d], one table per gate set's role (text or image gates) and
+        decays: gate sets with other decays (or updated by other positions) never share a state. The state after
+        position p is kept at [p % 2]: a step reads the other half and writes its own, so running the same step
+        again (a graph's warm-up runs before its capture) gives the same state, not a second update."""
+        key = (per_picture, gates.context_decays, gates.d_model)
         if key not in self._route_states:
-            self._route_states[key] = torch.zeros(self.max_rows + 1, len(gates.context_decays), gates.d_model,
+            self._route_states[key] = torch.zeros(2, self.max_rows + 1, len(gates.context_decays), gates.d_model,
                                                   dtype=torch.float32, device=self.device)
         return self._route_states[key]
 
-    def _hold_states(self, plan: CallRouting | None, cache_rows: torch.Tensor) -> None:
-        """Decode step: gates with a routing state continue each row's state from its previous step."""
+    def _hold_states(self, plan: CallRouting | None, cache_rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Decode step: gates with a routing state continue each row's state from its previous position."""
         for group in plan.learned if plan is not None else ():
             if group.gates.context_decays:
                 local = group.rows if group.rows is not None else torch.arange(plan.batch, device=self.device)
-                group.state_in = self._state_table(group)[cache_rows[local]]
+                table = self._state_table(group.gates, group.per_picture)
+                group.state_in = table[(positions[local, 0] - 1) % 2, cache_rows[local]]
 
-    def _keep_states(self, plan: CallRouting | None, cache_rows: torch.Tensor) -> None:
-        """After a forward (prefill or decode): keep each row's routing state after its last position."""
+    def _keep_states(self, plan: CallRouting | None, cache_rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """After a forward (prefill or decode): keep each routed row's state after its last position."""
         for group in plan.learned if plan is not None else ():
             if group.gates.context_decays and group.state_out is not None:
                 local = group.rows if group.rows is not None else torch.arange(plan.batch, device=self.device)
-                self._state_table(group)[cache_rows[local]] = group.state_out
+                table = self._state_table(group.gates, group.per_picture)
+                at = (positions[local, -1] % 2, cache_rows[local])
+                state = group.state_out
+                if group.member is not None:
+                    state = torch.where(group.member[:, None, None], state, table[at])
+                table[at] = state
 
     def _hold_pictures(self, plan: CallRouting | None) -> None:
         """Decode step: rows inside a picture begun in an earlier step reuse the decision kept for it (the rows
@@ -753,23 +829,45 @@ class Engine:
             if not group.per_picture or not plan.block_slots:
                 continue
             local = group.rows if group.rows is not None else torch.arange(plan.batch, device=self.device)
-            last = group.gated[:, -1]
-            rows = cache_rows[local][last]
+            last = group.gated[:, -1, None]  # [b, 1]: rows this group routes whose last position is in a picture
+            rows = cache_rows[local]
             slots, weights = self._picture_tables(group.top_k)
-            at_last = (local * plan.length + plan.length - 1)[last]
+            at_last = local * plan.length + plan.length - 1
             for block, (block_slots, block_weights) in plan.block_slots.items():
-                slots[rows, block] = block_slots[at_last, :group.top_k]
-                weights[rows, block] = block_weights[at_last, :group.top_k].float()
+                slots[rows, block] = torch.where(last, block_slots[at_last, :group.top_k], slots[rows, block])
+                weights[rows, block] = torch.where(last, block_weights[at_last, :group.top_k].float(),
+                                                   weights[rows, block])
 
-    def _replay(self, width: int) -> tuple[torch.Tensor, _Producing]:
-        """Replay the captured step of this width (capturing it on first use). Replaying it again is harmless:
-        the step recomputes and rewrites the same KV entries from the same inputs."""
-        if width not in self._graphs:
-            self._graphs[width] = self._capture(lambda: self._decode_body(width, []))
-            log.info("engine: captured the decode step for width %d", width)
-        graph, (logits, slots) = self._graphs[width]
+    def _replay(self, width: int, learned: tuple[_LearnedRows, ...]) -> tuple[torch.Tensor, _Producing]:
+        """Replay the captured step of this width and these learned routers (capturing it on first use).
+        Replaying it again is harmless: the step recomputes and rewrites the same KV entries and routing states
+        from the same inputs."""
+        if not learned:
+            if width not in self._graphs:
+                self._graphs[width] = self._capture(lambda: self._decode_body(width))
+                log.info("engine: captured the decode step for width %d", width)
+            graph, outputs = self._graphs[width]
+        else:
+            key = (width, *(id(table.router) for table in learned))
+            if key not in self._learned_graphs:
+                graph, outputs = self._capture(lambda: self._decode_body(width, learned))
+                self._learned_graphs[key] = (graph, outputs, learned)
+                log.info("engine: captured the decode step for width %d with %d learned router(s)",
+                         width, len(learned))
+                self._forget_learned()
+            self._learned_graphs.move_to_end(key)
+            graph, outputs, _ = self._learned_graphs[key]
         graph.replay()
-        return logits, slots
+        return outputs
+
+    def _forget_learned(self) -> None:
+        """Keep the LEARNED_GRAPHS most recently used learned steps, and the tables of routers still in use."""
+        while len(self._learned_graphs) > LEARNED_GRAPHS:
+            self._learned_graphs.popitem(last=False)
+        running = {id(job.learned) for job in self._running.values() if job.learned is not None}
+        kept = {key for graph_key in self._learned_graphs for key in graph_key[1:]} | running
+        for key in [k for k in self._learned_rows if k not in kept]:
+            del self._learned_rows[key]
 
     def _noise(self, jobs: list[_Job], vocab: int) -> torch.Tensor:
         """Exp(1) noise [n, V]: each sampling row draws from its own generator, so its draws never depend on
@@ -848,8 +946,9 @@ class Engine:
                 continue
             token, slot = host[i], host[n + i]
             mix = ()
-            if k and job.learned is not None:
-                pairs = zip(mix_slots[i * k:(i + 1) * k], mix_weights[i * k:(i + 1) * k])
+            if k and job.learned is not None:  # its own router's top-k, whatever k its neighbours mix
+                top = min(k, job.learned.max_k)
+                pairs = zip(mix_slots[i * k:i * k + top], mix_weights[i * k:i * k + top])
                 mix = tuple((name(s), w / 1e4) for s, w in pairs if w > 0)
             job.handle.sink.put((job.handle.tag, Token(job.emitted, token, name(slot), (now - job.last) * 1000.0,
                                                        batch, mix)))
