@@ -68,11 +68,50 @@ def test_attach_groups_qkv_and_gate_up_with_buffers_as_views_of_one_stack():
     assert attn.v_proj.lora_A.shape == (3, 8, 32) and attn.v_proj.lora_B.shape == (3, 16, 8)
 
 
+def test_group_weights_share_one_storage_and_the_model_saves_and_reloads(tmp_path):
+    """q/k/v's (and gate/up's) weight Parameters are row views of one [O, in] tensor (one GEMM for the base
+    outputs; no second copy of the weights), and the model still saves and reloads as the plain base model."""
+    routed = _routed()
+    attn = routed.model.model.layers[0].self_attn
+    group = attn.q_proj.group
+    assert group.weight.shape == (64, 32)
+    for p, layer in enumerate(group.members):
+        assert layer.weight.data_ptr() == group.weight[group.bounds[p]].data_ptr()
+    assert attn.o_proj.group.weight is attn.o_proj.weight  # a group of one keeps its own Parameter
+    with torch.no_grad():
+        want = routed(IDS, routers=SequenceRouter("T")).logits
+        base = routed(IDS, routers=None).logits
+    routed.model.save_pretrained(tmp_path / "lm")
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "lm").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(IDS).logits, base)
+        again = attach_routed_lora(reloaded, num_slots=3, r_max=8)
+        for name in ("T", "D"):
+            again.add_adapter(routed.cache.adapter(name))
+        assert torch.allclose(again(IDS, routers=SequenceRouter("T")).logits, want, atol=1e-6)
+
+
+def test_cpu_group_call_reads_only_the_slots_present(monkeypatch):
+    """The CPU's group form (kernels/torch_ops.py routed_linear_torch_slots) visits only the slots some token
+    chose (test_group_layer_matches_base_plus_reference_delta checks its outputs)."""
+    routed = _routed()
+    visited = []
+    real = lora_mod.routed_linear_torch_slots
+    monkeypatch.setattr(lora_mod, "routed_linear_torch_slots",
+                        lambda *a, **k: visited.append(tuple(a[5])) or real(*a, **k))
+    with torch.no_grad():
+        routed(IDS, routers=[SequenceRouter("D"), None])
+    assert set(visited) == {(routed.cache.slot_of("D"),)}
+
+
 def test_one_kernel_call_per_group_and_same_logits_as_each_projection_alone(monkeypatch):
     routed = _routed()
     calls = []
     real = lora_mod.routed_lora_group_forward
     monkeypatch.setattr(lora_mod, "routed_lora_group_forward", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+    real_linear = lora_mod.routed_linear_torch_slots  # the CPU's form: base outputs and deltas in one group call
+    monkeypatch.setattr(lora_mod, "routed_linear_torch_slots",
+                        lambda *a, **k: calls.append(len(a[6])) or real_linear(*a, **k))
     router = [SequenceRouter("T"), SequenceRouter("D")]
     with torch.no_grad():
         shared = routed(IDS, routers=router).logits

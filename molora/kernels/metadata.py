@@ -40,6 +40,8 @@ class RoutingMeta:
         self._offsets: torch.Tensor | None = None
         self._sets: tuple[torch.Tensor, torch.Tensor] | None = None
         self._mixing: dict[torch.dtype, torch.Tensor] = {}
+        self._mixing_t: dict[torch.dtype, torch.Tensor] = {}
+        self._present: list[int] | None = None
 
     @property
     def rows(self) -> torch.Tensor:
@@ -81,6 +83,20 @@ class RoutingMeta:
     def mixing(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, S] in `dtype`: the summed weight of each token's choices of each slot, made once per dtype."""
         return self.mixing_rows(dtype)[:, 0]
+
+    def mixing_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """mixing(dtype) as [S, N] (a slot's weights over the tokens: the CPU's per-slot form), made once per dtype."""
+        got = self._mixing_t.get(dtype)
+        if got is None:
+            got = self._mixing_t[dtype] = self.mixing(dtype).t()
+        return got
+
+    def present_slots(self) -> list[int]:
+        """The slots some token chose with a nonzero weight, in slot order (one host read, made once: the CPU's
+        per-slot form reads only these slots' adapters)."""
+        if self._present is None:
+            self._present = self.mixing(torch.float32).ne(0).any(0).nonzero().view(-1).tolist()
+        return self._present
 
     def mixing_rows(self, dtype: torch.dtype) -> torch.Tensor:
         """mixing(dtype) as [N, 1, S] (the dense form's layout), made once per dtype."""

@@ -206,6 +206,30 @@ def routed_lora_torch_group_stacked(x: torch.Tensor, A: torch.Tensor, B: torch.T
     return stacked_expand_group(h, bf, tuple(bounds))
 
 
+def routed_linear_torch_slots(x: torch.Tensor, weight: torch.Tensor, slot_views: list[tuple[torch.Tensor, ...]],
+                              scale_t: torch.Tensor, mix_t: torch.Tensor, present: list[int],
+                              widths: tuple[int, ...]) -> list[torch.Tensor]:
+    """Every output (base linear + routed delta) of P projections sharing x [N, in], reading only the adapters of
+    the slots present: weight [O, in] = the members' base weights stacked (one GEMM for all of them);
+    slot_views[s] = (A[:, s]^T [P, in, r], then B[s, member p's columns]^T [r, width_p] for each p); scale_t [S, P];
+    mix_t [S, N] the summed weight of each token's choices of each slot; present: the slots some token chose.
+
+    Per present slot: one batched shrink of every row (a row that did not choose s gets weight 0: it adds exact
+    zeros, so a row's numbers do not depend on its neighbours' slots), weighted in place, and one expand per member
+    onto its output columns. The all-slots forms read every slot's A and B, S times what a decode step needs: on a
+    2-core CPU whose steps are bound by memory traffic, the embedded model's routed linears (7 slots of rank 16)
+    took 14.4 ms a decode step at 4 rows that way against 6.2 for the base GEMMs alone. Returns views [N, width_p]
+    of one [N, O] buffer."""
+    outs = torch.nn.functional.linear(x, weight).split_with_sizes(widths, 1)
+    for s in present:
+        a_t, *b_t = slot_views[s]
+        h = torch.matmul(x, a_t)  # [P, N, r]
+        h.mul_(torch.outer(scale_t[s], mix_t[s])[:, :, None])
+        for y, h_p, b_p in zip(outs, h.unbind(0), b_t):
+            y.addmm_(h_p, b_p)
+    return list(outs)
+
+
 def routed_lora_torch_backward(grad: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                                slots: torch.Tensor, weights: torch.Tensor | None, scale: torch.Tensor,
                                needs: tuple[bool, bool, bool, bool]

@@ -37,7 +37,14 @@ from torch import nn
 
 from molora.kernels import reads_meta, routed_lora, routed_lora_topk
 from molora.kernels.autograd import needs_autograd
-from molora.kernels.dispatch import choose_group_path, flat_blocks, fuses_base, routed_lora_group_forward
+from molora.kernels.dispatch import (
+    choose_group_path,
+    dense_fits,
+    flat_blocks,
+    fuses_base,
+    routed_lora_group_forward,
+)
+from molora.kernels.torch_ops import routed_linear_torch_slots
 from molora.kernels.triton_linear import stacked_linear_group
 from molora.kernels.triton_stacked import FusedLaunch
 from molora.routing.context import CallRouting, SharedOutputs, current_routing
@@ -82,11 +89,17 @@ class ProjectionGroup:
     @torch.no_grad()
     def _stack(self) -> None:
         """Stack the members' buffers into one tensor each and make the buffers views of them (a group of one
-        uses its buffers as they are); forget the launchers made for the previous tensors."""
+        uses its buffers as they are); where the members' base weights are real tensors on the adapters' device,
+        stack them too, into one [O, in] storage whose rows the weight Parameters become views of (memory does
+        not double), so one GEMM computes every member's base output (self.weight; None otherwise). Forget the
+        launchers made for the previous tensors."""
         first = self.members[0]
+        weights = [layer._parameters["weight"] for layer in self.members]
+        joins = all(w.device == first.lora_A.device and w.dim() == 2 for w in weights)
         if self.size == 1:
             buffers = first._buffers
             A, B, scale = buffers["lora_A"][None], buffers["lora_B"], buffers["lora_scale"][None]
+            base = weights[0] if joins else None
         else:
             p_count, out = len(self.members), self.bounds[-1]
             num_slots, r_max, d_in = first.lora_A.shape
@@ -94,24 +107,37 @@ class ProjectionGroup:
             A = torch.empty(p_count, num_slots, r_max, d_in, **kw)
             B = torch.empty(num_slots, out, r_max, **kw)
             scale = torch.empty(p_count, num_slots, dtype=first.lora_scale.dtype, device=kw["device"])
-            for p, layer in enumerate(self.members):
+            base = torch.empty(out, d_in, dtype=weights[0].dtype, device=kw["device"]) if joins else None
+            for p, (layer, weight) in enumerate(zip(self.members, weights)):
                 lo, hi = self.bounds[p], self.bounds[p + 1]
                 A[p].copy_(layer.lora_A)
                 B[:, lo:hi].copy_(layer.lora_B)
                 scale[p].copy_(layer.lora_scale)
                 layer._buffers["lora_A"], layer._buffers["lora_B"] = A[p], B[:, lo:hi]
                 layer._buffers["lora_scale"] = scale[p]
-        self.A, self.B, self.scale = A, B, scale
+                if base is not None:
+                    base[lo:hi].copy_(weight)
+                    weight.data = base[lo:hi]
+        self.A, self.B, self.scale, self.weight = A, B, scale, base
         self._views = [(layer._buffers, layer.lora_A, layer.lora_B, layer.lora_scale) for layer in self.members]
+        self._weight_ptrs = [w.data_ptr() for w in weights]
+        # per slot s: A[:, s]^T and each member's B[s]^T (views: the hot set writes into the same storage)
+        spans = list(zip(self.bounds, self.bounds[1:]))
+        self.slot_views = [(A[:, s].transpose(1, 2), *(B[s, lo:hi].t() for lo, hi in spans)) for s in range(A.shape[1])]
+        self.scale_t = scale.t()
         # kernels' FusedLaunch for these tensors, made on the first eager decode call: key None for the whole
         # group, p for member p called on its own input (the group's members turned out not to share x)
         self._launches: dict[int | None, FusedLaunch] = {}
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(A [P, S, r, in], B [S, O, r], scale [P, S]) over the members' current buffers."""
+        """(A [P, S, r, in], B [S, O, r], scale [P, S]) over the members' current buffers and weights."""
         for buffers, a, b, sc in self._views:  # plain dict reads: this runs on every routed call
             if buffers["lora_A"] is not a or buffers["lora_B"] is not b or buffers["lora_scale"] is not sc:
                 self._stack()  # the model was moved or cast: buffers are separate copies now
+                return self.A, self.B, self.scale
+        for layer, ptr in zip(self.members, self._weight_ptrs):
+            if layer._parameters["weight"].data_ptr() != ptr:  # weights replaced (load_state_dict(assign=True), ...)
+                self._stack()
                 break
         return self.A, self.B, self.scale
 
@@ -139,9 +165,14 @@ class ProjectionGroup:
             if launch is None:
                 launch = self._launches[only] = FusedLaunch(A, B, scale, bounds)
             if not torch.is_grad_enabled():  # (GEMMs with out= record no autograd)
-                # the members' GEMMs write column blocks of one [N, O] buffer, the launch adds every delta into it
-                # (split_with_sizes, not Tensor.split: its Python wrapper cost more host time than the split)
+                # the members' GEMMs write column blocks of one [N, O] buffer (one GEMM where their weights share
+                # the group's storage), the launch adds every delta into it (split_with_sizes, not Tensor.split:
+                # its Python wrapper cost more host time than the split)
                 out = x2.new_empty(x2.shape[0], bounds[-1])
+                if only is None and self.weight is not None:
+                    F.linear(x2, self.weight, out=out)
+                    out = launch(x2, slots, weights, out)
+                    return _with_bias(members, list(out.split_with_sizes(widths, 1)), lead)
                 for layer, y in zip(members, out.split_with_sizes(widths, 1) if len(members) > 1 else (out,)):
                     params = layer._parameters
                     F.linear(x2, params["weight"], params.get("bias"), out=y)  # (bias=False: a None attribute)
@@ -149,6 +180,14 @@ class ProjectionGroup:
                 return out.split_with_sizes(widths, -1) if len(members) > 1 else [out]
             delta = launch(x2, slots, weights)
             deltas = delta.split_with_sizes(widths, 1) if len(members) > 1 else [delta]
+        elif path == "torch" and only is None and self.weight is not None and not x2.is_cuda and \
+                x2.dtype in (torch.float32, torch.float64) and not torch.is_grad_enabled() and \
+                dense_fits(x2, A, B, slots.shape[1]):
+            # the CPU: one GEMM for the members' base outputs, then the deltas of the slots present only
+            meta = routing.meta(block)
+            ys = routed_linear_torch_slots(x2, self.weight, self.slot_views, self.scale_t,
+                                           meta.mixing_t(x2.dtype), meta.present_slots(), widths)
+            return _with_bias(members, ys, lead)
         elif not torch.is_grad_enabled() and fuses_base(x2, A.shape[1], A.shape[2], A.shape[0]) and \
                 (base := _weights_of_one_layout(members)) is not None:
             # one GEMM per call: every member's base GEMM with its delta inside (no autograd: no backward there)
