@@ -359,10 +359,18 @@ def test_captured_learned_steps_equal_eager_steps_while_adapters_move(monkeypatc
     eager = Engine(routed, vocab, device="cuda", config=EngineConfig(max_len=128, max_rows=8, cuda_graphs=False))
     requests, configs = learned_batch(routed, vocab)
     evict = [Request(p, VocabRangeRouter(vocab, "e", "f")) for p in prompts(vocab, 2, seed=8)]
+    def same(got, want):
+        """Tokens and adapters exactly; mixes as {adapter: weight} within 2e-3 (the replayed step's kernels round
+        float32 differently from the eager step's, and a mix weight is reported in 1e-4 steps)."""
+        assert [[t[:2] for t in row] for row in got] == [[t[:2] for t in row] for row in want]
+        for row, other in zip(got, want):
+            for (_, _, mix), (_, _, mix2) in zip(row, other):
+                a, b = dict(mix), dict(mix2)
+                assert a.keys() == b.keys() and all(abs(a[n] - b[n]) <= 2e-3 for n in a), (mix, mix2)
+
     for _ in range(2):  # the second round: slots reassigned by the evicting requests in between
-        assert routed_tokens(captured, requests, configs) == routed_tokens(eager, requests, configs)
-        assert routed_tokens(captured, requests[2:3], configs[2:3]) == routed_tokens(eager, requests[2:3],
-                                                                                     configs[2:3])
+        same(routed_tokens(captured, requests, configs), routed_tokens(eager, requests, configs))
+        same(routed_tokens(captured, requests[2:3], configs[2:3]), routed_tokens(eager, requests[2:3], configs[2:3]))
         assert collect(captured.stream(evict, configs[3])) == collect(eager.stream(evict, configs[3]))
     stats = captured.stats()
     assert len(stats["learned_graphs"]) == 1 and stats["graphs"]
