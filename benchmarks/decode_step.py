@@ -14,7 +14,14 @@ Rows (greedy, 32-token prompts, exactly --new tokens per row, tokens/s; batch 1 
 each engine row without adapters and with 2 rank-16 adapters routed by vocabulary range.  Then, per forward: kernels
 and GPU time of one decode step (profiler, widths 1 and 32), the captured step's replay time, and whether the
 lean and the transformers forward give the same greedy tokens.  `--learned`: learned top-2 rows (random gates with a
-base expert and a routing state, as the shipped router has) against vocabulary routing, in the default engine.
+base expert and a routing state, as the shipped router has) against vocabulary routing, in the default engine, and
+the GPU time and kernels of each captured step.  `--picture` (E3): one guided picture of Emu3's size on
+`--shape emu3-8b` (random weights of Emu3-8B's language model): 90 x 90 codes and a row marker after each row, 8,190
+decode steps of a pair of rows (the picture's row and its CFG twin), routed by vocabulary range, against the time
+that reading the weights once a step allows.
+
+    python benchmarks/decode_step.py --learned --new 64
+    python benchmarks/decode_step.py --picture --shape emu3-8b
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ from serving import (  # noqa: E402
 from molora.kernels.graphs import graph_paths  # noqa: E402
 from molora.models.engine.core import Engine, EngineConfig  # noqa: E402
 from molora.models.engine.generation import GenerationConfig, Request  # noqa: E402
-from molora.models.engine.synthetic import SHAPES, random_adapters, random_routed_model  # noqa: E402
+from molora.models.engine.synthetic import SHAPES, plain_model, random_adapters, random_routed_model  # noqa: E402
+from molora.models.engine.vocab import UnifiedVocab  # noqa: E402
 from molora.routing import LearnedGates, LearnedRouter, VocabRangeRouter  # noqa: E402
 
 
@@ -98,6 +106,78 @@ def greedy_tokens(engine: Engine, vocab, requests: list[Request], new: int) -> l
     return out
 
 
+def graph_costs(engine: Engine) -> dict[str, dict]:
+    """GPU time (20 replays) and kernels (profiler, 3 replays) of each captured decode step, static and learned."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = {f"static, width {w}": g for w, (g, _) in engine._graphs.items()}
+    graphs |= {f"learned, width {key[0]}, tables {key[1:]}": g for key, (g, _, _) in engine._learned_graphs.items()}
+    costs = {}
+    for label, graph in sorted(graphs.items()):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+        kernels = sum(e.count for e in prof.key_averages() if e.device_type == DeviceType.CUDA) / 3
+        costs[label] = {"gpu_ms": round(start.elapsed_time(end) / 20, 3), "kernels": kernels}
+        print(f"captured step {label}: {costs[label]['gpu_ms']:.3f} ms GPU, {kernels:.0f} kernels", flush=True)
+    return costs
+
+
+def picture_run(shape: str, device: str, dtype: torch.dtype, grid: tuple[int, int] = (90, 90),
+                codebook: int = 32768) -> dict:
+    """E3: seconds of one guided picture (a pair of rows, vocabulary routing, greedy) against the bandwidth time."""
+    routed, _ = random_routed_model(shape, device=device, dtype=dtype, num_slots=4, r_max=16)
+    for adapter in random_adapters(routed, ["txt", "img"], rank=16):
+        routed.add_adapter(adapter)
+    config = routed.model.config
+    image_start = config.vocab_size - codebook
+    row_end = image_start - 1  # Emu3's end-of-line id: an id of its own between the text and the codes
+    vocab = UnifiedVocab(vocab_size=config.vocab_size, text_start=5, text_size=row_end - 5, image_start=image_start,
+                         image_size=codebook, pad_id=0, bos_id=1, eos_id=2, boi_id=3, eoi_id=4, image_grid=grid,
+                         row_end_ids=(row_end,))
+    steps = vocab.image_span_tokens - 1  # <boi> is forced into the prompt (start_image); <eoi> ends the span
+    engine = Engine(routed, vocab, device=device, config=EngineConfig(max_rows=4, max_len=32 + steps + 8))
+    rng = random.Random(0)
+    prompt = [vocab.bos_id, *(rng.randrange(5, row_end) for _ in range(31))]
+    router = VocabRangeRouter(vocab, "txt", "img")
+    guided = GenerationConfig(max_new_tokens=steps + 1, max_images=1, start_image=True,
+                              **{**GREEDY, "cfg_scale": 3.0})
+    warm = GenerationConfig(max_new_tokens=16, max_images=0, **GREEDY)
+    run_engine(engine, [Request(prompt, router)] * 2, [warm] * 2)  # captures width 2 (the pair)
+    before = engine.steps
+    run = run_engine(engine, [Request(prompt, router)], [guided])
+    taken = engine.steps - before
+    weight_bytes = sum(p.numel() * p.element_size() for p in routed.model.parameters())
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_bytes_mean = 2 * layers * 2 * kv_heads * head_dim * dtype.itemsize * (32 + taken / 2)  # the pair's, mean
+    bandwidth = copy_bandwidth(device)
+    limit_s = taken * weight_bytes / bandwidth
+    limit_kv_s = taken * (weight_bytes + kv_bytes_mean) / bandwidth
+    out = {"grid": list(grid), "steps": taken, "tokens": run["tokens"], "seconds": float(f"{run['wall_s']:.4g}"),
+           "weight_GB": round(weight_bytes / 1e9, 3), "copy_bandwidth_GBs": round(bandwidth / 1e9),
+           "limit_s": float(f"{limit_s:.4g}"), "limit_with_kv_s": float(f"{limit_kv_s:.4g}"),
+           "E3": round(run["wall_s"] / limit_s, 3), "E3_with_kv": round(run["wall_s"] / limit_kv_s, 3),
+           "median_gap_ms": round(statistics.median(run["gaps_ms"]), 3)}
+    print(f"E3 {shape}: one guided {grid[0]}x{grid[1]} picture, {taken} steps of a pair: {out['seconds']} s; "
+          f"weight-bandwidth time {out['limit_s']} s ({out['weight_GB']} GB a step at {out['copy_bandwidth_GBs']} "
+          f"GB/s): {out['E3']}x; with the pair's KV cache read too {out['limit_with_kv_s']} s: {out['E3_with_kv']}x",
+          flush=True)
+    if device == "cuda":
+        out["graphs"] = graph_costs(engine)
+    engine.close()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen3-1.7b", choices=sorted(SHAPES))
@@ -105,6 +185,9 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128, help="new tokens per request")
     parser.add_argument("--no-compile", action="store_true", help="skip the static cache + compile baseline")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--picture", action="store_true", help="E3: one guided Emu3-sized picture (see above)")
+    parser.add_argument("--grid", type=int, nargs=2, default=[90, 90], help="--picture: rows and columns of codes")
+    parser.add_argument("--codebook", type=int, default=32768, help="--picture: codes (the vocabulary's last ids)")
     parser.add_argument("--learned", action="store_true",
                         help="only learned top-2 rows (random gates) against vocabulary routing, default engine")
     args = parser.parse_args()
@@ -115,6 +198,11 @@ def main() -> None:
                      else "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
                      "shape": args.shape, "new": new}
     print(json.dumps(results), flush=True)
+    if args.picture:
+        results["picture"] = picture_run(args.shape, device, dtype, tuple(args.grid), args.codebook)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        return
     routed, vocab = random_routed_model(args.shape, device=device, dtype=dtype, num_slots=4, r_max=16)
     for adapter in random_adapters(routed, ["txt", "img"], rank=16):
         routed.add_adapter(adapter)
@@ -129,6 +217,11 @@ def main() -> None:
         for batch in (1, 32):
             ratio = rows[("learned top-2 over 2 adapters", batch)] / rows[("2 adapters by vocabulary", batch)]
             print(f"learned top-2 / vocabulary routing, batch {batch}: {ratio:.3f}")
+            results[f"learned_ratio_batch_{batch}"] = round(ratio, 3)
+        if device == "cuda":
+            results["graphs"] = graph_costs(engine)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
         engine.close()
         return
     for lean, overlap in ((False, True), (True, False), (True, True)):
@@ -162,10 +255,8 @@ def main() -> None:
     results["same_tokens"] = f"{same}/{len(requests)}"
 
     # transformers' baselines on a plain model of the same shape (no routed layers for torch.compile to trip on)
-    from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(Qwen3Config(**SHAPES[args.shape], attn_implementation="sdpa")).to(dtype).eval()
+    model = plain_model(args.shape, device=device, dtype=dtype)
     for batch in (1, 32):
         table[("transformers generate, eager", batch)] = hf_generate(model, batch, 32, new, device, vocab.vocab_size)
         print(f"transformers generate, eager batch {batch}: {table[('transformers generate, eager', batch)]:.1f}",

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from molora.models.engine.core import Done, Engine, EngineConfig  # noqa: E402
 from molora.models.engine.generation import GenerationConfig, Request  # noqa: E402
 from molora.models.engine.sampling import SamplingConfig  # noqa: E402
-from molora.models.engine.synthetic import SHAPES, random_adapters, random_routed_model  # noqa: E402
+from molora.models.engine.synthetic import SHAPES, plain_model, random_adapters, random_routed_model  # noqa: E402
 from molora.routing import VocabRangeRouter  # noqa: E402
 
 GREEDY = dict(text=SamplingConfig(0.0), image=SamplingConfig(0.0), cfg_scale=1.0)
@@ -262,11 +262,9 @@ def main() -> None:
                   flush=True)
     try:
         import peft
-        from transformers import Qwen3Config, Qwen3ForCausalLM
         results["peft"] = peft.__version__
         torch.manual_seed(0)
-        with torch.device(device):
-            plain = Qwen3ForCausalLM(Qwen3Config(**SHAPES[args.shape], attn_implementation="sdpa")).to(dtype).eval()
+        plain = plain_model(args.shape, device=device, dtype=dtype)
         lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                                                                     "gate_proj", "up_proj", "down_proj"])
         peft_model = peft.get_peft_model(plain, lora, adapter_name="txt")

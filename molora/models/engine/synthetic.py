@@ -17,15 +17,31 @@ import torch
 from molora.models.engine.vocab import UnifiedVocab
 from molora.routing import LoraAdapter, RoutedModel, attach_routed_lora
 
-# Qwen3-1.7B's published shape (config.json of Qwen/Qwen3-1.7B), and a tiny one of the same family for tests.
+# Qwen3-1.7B's published shape (config.json of Qwen/Qwen3-1.7B), Emu3-8B's language model (config.json of
+# BAAI/Emu3-Gen: a Llama; its last 32,768 ids are the VQ codes of a picture), and a tiny Qwen3 for tests.
+# ARCHITECTURE names the transformers class of a shape (default "qwen3").
+ARCHITECTURE = {"emu3-8b": "llama"}
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                        tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "emu3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=184622, max_position_embeddings=9216,
+                    tie_word_embeddings=False, rope_theta=1000000.0, rms_norm_eps=1e-5),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=512,
                  tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6),
 }
+
+
+def plain_model(shape: str, *, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
+    """The transformers model of `shape` with random weights (from the global torch seed), no routed layers."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[ARCHITECTURE.get(shape, "qwen3")]
+    with torch.device(device):
+        return model_class(config_class(**SHAPES[shape], attn_implementation="sdpa")).to(dtype).eval()
 
 
 def id_range_vocab(vocab_size: int, *, image_size: int, grid: tuple[int, int] = (4, 4)) -> UnifiedVocab:
@@ -38,16 +54,13 @@ def id_range_vocab(vocab_size: int, *, image_size: int, grid: tuple[int, int] = 
 def random_routed_model(shape: str, *, device: torch.device | str, dtype: torch.dtype, num_slots: int = 4,
                         r_max: int = 16, seed: int = 0, image_size: int | None = None,
                         grid: tuple[int, int] = (4, 4)) -> tuple[RoutedModel, UnifiedVocab]:
-    """A Qwen3ForCausalLM of `shape` (SHAPES) with random weights, built on `device`, routed on all 7
+    """A causal LM of `shape` (SHAPES, ARCHITECTURE) with random weights, built on `device`, routed on all 7
     projections; and its id-range vocabulary (image codes: the last `image_size` ids, default 1/16 of them)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(**SHAPES[shape], attn_implementation="sdpa")
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(dtype).eval()
+    model = plain_model(shape, device=device, dtype=dtype)
     routed = attach_routed_lora(model, num_slots=num_slots, r_max=r_max)
-    vocab = id_range_vocab(config.vocab_size, image_size=image_size or config.vocab_size // 16, grid=grid)
+    vocab_size = model.config.vocab_size
+    vocab = id_range_vocab(vocab_size, image_size=image_size or vocab_size // 16, grid=grid)
     return routed, vocab
 
 

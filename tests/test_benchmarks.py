@@ -1,0 +1,26 @@
+"""Dry runs of the GPU benchmarks on the CPU, at toy shapes: each must run through and report what it measures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_picture_benchmark_decodes_one_whole_guided_picture(tmp_path: Path):
+    """E3's mode of benchmarks/decode_step.py: a 4 x 4 grid with a row marker after each row is 4 * 5 ids and <eoi>
+    after the forced <boi>, one decode step of the pair (row and CFG twin) each; the stream also emits the <boi>."""
+    out = tmp_path / "e3.json"
+    run = subprocess.run([sys.executable, "benchmarks/decode_step.py", "--picture", "--shape", "tiny", "--device",
+                          "cpu", "--grid", "4", "4", "--codebook", "64", "--json", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    picture = json.loads(out.read_text())["picture"]
+    assert picture["steps"] == 4 * 5 + 1 and picture["tokens"] == picture["steps"] + 1
+    assert picture["seconds"] > 0 and picture["limit_s"] > 0
+    assert abs(picture["E3"] / (picture["seconds"] / picture["limit_s"]) - 1) < 0.02
+    assert picture["limit_with_kv_s"] > picture["limit_s"]
+    assert "E3 tiny: one guided 4x4 picture" in run.stdout
