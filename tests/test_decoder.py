@@ -35,9 +35,10 @@ def _qwen3():
     return routed
 
 
-def _steps(routed, forward, ids: torch.Tensor, slots: torch.Tensor) -> list[torch.Tensor]:
+def _steps(routed, forward, ids: torch.Tensor, slots: torch.Tensor, live: int | None = None) -> list[torch.Tensor]:
     """Prefill ids[:, :5] into rows 0-1 of a RowKVCache, then decode ids[:, 5:] one at a time; the logits of each
-    call (its last position), every position routed to `slots`."""
+    call (its last position), every position routed to `slots`; `live`: decode calls whose rows from there on are
+    padding."""
     model = routed.model
     kv = RowKVCache.for_model(model.config, 2, 16, dtype=torch.float32, device="cpu")
     columns = torch.arange(16)
@@ -49,7 +50,8 @@ def _steps(routed, forward, ids: torch.Tensor, slots: torch.Tensor) -> list[torc
             positions = torch.arange(start, end).repeat(2, 1)
             mask = torch.where(columns[None, None, :] <= positions[:, :, None], 0.0, float("-inf"))[:, None]
             plan = routed.make_routing(2, end - start, slots[:, start:end].reshape(-1), routed.cache.num_slots)
-            kv.address(rows, positions, leading=2 if end - start == 1 else 0)
+            decode = end - start == 1
+            kv.address(rows, positions, leading=2 if decode else 0, live=live if decode else None)
             out = routed.run(chunk, plan, forward=forward, attention_mask=mask, position_ids=positions,
                              past_key_values=kv, use_cache=True, logits_to_keep=1)
             logits.append(out.logits[:, -1])
@@ -68,6 +70,32 @@ def test_lean_decoder_gives_transformers_logits_through_the_row_cache(make):
     lean = _steps(routed, LeanDecoder(routed.model), ids, slots)
     for want, got in zip(reference, lean):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_rows_past_the_live_ones_skip_attention_and_leave_the_live_rows_bit_identical():
+    routed = _qwen3()  # grouped KV heads: the query rows of a KV head fold into one attention call
+    for adapter in random_adapters(routed, ["a", "b"], rank=8, std=0.2):
+        routed.add_adapter(adapter)
+    ids = torch.randint(5, routed.model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    slots = torch.tensor([[0, 1, 1, -1, 0, 1, 0, 0, 1], [1, 0, -1, 0, 1, -1, 1, 0, 0]])
+    decoder = LeanDecoder(routed.model)
+    full = _steps(routed, decoder, ids, slots)
+    attended = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(q, *args, **kwargs):
+        attended.append(q.shape[0])
+        return original(q, *args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+    try:
+        padded = _steps(routed, decoder, ids, slots, live=1)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+    blocks = len(decoder.blocks)
+    assert attended == [2] * blocks + [1] * (blocks * (ids.shape[1] - 5))  # prefill: both rows; decode: row 0
+    for want, got in zip(full, padded):
+        assert torch.equal(got[0], want[0])
 
 
 def _tokens(engine: Engine, requests: list[Request], config: GenerationConfig) -> dict[int, list[int]]:

@@ -193,7 +193,8 @@ class _Job:
 class _Batch:
     """The running batch as the decode step needs it: jobs by row, their prompt rows [n], the positions in `rows`
     of guided jobs and their twin rows [m] (None without guidance), the decode width, the learned routers' tables
-    (one per distinct LearnedRouter in the batch) and whether any job filters by top-k / top-p."""
+    (one per distinct LearnedRouter in the batch), whether any job filters by top-k / top-p, and `live`: rows
+    [0, live) hold the jobs' rows, the rest of the width is padding."""
 
     jobs: list[_Job]
     rows: torch.Tensor
@@ -202,6 +203,7 @@ class _Batch:
     width: int
     learned: tuple[_LearnedRows, ...]
     filters: bool
+    live: int
 
 
 @dataclass(eq=False)
@@ -575,8 +577,9 @@ class Engine:
         return min(self.max_len, -(-needed // KV_COLUMN_BLOCK) * KV_COLUMN_BLOCK)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
-                 plan: CallRouting | None, leading: int = 0, length: int | None = None) -> Any:
-        self.kv.address(rows, positions, leading=leading, length=length)
+                 plan: CallRouting | None, leading: int = 0, length: int | None = None, live: int | None = None
+                 ) -> Any:
+        self.kv.address(rows, positions, leading=leading, length=length, live=live)
         return self.routed.run(ids, plan, forward=self.decoder, attention_mask=mask, position_ids=positions,
                                past_key_values=self.kv, use_cache=True, logits_to_keep=1)
 
@@ -718,7 +721,7 @@ class Engine:
                 tensor([i for i, _ in pairs]) if pairs else None, tensor([t for _, t in pairs]) if pairs else None,
                 width=next(w for w in self.widths if w > highest),
                 learned=self._learned_tables(jobs),
-                filters=any(j.config.text.filters or j.config.image.filters for j in jobs))
+                filters=any(j.config.text.filters or j.config.image.filters for j in jobs), live=highest + 1)
         return self._index_cache
 
     def _learned_tables(self, jobs: list[_Job]) -> tuple[_LearnedRows, ...]:
@@ -746,16 +749,17 @@ class Engine:
             self._forget_learned()
         return tuple(tables)
 
-    def _decode(self, width: int, jobs: list[_Job], learned: tuple[_LearnedRows, ...]
+    def _decode(self, width: int, jobs: list[_Job], learned: tuple[_LearnedRows, ...], live: int
                 ) -> tuple[torch.Tensor, _Producing]:
-        """Logits [W, V] and producing slots [W] of one decode step over rows [0, W)."""
+        """Logits [W, V] and producing slots [W] of one decode step over rows [0, W) (rows from `live` on are
+        padding: an eager step skips their attention)."""
         if self.use_graphs:
             return self._replay(width, learned)
         needed = max(len(j.prompt) + j.emitted for j in jobs)
-        return self._decode_body(width, learned, self._columns(needed), routed=any(j.names for j in jobs))
+        return self._decode_body(width, learned, self._columns(needed), routed=any(j.names for j in jobs), live=live)
 
     def _decode_body(self, width: int, learned: tuple[_LearnedRows, ...] = (), length: int | None = None,
-                     routed: bool = True) -> tuple[torch.Tensor, _Producing]:
+                     routed: bool = True, live: int | None = None) -> tuple[torch.Tensor, _Producing]:
         columns = self.columns if length is None else self.columns[:length]
         ids, positions, mask, slots = self.states.decode_inputs(width, columns, self.dtype)
         plan = None
@@ -769,7 +773,7 @@ class Engine:
         rows = self.all_rows[:width]
         self._hold_pictures(plan)
         self._hold_states(plan, rows, positions)
-        out = self._forward(ids, positions, rows, mask, plan, leading=width, length=length)
+        out = self._forward(ids, positions, rows, mask, plan, leading=width, length=length, live=live)
         self._keep_pictures(plan, rows)
         self._keep_states(plan, rows, positions)
         return self._last_logits(out), _producing(out.routing, slots)
@@ -886,7 +890,7 @@ class Engine:
         started = time.perf_counter()
         batch = self._indices()
         jobs, rows, twin_of, twin_rows = batch.jobs, batch.rows, batch.twin_of, batch.twin_rows
-        logits, producing = self._decode(batch.width, jobs, batch.learned)
+        logits, producing = self._decode(batch.width, jobs, batch.learned, batch.live)
         uncond = logits[self.states.twin[rows]] if twin_rows is not None else None
         tokens = self.states.choose(rows, logits[rows], uncond, self._noise(jobs, logits.shape[-1]), batch.filters)
         done = self.states.advance(rows, tokens, twin_of, twin_rows)

@@ -131,6 +131,7 @@ class LeanDecoder:
             mask = mask.expand(n, G, T, mask.shape[-1]).reshape(n, 1, G * T, mask.shape[-1])
         routing = current_routing()
         learned = routing is not None and bool(routing.learned)
+        live = min(n, getattr(cache, "live_rows", None) or n)
         eps = self.eps
         first = self.blocks[0].input_layernorm
         h = self.norm(x, first.weight, first.variance_epsilon)
@@ -146,7 +147,12 @@ class LeanDecoder:
             keys, values = cache.store(i, k, v)  # the rows' whole buffers [n, Hkv, L, D]
             # [n, T, H, D] -> [n, Hkv, G*T, D]: query heads h = j*G + g read KV head j (transformers' repeat_kv)
             q = q.view(n, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(n, Hkv, G * T, D)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+            if live < n:  # padding rows of a decode step: zeros, not attention over their KV rows
+                o = q.new_zeros(q.shape)
+                o[:live] = F.scaled_dot_product_attention(q[:live], keys[:live], values[:live], attn_mask=mask[:live],
+                                                          scale=self.scaling)
+            else:
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
             o = o.view(n, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(n, T, H * D)
             post = block.post_attention_layernorm
             x, h = self.add_norm(x, attn.o_proj(o), post.weight, post.variance_epsilon)

@@ -39,6 +39,7 @@ class RowKVCache(Cache):
         self._positions: torch.Tensor | None = None  # [n, T] long: where each new token is written
         self._leading = 0  # > 0: the call covers rows [0, leading) in order, so reads need no gather
         self._length = max_len  # columns attention reads (every written position of the call's rows is below)
+        self.live_rows: int | None = None  # a decode call's rows from here on are padding (None: none are)
 
     @classmethod
     def for_model(cls, config: Any, max_rows: int, max_len: int, *, dtype: torch.dtype,
@@ -77,12 +78,14 @@ class RowKVCache(Cache):
         return sizes
 
     def address(self, rows: torch.Tensor, positions: torch.Tensor, *, leading: int = 0,
-                length: int | None = None) -> None:
+                length: int | None = None, live: int | None = None) -> None:
         """The next forward writes token t of batch row i at cache row rows[i], position positions[i, t].
         `leading=n` promises rows == arange(n) (the decode step), so attention reads a view, not a gather;
-        `length` promises every position the rows hold is below it, so attention reads only those columns."""
+        `length` promises every position the rows hold is below it, so attention reads only those columns;
+        `live` says batch rows from `live` on are padding, whose outputs nobody reads (`live_rows`)."""
         self._rows, self._positions, self._leading = rows, positions, leading
         self._length = length or self.max_len
+        self.live_rows = live
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
