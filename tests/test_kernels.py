@@ -781,3 +781,21 @@ def test_cpu_stacked_form_matches_reference_adds_in_place_and_serves_groups(n, k
     for y, ref in zip(routed_lora_torch_group_stacked(x, A3, B3, slots, weights, s3, bounds),
                       routed_lora_group_reference(x, A3, B3, valid, weights, s3, bounds)):
         assert y.shape == ref.shape and (n == 0 or rel_err(y, ref) <= TOL[torch.float32])
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_cpu_linear_gives_a_row_the_same_numbers_at_every_decode_width():
+    from molora.kernels.torch_ops import CPU_GEMM_MAX_ROWS, cpu_linear
+
+    g = torch.Generator().manual_seed(0)
+    for d_out, d_in in [(768, 256), (256, 1024), (1080, 256)]:
+        weight = torch.randn(d_out, d_in, generator=g) * 0.05
+        bias = torch.randn(d_out, generator=g)
+        x = torch.randn(CPU_GEMM_MAX_ROWS, d_in, generator=g)
+        widest = cpu_linear(x, weight, bias)
+        assert widest.is_contiguous()
+        torch.testing.assert_close(widest, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        for width in (4, 8):  # the engine's exact-row widths below the widest (kernels/torch_ops.py)
+            assert torch.equal(cpu_linear(x[:width], weight, bias), widest[:width])
+        many = torch.randn(CPU_GEMM_MAX_ROWS + 1, d_in, generator=g)  # beyond: F.linear itself
+        assert torch.equal(cpu_linear(many, weight), torch.nn.functional.linear(many, weight))

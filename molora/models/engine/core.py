@@ -756,7 +756,10 @@ class Engine:
         if self.use_graphs:
             return self._replay(width, learned)
         needed = max(len(j.prompt) + j.emitted for j in jobs)
-        return self._decode_body(width, learned, self._columns(needed), routed=any(j.names for j in jobs), live=live)
+        # the CPU routes every step, adapters or not: a routed call's base GEMM takes the decode-width form
+        # (kernels/torch_ops.py cpu_linear), so a row's numbers never depend on whether its neighbours hold adapters
+        routed = self.device.type == "cpu" or any(j.names for j in jobs)
+        return self._decode_body(width, learned, self._columns(needed), routed=routed, live=live)
 
     def _decode_body(self, width: int, learned: tuple[_LearnedRows, ...] = (), length: int | None = None,
                      routed: bool = True, live: int | None = None) -> tuple[torch.Tensor, _Producing]:
