@@ -22,6 +22,7 @@ from molora.routing import (
     UnknownAdapterError,
     VocabRangeRouter,
 )
+from molora.routing.context import current_routing
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -98,6 +99,26 @@ def test_requests_joining_a_running_batch_equal_their_solo_runs(model):
     for i in (1, 2, 3):
         assert results[i] == alone[i], f"request {i} differs when it joined a running batch"
     assert engine.steps > 0 and engine.stats()["running"] == 0
+
+
+def test_cpu_steps_run_in_inference_mode_and_every_decode_step_is_routed(model):
+    """No autograd bookkeeping on the CPU's steps; a request holding no adapter still decodes through the routed
+    layers' group calls (the base GEMMs a routed neighbour's rows take: kernels/torch_ops.py cpu_linear)."""
+    routed, vocab = model
+    engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=64))
+    engine._setup()
+    decoder, calls = engine.decoder, []
+
+    def recording(**kwargs):
+        calls.append((torch.is_inference_mode_enabled(), kwargs["input_ids"].shape[1], current_routing() is not None))
+        return decoder(**kwargs)
+
+    engine.decoder = recording
+    solo(engine, Request(prompts(vocab, 1)[0]), GenerationConfig(max_new_tokens=4, seed=0, **GREEDY))
+    engine.close()
+    assert calls and all(inference for inference, _, _ in calls)
+    assert [routed_call for _, length, routed_call in calls if length == 1] == [True] * 3  # decode steps
+    assert not calls[0][2]  # the prefill of a request without adapters runs the plain base model
 
 
 def test_cancelling_frees_the_row_kv_and_adapter_pins_within_one_step(model, monkeypatch):

@@ -423,7 +423,10 @@ class Engine:
             self._thread.start()
 
     def _loop(self) -> None:
-        with torch.no_grad():
+        # the CPU's eager steps run in inference mode: autograd's per-op bookkeeping (version counters, view
+        # tracking) took 9% of a step (embedded model, 4 rows: 8.14 -> 7.38 ms, 2026-12-04); CUDA replays captured
+        # steps, whose host cost it does not touch
+        with torch.inference_mode() if self.device.type == "cpu" else torch.no_grad():
             while True:
                 with self._lock:
                     if not (self._closed or self._incoming or self._waiting or self._starting or self._running):
