@@ -206,37 +206,39 @@ def routed_lora_torch_group_stacked(x: torch.Tensor, A: torch.Tensor, B: torch.T
     return stacked_expand_group(h, bf, tuple(bounds))
 
 
-# The CPU's decode GEMMs (cpu_linear): calls of up to CPU_GEMM_MAX_ROWS rows run as weight @ x^T, in chunks of
-# CPU_GEMM_CHUNK rows. MKL (torch 2.13, one thread, 2-core EPYC VM, 2026-12-04), the embedded model's 25 GEMMs of a
-# decode step, ms: 4 rows 4.48 as F.linear -> 2.72 this way, 8 rows 5.05 -> 4.27, 16 rows 6.00 -> 8.09 (two chunks).
-# Its kernel for fewer than 12 rows in this orientation works on blocks of 4 rows, so a row's numbers are the same
-# at 4, 8 and 16 rows (chunks of 8), which keeps the engine's exact rows; from 12 rows MKL takes F.linear's kernel.
-CPU_GEMM_MAX_ROWS = 16
+# The CPU engine's decode GEMMs (cpu_linear): weight @ x^T per chunk of CPU_GEMM_CHUNK rows, the last one padded to a
+# multiple of CPU_GEMM_BLOCK rows. MKL (torch 2.13, one thread, 2-core EPYC VM, 2026-12-04), the embedded model's 25
+# GEMMs of a decode step, ms: 4 rows 4.48 as F.linear -> 2.72 this way, 8 rows 5.05 -> 4.27, 16 rows 6.00 -> 8.09
+# (two chunks). Its kernel for fewer than 12 rows in this orientation works on blocks of 4 rows, each row on its own,
+# so a row's numbers are the same in every call (F.linear's are the same at 4 rows and more, not at 1-3).
 CPU_GEMM_CHUNK = 8
+CPU_GEMM_BLOCK = 4
 
 
-def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x [N, in], weight [O, in], bias) as a contiguous [N, O]: float32 CPU calls of up to
-    CPU_GEMM_MAX_ROWS rows as weight @ x^T per chunk of CPU_GEMM_CHUNK rows (faster at decode widths, and a row's
-    numbers do not depend on the width: see above), then the bias."""
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [N, in] @ weight [O, in]^T as a contiguous [N, O] whose rows do not depend on the other rows of x (float32
+    on the CPU: weight @ x^T per chunk of CPU_GEMM_CHUNK rows, see above; elsewhere F.linear)."""
     n = x.shape[0]
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or \
-            not 0 < n <= CPU_GEMM_MAX_ROWS:
-        return torch.nn.functional.linear(x, weight, bias)
-    if n <= CPU_GEMM_CHUNK:
-        y = torch.mm(weight, x.t()).t().contiguous()
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or n == 0:
+        return torch.nn.functional.linear(x, weight)
+    pad = -n % CPU_GEMM_BLOCK
+    if pad:
+        x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+    if n + pad <= CPU_GEMM_CHUNK:
+        y = torch.mm(weight, x.t()).t()
     else:
         y = torch.cat([torch.mm(weight, chunk.t()).t() for chunk in x.split(CPU_GEMM_CHUNK)])
-    return y if bias is None else y.add_(bias)
+    return y[:n].contiguous()
 
 
 def routed_linear_torch_slots(x: torch.Tensor, weight: torch.Tensor, slot_views: list[tuple[torch.Tensor, ...]],
                               scale_t: torch.Tensor, mix_t: torch.Tensor, present: list[int],
-                              widths: tuple[int, ...]) -> list[torch.Tensor]:
+                              widths: tuple[int, ...], exact_rows: bool = False) -> list[torch.Tensor]:
     """Every output (base linear + routed delta) of P projections sharing x [N, in], reading only the adapters of
     the slots present: weight [O, in] = the members' base weights stacked (one GEMM for all of them);
     slot_views[s] = (A[:, s]^T [P, in, r], then B[s, member p's columns]^T [r, width_p] for each p); scale_t [S, P];
-    mix_t [S, N] the summed weight of each token's choices of each slot; present: the slots some token chose.
+    mix_t [S, N] the summed weight of each token's choices of each slot; present: the slots some token chose;
+    exact_rows: the base GEMM by cpu_linear (a row's numbers do not depend on the other rows), else F.linear.
 
     Per present slot: one batched shrink of every row (a row that did not choose s gets weight 0: it adds exact
     zeros, so a row's numbers do not depend on its neighbours' slots), weighted in place, and one expand per member
@@ -244,7 +246,7 @@ def routed_linear_torch_slots(x: torch.Tensor, weight: torch.Tensor, slot_views:
     2-core CPU whose steps are bound by memory traffic, the embedded model's routed linears (7 slots of rank 16)
     took 14.4 ms a decode step at 4 rows that way against 6.2 for the base GEMMs alone. Returns views [N, width_p]
     of one [N, O] buffer."""
-    outs = cpu_linear(x, weight).split_with_sizes(widths, 1)
+    outs = (cpu_linear if exact_rows else torch.nn.functional.linear)(x, weight).split_with_sizes(widths, 1)
     for s in present:
         a_t, *b_t = slot_views[s]
         h = torch.matmul(x, a_t)  # [P, N, r]

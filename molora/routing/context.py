@@ -43,6 +43,9 @@ class CallRouting:
     slot_of: dict[str, int] = field(default_factory=dict)  # adapter name -> slot pinned for this call
     learned: list[Any] = field(default_factory=list)  # routers.LearnedGroup, one per distinct LearnedRouter
     k: int = 1
+    # the CPU's routed base GEMMs take kernels.torch_ops.cpu_linear, whose numbers for a row do not depend on the
+    # call's other rows (the serving engine's decode steps with exact rows)
+    exact_rows: bool = False
     block_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     decisions: dict[int, list[tuple[Any, BlockDecision]]] = field(default_factory=dict)
     _static_k: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -186,7 +186,7 @@ class ProjectionGroup:
             # the CPU: one GEMM for the members' base outputs, then the deltas of the slots present only
             meta = routing.meta(block)
             ys = routed_linear_torch_slots(x2, self.weight, self.slot_views, self.scale_t,
-                                           meta.mixing_t(x2.dtype), meta.present_slots(), widths)
+                                           meta.mixing_t(x2.dtype), meta.present_slots(), widths, routing.exact_rows)
             return _with_bias(members, ys, lead)
         elif not torch.is_grad_enabled() and fuses_base(x2, A.shape[1], A.shape[2], A.shape[0]) and \
                 (base := _weights_of_one_layout(members)) is not None:

@@ -294,6 +294,7 @@ class Engine:
             log.info("engine: the model is placed over %s%s: no CUDA-graph capture, every step runs eagerly",
                      [str(d) for d in placement.devices], " with offloaded weights" if placement.offloaded else "")
         low = 1 if on_cuda or not self.config.exact_rows else min(CPU_MIN_WIDTH, self.max_rows)
+        self._exact_cpu = not on_cuda and self.config.exact_rows  # the CPU's decode rows computed row by row
         self.widths = sorted({min(low << i, self.max_rows) for i in range(self.max_rows.bit_length() + 1)})
         self._lock = threading.Condition()
         self._incoming: list[_Job] = []
@@ -759,9 +760,9 @@ class Engine:
         if self.use_graphs:
             return self._replay(width, learned)
         needed = max(len(j.prompt) + j.emitted for j in jobs)
-        # the CPU routes every step, adapters or not: a routed call's base GEMM takes the decode-width form
-        # (kernels/torch_ops.py cpu_linear), so a row's numbers never depend on whether its neighbours hold adapters
-        routed = self.device.type == "cpu" or any(j.names for j in jobs)
+        # exact rows on the CPU: every step is routed, adapters or not, so every row takes the base GEMMs of a routed
+        # call with exact rows (kernels/torch_ops.py cpu_linear), whatever its neighbours hold
+        routed = self._exact_cpu or any(j.names for j in jobs)
         return self._decode_body(width, learned, self._columns(needed), routed=routed, live=live)
 
     def _decode_body(self, width: int, learned: tuple[_LearnedRows, ...] = (), length: int | None = None,
@@ -775,7 +776,7 @@ class Engine:
                                                            member=table.member[:width],
                                                            expert_slots=table.expert_slots)]
             plan = self.routed.make_routing(width, 1, slots, self.routed.cache.num_slots, learned=groups,
-                                            k=max((g.top_k for g in groups), default=1))
+                                            k=max((g.top_k for g in groups), default=1), exact_rows=self._exact_cpu)
         rows = self.all_rows[:width]
         self._hold_pictures(plan)
         self._hold_states(plan, rows, positions)
