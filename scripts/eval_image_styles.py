@@ -84,19 +84,24 @@ def run_row(pipe: InterleavedPipeline, items: list[StyleItem], batch: list[list]
     docs = pipe.generate(batch, routing=routing, image_adapter=adapters, text_adapter=None,
                          max_new_tokens=pipe.vocab.image_span_tokens + 1, max_images=1, seed=seed,
                          start_image=True)
-    style_ok, content_ok = [], []
+    style_ok, content_ok, adapter_ok = [], [], []
     for item, doc in zip(items, docs):
         pictures = doc.images
         picture = pictures[0] if pictures else None
         style_ok.append(picture is not None and drawn_style(analyse_image(picture), item) == item.style)
         content_ok.append(score_text_to_image(EvalPrompt("text_to_image", item.prompt, item.drawn), picture))
+        # every generated picture token drawn by the asked style's adapter (None: the base expert, "filled"); the
+        # routing records cover generated tokens only, not a second-picture prompt's given first picture
+        drawn_by = {r.adapter for r in doc.routing if r.modality == "image"}
+        adapter_ok.append(picture is not None and drawn_by == {item.adapter})
     n = len(items)
-    per_style, ci = {}, {"style": rate(style_ok), "content": rate(content_ok)}
+    per_style, ci = {}, {"style": rate(style_ok), "content": rate(content_ok), "adapter": rate(adapter_ok)}
     for style in STYLES:
         asked = [ok for ok, it in zip(style_ok, items) if it.style == style]
         per_style[f"style_{style}"] = round(sum(asked) / max(1, len(asked)), 4)
         ci[f"style_{style}"] = rate(asked)
-    return {"style": round(sum(style_ok) / n, 4), "content": round(sum(content_ok) / n, 4), **per_style,
+    return {"style": round(sum(style_ok) / n, 4), "content": round(sum(content_ok) / n, 4),
+            "adapter": round(sum(adapter_ok) / n, 4), **per_style,
             "ci95": ci, "style_hits": "".join("1" if ok else "0" for ok in style_ok),
             "seconds": round(time.time() - t0, 1)}
 
@@ -152,8 +157,9 @@ def report(results: dict) -> str:
     seeds = setup["seeds"]
     lines = [] if setup["held_out"] else [selection_warning(seeds), ""]
     lines += [f"Seeds {' '.join(seeds)}: {setup['n']} held-out requests per seed; 95% Wilson intervals in brackets",
-              "| row | one picture: style | outlined / filled / negative asked | content | second picture: style "
-              "| outlined / filled / negative asked | content |", "|---|---|---|---|---|---|---|"]
+              "| row | one picture: style | outlined / filled / negative asked | content | asked style's adapter "
+              "| second picture: style | outlined / filled / negative asked | content | asked style's adapter |",
+              "|---|---|---|---|---|---|---|---|---|"]
 
     def ci(r: dict, key: str) -> str:
         c = r["ci95"][key]
@@ -161,8 +167,8 @@ def report(results: dict) -> str:
     for name in rows["one picture"]:
         a, b = rows["one picture"][name], rows["second picture"][name]
         asked = [" / ".join(f"{r[f'style_{s}']:.3f}" for s in STYLES) for r in (a, b)]
-        lines.append(f"| {name} | {ci(a, 'style')} | {asked[0]} | {ci(a, 'content')} | {ci(b, 'style')} | {asked[1]} "
-                     f"| {ci(b, 'content')} |")
+        lines.append(f"| {name} | {ci(a, 'style')} | {asked[0]} | {ci(a, 'content')} | {ci(a, 'adapter')} "
+                     f"| {ci(b, 'style')} | {asked[1]} | {ci(b, 'content')} | {ci(b, 'adapter')} |")
     if len(seeds) > 1:
         n = setup["n"]
         lines += ["", "Style rate per seed (one picture / second picture)", "| row | " + " | ".join(seeds) + " |",

@@ -169,14 +169,18 @@ def test_image_style_requests_are_drawn_from_the_seed():
 def test_image_style_report_gives_wilson_intervals_per_seed_and_flags_the_validation_seed():
     ev = load_script("eval_image_styles")
     hits = [True] * 5 + [False] * 5 + [True] * 10
-    row = {"style": 0.75, "content": 0.75, **{f"style_{s}": 0.75 for s in ("outline", "filled", "negative")},
-           "ci95": {"style": ev.rate(hits), "content": ev.rate(hits)}, "style_hits": "".join("10"[not h] for h in hits)}
+    row = {"style": 0.75, "content": 0.75, "adapter": 1.0,
+           **{f"style_{s}": 0.75 for s in ("outline", "filled", "negative")},
+           "ci95": {"style": ev.rate(hits), "content": ev.rate(hits), "adapter": ev.rate([True] * 20)},
+           "style_hits": "".join("10"[not h] for h in hits)}
     assert row["ci95"]["style"]["ci95"] == pytest.approx(wilson_interval(15, 20), abs=1e-4)
     results = {"rows": {"one picture": {"learned image gates": row}, "second picture": {"learned image gates": row}},
                "setup": {"n": 10, "seeds": ["1", "2"], "held_out": True}}
     text = ev.report(results)
     lo, hi = wilson_interval(15, 20)
     assert f"0.750 ({lo:.3f}–{hi:.3f})" in text and "| learned image gates | 0.500 / 0.500 | 1.000 / 1.000 |" in text
+    alo, ahi = wilson_interval(20, 20)
+    assert f"| 1.000 ({alo:.3f}–{ahi:.3f}) |" in text  # the asked style's adapter drew every picture
     results["setup"].update(seeds=["eval"], held_out=False)
     assert ev.report(results).startswith("NOT HELD OUT")
     with pytest.raises(SystemExit):
