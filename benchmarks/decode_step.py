@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving.py's helpers
 from serving import (  # noqa: E402
     GREEDY,
     copy_bandwidth,
+    graph_ms,
     hf_generate,
     profile_step,
     prompt_ids,
@@ -55,7 +56,6 @@ from molora.kernels.graphs import graph_paths  # noqa: E402
 from molora.models.engine.core import Engine, EngineConfig  # noqa: E402
 from molora.models.engine.generation import GenerationConfig, Request  # noqa: E402
 from molora.models.engine.synthetic import SHAPES, plain_model, random_adapters, random_routed_model  # noqa: E402
-from molora.models.engine.vocab import UnifiedVocab  # noqa: E402
 from molora.routing import LearnedGates, LearnedRouter, VocabRangeRouter  # noqa: E402
 
 
@@ -115,19 +115,13 @@ def graph_costs(engine: Engine) -> dict[str, dict]:
     graphs |= {f"learned, width {key[0]}, tables {key[1:]}": g for key, (g, _, _) in engine._learned_graphs.items()}
     costs = {}
     for label, graph in sorted(graphs.items()):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
+        gpu_ms = graph_ms(graph)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 graph.replay()
             torch.cuda.synchronize()
         kernels = sum(e.count for e in prof.key_averages() if e.device_type == DeviceType.CUDA) / 3
-        costs[label] = {"gpu_ms": round(start.elapsed_time(end) / 20, 3), "kernels": kernels}
+        costs[label] = {"gpu_ms": round(gpu_ms, 3), "kernels": kernels}
         print(f"captured step {label}: {costs[label]['gpu_ms']:.3f} ms GPU, {kernels:.0f} kernels", flush=True)
     return costs
 
@@ -135,19 +129,15 @@ def graph_costs(engine: Engine) -> dict[str, dict]:
 def picture_run(shape: str, device: str, dtype: torch.dtype, grid: tuple[int, int] = (90, 90),
                 codebook: int = 32768) -> dict:
     """E3: seconds of one guided picture (a pair of rows, vocabulary routing, greedy) against the bandwidth time."""
-    routed, _ = random_routed_model(shape, device=device, dtype=dtype, num_slots=4, r_max=16)
+    routed, vocab = random_routed_model(shape, device=device, dtype=dtype, num_slots=4, r_max=16, image_size=codebook,
+                                        grid=grid, row_end=True)
     for adapter in random_adapters(routed, ["txt", "img"], rank=16):
         routed.add_adapter(adapter)
     config = routed.model.config
-    image_start = config.vocab_size - codebook
-    row_end = image_start - 1  # Emu3's end-of-line id: an id of its own between the text and the codes
-    vocab = UnifiedVocab(vocab_size=config.vocab_size, text_start=5, text_size=row_end - 5, image_start=image_start,
-                         image_size=codebook, pad_id=0, bos_id=1, eos_id=2, boi_id=3, eoi_id=4, image_grid=grid,
-                         row_end_ids=(row_end,))
     steps = vocab.image_span_tokens - 1  # <boi> is forced into the prompt (start_image); <eoi> ends the span
     engine = Engine(routed, vocab, device=device, config=EngineConfig(max_rows=4, max_len=32 + steps + 8))
     rng = random.Random(0)
-    prompt = [vocab.bos_id, *(rng.randrange(5, row_end) for _ in range(31))]
+    prompt = [vocab.bos_id, *(rng.randrange(vocab.text_start, vocab.text_start + vocab.text_size) for _ in range(31))]
     router = VocabRangeRouter(vocab, "txt", "img")
     guided = GenerationConfig(max_new_tokens=steps + 1, max_images=1, start_image=True,
                               **{**GREEDY, "cfg_scale": 3.0})

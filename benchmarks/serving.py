@@ -70,19 +70,21 @@ def run_engine(engine: Engine, requests: list[Request], configs: list[Generation
             "lat_p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))], "gaps_ms": gaps}
 
 
+def graph_ms(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
+    """GPU milliseconds of one replay of a captured graph (mean of `replays`, after one warm replay)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def replay_ms(engine: Engine) -> dict[int, float]:
     """GPU milliseconds of each captured decode step (by width), replayed 20 times with nothing else running."""
-    times = {}
-    for width, (graph, _) in sorted(engine._graphs.items()):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times[width] = start.elapsed_time(end) / 20
-    return times
+    return {width: graph_ms(graph) for width, (graph, _) in sorted(engine._graphs.items())}
 
 
 def copy_bandwidth(device: str) -> float:

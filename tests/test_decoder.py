@@ -72,7 +72,7 @@ def test_lean_decoder_gives_transformers_logits_through_the_row_cache(make):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_decode_rows_past_the_live_ones_skip_attention_and_leave_the_live_rows_bit_identical():
+def test_decode_rows_past_the_live_ones_skip_attention_and_leave_the_live_rows_bit_identical(monkeypatch):
     routed = _qwen3()  # grouped KV heads: the query rows of a KV head fold into one attention call
     for adapter in random_adapters(routed, ["a", "b"], rank=8, std=0.2):
         routed.add_adapter(adapter)
@@ -87,11 +87,8 @@ def test_decode_rows_past_the_live_ones_skip_attention_and_leave_the_live_rows_b
         attended.append(q.shape[0])
         return original(q, *args, **kwargs)
 
-    torch.nn.functional.scaled_dot_product_attention = sdpa
-    try:
-        padded = _steps(routed, decoder, ids, slots, live=1)
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    padded = _steps(routed, decoder, ids, slots, live=1)
     blocks = len(decoder.blocks)
     assert attended == [2] * blocks + [1] * (blocks * (ids.shape[1] - 5))  # prefill: both rows; decode: row 0
     for want, got in zip(full, padded):

@@ -44,23 +44,27 @@ def plain_model(shape: str, *, device: torch.device | str, dtype: torch.dtype) -
         return model_class(config_class(**SHAPES[shape], attn_implementation="sdpa")).to(dtype).eval()
 
 
-def id_range_vocab(vocab_size: int, *, image_size: int, grid: tuple[int, int] = (4, 4)) -> UnifiedVocab:
-    """Specials 0-4 (<pad> <bos> <eos> <boi> <eoi>), then text, then the last `image_size` ids as image codes."""
+def id_range_vocab(vocab_size: int, *, image_size: int, grid: tuple[int, int] = (4, 4),
+                   row_end: bool = False) -> UnifiedVocab:
+    """Specials 0-4 (<pad> <bos> <eos> <boi> <eoi>), then text, then the last `image_size` ids as image codes;
+    `row_end`: the id just below the codes is a marker after each row of a picture (as Emu3's end of line)."""
     image_start = vocab_size - image_size
-    return UnifiedVocab(vocab_size=vocab_size, text_start=5, text_size=image_start - 5, image_start=image_start,
-                        image_size=image_size, pad_id=0, bos_id=1, eos_id=2, boi_id=3, eoi_id=4, image_grid=grid)
+    text_end = image_start - 1 if row_end else image_start
+    return UnifiedVocab(vocab_size=vocab_size, text_start=5, text_size=text_end - 5, image_start=image_start,
+                        image_size=image_size, pad_id=0, bos_id=1, eos_id=2, boi_id=3, eoi_id=4, image_grid=grid,
+                        row_end_ids=(text_end,) if row_end else ())
 
 
 def random_routed_model(shape: str, *, device: torch.device | str, dtype: torch.dtype, num_slots: int = 4,
                         r_max: int = 16, seed: int = 0, image_size: int | None = None,
-                        grid: tuple[int, int] = (4, 4)) -> tuple[RoutedModel, UnifiedVocab]:
+                        grid: tuple[int, int] = (4, 4), row_end: bool = False) -> tuple[RoutedModel, UnifiedVocab]:
     """A causal LM of `shape` (SHAPES, ARCHITECTURE) with random weights, built on `device`, routed on all 7
     projections; and its id-range vocabulary (image codes: the last `image_size` ids, default 1/16 of them)."""
     torch.manual_seed(seed)
     model = plain_model(shape, device=device, dtype=dtype)
     routed = attach_routed_lora(model, num_slots=num_slots, r_max=r_max)
     vocab_size = model.config.vocab_size
-    vocab = id_range_vocab(vocab_size, image_size=image_size or vocab_size // 16, grid=grid)
+    vocab = id_range_vocab(vocab_size, image_size=image_size or vocab_size // 16, grid=grid, row_end=row_end)
     return routed, vocab
 
 
