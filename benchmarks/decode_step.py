@@ -21,7 +21,7 @@ decode steps of a pair of rows (the picture's row and its CFG twin), routed by v
 that reading the weights once a step allows.
 
     python benchmarks/decode_step.py --learned --new 64
-    python benchmarks/decode_step.py --picture --shape emu3-8b
+    python benchmarks/decode_step.py --picture --shape emu3-8b [--sdpa-too]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -126,16 +127,27 @@ def graph_costs(engine: Engine) -> dict[str, dict]:
     return costs
 
 
-def picture_run(shape: str, device: str, dtype: torch.dtype, grid: tuple[int, int] = (90, 90),
-                codebook: int = 32768) -> dict:
-    """E3: seconds of one guided picture (a pair of rows, vocabulary routing, greedy) against the bandwidth time."""
+def picture_model(shape: str, device: str, dtype: torch.dtype, grid: tuple[int, int], codebook: int) -> tuple:
+    """Random weights of `shape` whose vocabulary ends in a `codebook`-code picture of `grid` with row markers, and
+    two rank-16 adapters (text, image)."""
     routed, vocab = random_routed_model(shape, device=device, dtype=dtype, num_slots=4, r_max=16, image_size=codebook,
                                         grid=grid, row_end=True)
     for adapter in random_adapters(routed, ["txt", "img"], rank=16):
         routed.add_adapter(adapter)
+    return routed, vocab
+
+
+def picture_run(routed: Any, vocab: Any, shape: str, device: str, dtype: torch.dtype, grid: tuple[int, int],
+                split_attention: bool = True) -> dict:
+    """E3: seconds of one guided picture (a pair of rows, vocabulary routing, greedy) against the bandwidth time.
+    `split_attention=False`: decode steps attend through sdpa over the whole cache (the engine before the split-K
+    decode attention kernel)."""
     config = routed.model.config
     steps = vocab.image_span_tokens - 1  # <boi> is forced into the prompt (start_image); <eoi> ends the span
     engine = Engine(routed, vocab, device=device, config=EngineConfig(max_rows=4, max_len=32 + steps + 8))
+    engine._setup()
+    if engine.decoder is not None:
+        engine.decoder.split_attention = split_attention
     rng = random.Random(0)
     prompt = [vocab.bos_id, *(rng.randrange(vocab.text_start, vocab.text_start + vocab.text_size) for _ in range(31))]
     router = VocabRangeRouter(vocab, "txt", "img")
@@ -157,8 +169,9 @@ def picture_run(shape: str, device: str, dtype: torch.dtype, grid: tuple[int, in
            "weight_GB": round(weight_bytes / 1e9, 3), "copy_bandwidth_GBs": round(bandwidth / 1e9),
            "limit_s": float(f"{limit_s:.4g}"), "limit_with_kv_s": float(f"{limit_kv_s:.4g}"),
            "E3": round(run["wall_s"] / limit_s, 3), "E3_with_kv": round(run["wall_s"] / limit_kv_s, 3),
-           "median_gap_ms": round(statistics.median(run["gaps_ms"]), 3)}
-    print(f"E3 {shape}: one guided {grid[0]}x{grid[1]} picture, {taken} steps of a pair: {out['seconds']} s; "
+           "median_gap_ms": round(statistics.median(run["gaps_ms"]), 3), "split_attention": split_attention}
+    attention = "split-K decode attention" if split_attention else "sdpa over the whole cache"
+    print(f"E3 {shape} ({attention}): one guided {grid[0]}x{grid[1]} picture, {taken} steps of a pair: {out['seconds']} s; "
           f"weight-bandwidth time {out['limit_s']} s ({out['weight_GB']} GB a step at {out['copy_bandwidth_GBs']} "
           f"GB/s): {out['E3']}x; with the pair's KV cache read too {out['limit_with_kv_s']} s: {out['E3_with_kv']}x",
           flush=True)
@@ -178,6 +191,8 @@ def main() -> None:
     parser.add_argument("--picture", action="store_true", help="E3: one guided Emu3-sized picture (see above)")
     parser.add_argument("--grid", type=int, nargs=2, default=[90, 90], help="--picture: rows and columns of codes")
     parser.add_argument("--codebook", type=int, default=32768, help="--picture: codes (the vocabulary's last ids)")
+    parser.add_argument("--sdpa-too", action="store_true",
+                        help="--picture: also the same picture with sdpa attention (the engine before split-K)")
     parser.add_argument("--learned", action="store_true",
                         help="only learned top-2 rows (random gates) against vocabulary routing, default engine")
     args = parser.parse_args()
@@ -189,7 +204,13 @@ def main() -> None:
                      "shape": args.shape, "new": new}
     print(json.dumps(results), flush=True)
     if args.picture:
-        results["picture"] = picture_run(args.shape, device, dtype, tuple(args.grid), args.codebook)
+        grid = tuple(args.grid)
+        routed, vocab = picture_model(args.shape, device, dtype, grid, args.codebook)
+        results["picture"] = picture_run(routed, vocab, args.shape, device, dtype, grid)
+        if args.sdpa_too:
+            results["picture_sdpa"] = picture_run(routed, vocab, args.shape, device, dtype, grid, split_attention=False)
+            print(f"E3 split-K / sdpa seconds: {results['picture']['seconds'] / results['picture_sdpa']['seconds']:.3f}",
+                  flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
         return

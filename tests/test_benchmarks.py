@@ -12,10 +12,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_the_picture_benchmark_decodes_one_whole_guided_picture(tmp_path: Path):
     """E3's mode of benchmarks/decode_step.py: a 4 x 4 grid with a row marker after each row is 4 * 5 ids and <eoi>
-    after the forced <boi>, one decode step of the pair (row and CFG twin) each; the stream also emits the <boi>."""
+    after the forced <boi>, one decode step of the pair (row and CFG twin) each; the stream also emits the <boi>.
+    (On the CPU both attention modes run sdpa: the split-K kernel is CUDA's.)"""
     out = tmp_path / "e3.json"
     run = subprocess.run([sys.executable, "benchmarks/decode_step.py", "--picture", "--shape", "tiny", "--device",
-                          "cpu", "--grid", "4", "4", "--codebook", "64", "--json", str(out)],
+                          "cpu", "--grid", "4", "4", "--codebook", "64", "--sdpa-too", "--json", str(out)],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     picture = json.loads(out.read_text())["picture"]
@@ -23,4 +24,7 @@ def test_the_picture_benchmark_decodes_one_whole_guided_picture(tmp_path: Path):
     assert picture["seconds"] > 0 and picture["limit_s"] > 0
     assert abs(picture["E3"] / (picture["seconds"] / picture["limit_s"]) - 1) < 0.02
     assert picture["limit_with_kv_s"] > picture["limit_s"]
-    assert "E3 tiny: one guided 4x4 picture" in run.stdout
+    assert "E3 tiny (split-K decode attention): one guided 4x4 picture" in run.stdout
+    sdpa = json.loads(out.read_text())["picture_sdpa"]  # --sdpa-too: the same picture through sdpa
+    assert sdpa["steps"] == picture["steps"] and not sdpa["split_attention"] and picture["split_attention"]
+    assert "E3 split-K / sdpa seconds:" in run.stdout

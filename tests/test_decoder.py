@@ -174,3 +174,29 @@ def test_cuda_a_failing_compiler_leaves_the_eager_pieces_and_the_same_tokens(mon
     engine.close()
     assert got == want
     assert caplog.text.count("running them eagerly") == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_split_attention_gives_sdpa_tokens_in_captured_steps_learned_rows_included():
+    """Decode steps on CUDA attend through the split-K kernel (kernels/triton_attention.py), reading each row's
+    columns up to its position: the greedy tokens equal those of sdpa over the whole cache under the mask, for rows
+    of different lengths joining at different steps, vocabulary and learned routing, captured steps."""
+    routed, vocab = random_routed_model("tiny", device="cuda", dtype=torch.float32, num_slots=4, image_size=64)
+    for adapter in random_adapters(routed, ["a", "b", "c"], std=0.2):
+        routed.add_adapter(adapter)
+    torch.manual_seed(3)
+    gates = LearnedGates.for_model(routed, ["a", "b", "c"], context_decays=(0.5, 0.9), init_std=0.5)
+    g = torch.Generator().manual_seed(5)
+    prompts = [[vocab.bos_id, *torch.randint(vocab.text_start, vocab.vocab_size, (n,), generator=g).tolist()]
+               for n in (4, 37, 6, 70)]
+    routers = [VocabRangeRouter(vocab, "a", "b"), None, LearnedRouter(gates, top_k=2), VocabRangeRouter(vocab, "c")]
+    requests = [Request(p, r) for p, r in zip(prompts, routers)]
+    config = GenerationConfig(max_new_tokens=24, **GREEDY)
+    runs = []
+    for split in (True, False):
+        engine = Engine(routed, vocab, device="cuda", config=EngineConfig(max_rows=4, max_len=160))
+        engine._setup()
+        engine.decoder.split_attention = split
+        runs.append(_tokens(engine, requests, config))
+        engine.close()
+    assert runs[0] == runs[1] and all(len(t) == 24 for t in runs[0].values())

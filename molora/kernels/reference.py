@@ -50,3 +50,14 @@ def routed_lora_group_reference(x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     w = weights if weights is not None else torch.ones(slots.shape, device=x.device)
     return [routed_lora_topk_reference(x, A[p], B[:, lo:hi], slots, w, scale[p])
             for p, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+
+
+def decode_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """kernels/triton_attention.py's decode_attention in float32: q [n, Hkv, G, D] over the first lengths[n] columns
+    of keys / values [n, Hkv, L, D]; returns [n, Hkv, G, D] in q's dtype."""
+    columns = torch.arange(keys.shape[2], device=q.device)
+    seen = columns[None, :] < lengths[:, None].to(q.device)  # [n, L]
+    scores = torch.einsum("njgd,njld->njgl", q.float(), keys.float()) * scale
+    scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+    return torch.einsum("njgl,njld->njgd", scores.softmax(-1), values.float()).to(q.dtype)

@@ -581,9 +581,9 @@ class Engine:
         return min(self.max_len, -(-needed // KV_COLUMN_BLOCK) * KV_COLUMN_BLOCK)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
-                 plan: CallRouting | None, leading: int = 0, length: int | None = None, live: int | None = None
-                 ) -> Any:
-        self.kv.address(rows, positions, leading=leading, length=length, live=live)
+                 plan: CallRouting | None, leading: int = 0, length: int | None = None, live: int | None = None,
+                 causal: bool = False) -> Any:
+        self.kv.address(rows, positions, leading=leading, length=length, live=live, causal=causal)
         return self.routed.run(ids, plan, forward=self.decoder, attention_mask=mask, position_ids=positions,
                                past_key_values=self.kv, use_cache=True, logits_to_keep=1)
 
@@ -780,7 +780,8 @@ class Engine:
         rows = self.all_rows[:width]
         self._hold_pictures(plan)
         self._hold_states(plan, rows, positions)
-        out = self._forward(ids, positions, rows, mask, plan, leading=width, length=length, live=live)
+        out = self._forward(ids, positions, rows, mask, plan, leading=width, length=length, live=live,
+                            causal=True)  # decode_inputs' mask: each row sees its columns up to its position
         self._keep_pictures(plan, rows)
         self._keep_states(plan, rows, positions)
         return self._last_logits(out), _producing(out.routing, slots)

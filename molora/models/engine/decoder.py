@@ -10,6 +10,8 @@ routed layers (RoutedLoRALinear, their q/k/v and gate/up group calls) and does t
     rotary embedding: cos/sin once per forward for all blocks; q*cos + roll(q, D/2)*(sign*sin) (= rotate_half)
     the KV write straight from the [n, T, H, D] layout into the engine's RowKVCache (no transposes)
     GQA without copies: the G query heads of one KV head fold into the query axis ([n, Hkv, G*T, D])
+    a decode step on CUDA: split-K decode attention (kernels/triton_attention.py) reading each row's columns up to
+    its position, where sdpa walks the cache's whole length with a handful of programs
 
 It is what the serving engine runs (EngineConfig.lean_decoder); `LeanDecoder.supports(model)` says when it can,
 else the engine keeps transformers' forward (a model spread over devices, sliding-window attention, an unknown
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from molora.kernels.triton_attention import decode_attention, decode_attention_runs_on
 from molora.routing.context import current_routing
 
 log = logging.getLogger(__name__)
@@ -41,9 +44,10 @@ def _text_config(model: nn.Module) -> Any:
 class LeanDecoder:
     """Callable like the HF model's forward for the engine's calls (input_ids, attention_mask [n, 1, T, L],
     position_ids [n, T], past_key_values = the engine's RowKVCache, logits_to_keep = 1).  `compile`: on CUDA,
-    the elementwise pieces run as torch.compile'd kernels (False: eager, as on the CPU)."""
+    the elementwise pieces run as torch.compile'd kernels (False: eager, as on the CPU).  `split_attention`: decode
+    steps on CUDA attend through the split-K kernel (False: sdpa over the whole cache, as before it)."""
 
-    def __init__(self, model: nn.Module, *, compile: bool = True) -> None:
+    def __init__(self, model: nn.Module, *, compile: bool = True, split_attention: bool = True) -> None:
         reason = self.unsupported(model)
         if reason is not None:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
@@ -62,6 +66,7 @@ class LeanDecoder:
         act = getattr(config, "hidden_act", None)
         self.act = F.silu if act in ("silu", "swish") else self.blocks[0].mlp.act_fn
         self.compile = compile
+        self.split_attention = split_attention
         self._fused_on: torch.device | None = None
 
     @staticmethod
@@ -132,6 +137,10 @@ class LeanDecoder:
         routing = current_routing()
         learned = routing is not None and bool(routing.learned)
         live = min(n, getattr(cache, "live_rows", None) or n)
+        lengths = None  # [n]: the columns each row reads, when the split-K kernel attends
+        if T == 1 and self.split_attention and getattr(cache, "causal_rows", False) and x.is_cuda and \
+                decode_attention_runs_on(x):
+            lengths = position_ids[:, 0] + 1
         eps = self.eps
         first = self.blocks[0].input_layernorm
         h = self.norm(x, first.weight, first.variance_epsilon)
@@ -147,7 +156,9 @@ class LeanDecoder:
             keys, values = cache.store(i, k, v)  # the rows' whole buffers [n, Hkv, L, D]
             # [n, T, H, D] -> [n, Hkv, G*T, D]: query heads h = j*G + g read KV head j (transformers' repeat_kv)
             q = q.view(n, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(n, Hkv, G * T, D)
-            if live < n:  # padding rows of a decode step: zeros, not attention over their KV rows
+            if lengths is not None:
+                o = decode_attention(q, keys, values, lengths, self.scaling)
+            elif live < n:  # padding rows of a decode step: zeros, not attention over their KV rows
                 o = q.new_zeros(q.shape)
                 o[:live] = F.scaled_dot_product_attention(q[:live], keys[:live], values[:live], attn_mask=mask[:live],
                                                           scale=self.scaling)

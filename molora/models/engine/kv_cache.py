@@ -40,6 +40,7 @@ class RowKVCache(Cache):
         self._leading = 0  # > 0: the call covers rows [0, leading) in order, so reads need no gather
         self._length = max_len  # columns attention reads (every written position of the call's rows is below)
         self.live_rows: int | None = None  # a decode call's rows from here on are padding (None: none are)
+        self.causal_rows = False  # True: each row's one query sees exactly its columns 0..its position
 
     @classmethod
     def for_model(cls, config: Any, max_rows: int, max_len: int, *, dtype: torch.dtype,
@@ -78,14 +79,17 @@ class RowKVCache(Cache):
         return sizes
 
     def address(self, rows: torch.Tensor, positions: torch.Tensor, *, leading: int = 0,
-                length: int | None = None, live: int | None = None) -> None:
+                length: int | None = None, live: int | None = None, causal: bool = False) -> None:
         """The next forward writes token t of batch row i at cache row rows[i], position positions[i, t].
         `leading=n` promises rows == arange(n) (the decode step), so attention reads a view, not a gather;
         `length` promises every position the rows hold is below it, so attention reads only those columns;
-        `live` says batch rows from `live` on are padding, whose outputs nobody reads (`live_rows`)."""
+        `live` says batch rows from `live` on are padding, whose outputs nobody reads (`live_rows`);
+        `causal` promises the mask is exactly "column <= the row's position" (a decode step), so attention may read
+        each row's columns up to its position and skip the mask (`causal_rows`)."""
         self._rows, self._positions, self._leading = rows, positions, leading
         self._length = length or self.max_len
         self.live_rows = live
+        self.causal_rows = causal
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,9 +129,8 @@ class PlacedRowKVCache(RowKVCache):
     """RowKVCache of a model spread over devices: layer i's K/V live on layer i's device, and the call's row and
     position indices are copied to each device once per forward (in `address`), not once per layer."""
 
-    def address(self, rows: torch.Tensor, positions: torch.Tensor, *, leading: int = 0,
-                length: int | None = None) -> None:
-        super().address(rows, positions, leading=leading, length=length)
+    def address(self, rows: torch.Tensor, positions: torch.Tensor, **promises: Any) -> None:
+        super().address(rows, positions, **promises)
         self._placed = {rows.device: (rows, positions)}
         for keys in self.keys:
             if keys.device not in self._placed:
