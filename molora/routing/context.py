@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from molora.kernels import build_routing_meta
+from molora.routing.decision import static_tables
 from molora.routing.errors import RoutingError
 
 
@@ -61,12 +62,7 @@ class CallRouting:
     def static_topk(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The static slots as [N, k] slots / weights (slot in column 0, weight 1; -1 / 0 elsewhere)."""
         if self._static_k is None:
-            n = self.slots.shape[0]
-            slots = torch.full((n, self.k), -1, dtype=torch.long, device=self.slots.device)
-            slots[:, 0] = self.slots
-            weights = torch.zeros(n, self.k, dtype=torch.float32, device=self.slots.device)
-            weights[:, 0] = (self.slots >= 0).float()
-            self._static_k = (slots, weights)
+            self._static_k = static_tables(self.slots, self.k)
         return self._static_k
 
     def for_block(self, block: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -99,12 +95,13 @@ class CallRouting:
         if hidden.shape[0] * hidden.shape[1] != self.num_tokens:
             raise RoutingError(f"block {block} input has shape {tuple(hidden.shape)} but routing was built for "
                                f"{self.batch}x{self.length} tokens")
-        slots, weights = (t.clone() for t in self.static_topk())
-        slots = slots.view(self.batch, self.length, self.k)
-        weights = weights.view(self.batch, self.length, self.k)
+        # the compiled decision of a decode step makes the static slots itself, in its own kernel (no clone)
+        slots = weights = None
+        if not all(group.fuses(hidden) for group in self.learned):
+            slots, weights = (t.clone().view(self.batch, self.length, self.k) for t in self.static_topk())
         decisions = []
         for group in self.learned:
-            decision = group.decide(block, hidden, slots, weights, self.k)
+            slots, weights, decision = group.decide(block, hidden, slots, weights, self.k, self.slots)
             decisions.append((group, decision))
         self.block_slots[block] = (slots.view(-1, self.k), weights.view(-1, self.k))
         self.decisions[block] = decisions

@@ -30,7 +30,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+import molora.routing.decision as fused
 from molora.routing.context import BlockDecision
+from molora.routing.decision import gate_logits
 from molora.routing.errors import RoutingError
 from molora.routing.modality import IMAGE, ModalityTable
 
@@ -186,13 +188,11 @@ class LearnedGates(nn.Module):
             raise RoutingError(f"gate expects hidden size {self.d_model}, the model's blocks give {hidden.shape[-1]}")
         weight = self.gates[block].weight
         if not self.context_decays:
-            return F.linear(hidden.to(weight.dtype), weight).float()
+            return gate_logits(hidden, None, weight)
         if state is None or tuple(state.shape[1:]) != (len(self.context_decays), self.d_model):
             raise RoutingError(f"these gates read a routing state [n, {len(self.context_decays)}, {self.d_model}] "
                                "beside the block input (LearnedGroup computes it at block 0)")
-        parts = torch.cat([hidden.float()[:, None], state.float()], dim=1)
-        parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return F.linear(parts.reshape(parts.shape[0], -1).to(weight.dtype), weight).float()
+        return gate_logits(hidden, state, weight)
 
     def with_adapters(self, adapters: Sequence[str]) -> LearnedGates:
         """New gates over `adapters` (every adapter of these gates, plus new ones): known adapters keep their
@@ -403,9 +403,24 @@ class LearnedGroup:
             groups.append(cls(router, rows, slots, mask, gates, k, anchor, updates=updates, member=member))
         return groups
 
-    def decide(self, block: int, hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-               k_max: int) -> BlockDecision:
-        """Gate this group's rows of `hidden` [B, T, d]; write top-k slots/weights into `slots`/`weights` [B, T, K]."""
+    def fuses(self, hidden: torch.Tensor) -> bool:
+        """Does this group decide `hidden` [B, T, d] with the compiled decision (routing/decision.py)? A decode
+        step's shape (one position per row, every row: the serving engine's steps) without autograd, on CUDA."""
+        return hidden.shape[1] == 1 and self.rows is None and not torch.is_grad_enabled() and \
+            fused.compiled_for(hidden.device)
+
+    def decide(self, block: int, hidden: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tensor | None,
+               k_max: int, static: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, BlockDecision]:
+        """Gate this group's rows of `hidden` [B, T, d]: (slots, weights) [B, T, K] with its top-k slots/weights
+        at its gated positions, the given tables' (None: the static slots `static` [B*T] in column 0) elsewhere,
+        and its decision. The eager form writes into the given tables; the compiled one returns new ones."""
+        if self.fuses(hidden):
+            got = self._decide_fused(block, hidden, slots, weights, k_max, static)
+            if got is not None:
+                return got
+        if slots is None:  # (the compiled decision failed in this block: the static tables, as route_block makes)
+            slots, weights = fused.static_tables(static, k_max)
+            slots, weights = slots.view(*hidden.shape[:2], k_max), weights.view(*hidden.shape[:2], k_max)
         h = hidden if self.rows is None else hidden[self.rows]
         b, t = h.shape[0], h.shape[1]
         if self.gates.context_decays:
@@ -444,7 +459,46 @@ class LearnedGroup:
         else:
             slots[self.rows] = new_s
             weights[self.rows] = new_w
-        return BlockDecision(logits=logits, topk=top_idx, mask=mask, base_expert=self.gates.base_expert)
+        return slots, weights, BlockDecision(logits=logits, topk=top_idx, mask=mask, base_expert=self.gates.base_expert)
+
+    def _decide_fused(self, block: int, hidden: torch.Tensor, slots: torch.Tensor | None,
+                      weights: torch.Tensor | None, k_max: int, static: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, BlockDecision] | None:
+        """decide() of a decode step through the compiled decision: one position per row, so a picture's anchor is
+        the position itself and a held decision one row of the table. None when compiling failed."""
+        b = hidden.shape[0]
+        gates = self.gates
+        if not 0 <= block < gates.num_blocks:
+            raise RoutingError(f"no gate for block {block}: these gates cover {gates.num_blocks} blocks")
+        if hidden.shape[-1] != gates.d_model:
+            raise RoutingError(f"gate expects hidden size {gates.d_model}, the model's blocks give {hidden.shape[-1]}")
+        h = hidden.reshape(b, -1)
+        if gates.context_decays and (block == 0 or self.state is None):
+            if block != 0:
+                raise RoutingError("gates with context decays compute their routing state from block 0's input; "
+                                   f"block {block} was routed first")
+            updates = self.gated if self.updates is None else self.updates
+            if self.state_in is None:
+                state = routing_state(hidden, updates, gates.context_decays)[:, 0]
+            else:
+                state = fused.run(fused.stepper(gates.context_decays), h, updates[:, 0], self.state_in)
+                if state is None:
+                    return None
+            self.state = self.state_out = state
+        held = (None, None, None)
+        if self.held is not None:
+            held_slots, held_weights, use = self.held
+            held = (held_slots[:, block], held_weights[:, block], use.reshape(-1, 1))
+        mask = self.gated.reshape(-1)
+        args = (h, self.state if gates.context_decays else None, gates.gates[block].weight, self.expert_slots, mask,
+                None if slots is None else slots.view(b, k_max), None if weights is None else weights.view(b, k_max),
+                static, *held)
+        got = fused.run(fused.decider(self.top_k, k_max, args), *args)
+        if got is None:
+            return None
+        new_s, new_w, logits, top_idx = got
+        return (new_s.view(b, 1, k_max), new_w.view(b, 1, k_max),
+                BlockDecision(logits=logits, topk=top_idx, mask=mask, base_expert=gates.base_expert))
 
 
 STATE_CHUNK = 256  # positions per step of the routing-state scan: memory [b, chunk, chunk] per decay

@@ -1,0 +1,166 @@
+"""A learned gate's decision of one decode step's block as a few kernels (issue 32, "learned rows captured too").
+
+LearnedGroup.decide (routing/routers.py) is ~20 tensor ops per block and gate set: the gate's RMS-normalised input
+(cast, cat, pow, mean, add, rsqrt, mul, cast), its GEMM, topk, softmax, the expert -> slot lookup, the picture's
+anchor or held decision, padding to the call's k, the gated-position select and the copies into the block's tables,
+plus a clone of the static tables per block. On a captured Qwen3-1.7B-shaped step (28 blocks, top-2 gates with a
+routing state) that was ~700 of the step's 1348 kernels (vocabulary routing: 639), and learned rows ran at 0.57x
+of vocabulary-routed ones (H200, 2026-12-04).
+
+Here the same math is one function of tensors (`block_decision`) that torch.compile turns into about three kernels
+on CUDA (the input norm, the gate GEMM, one epilogue: top-k, softmax, slots, select), the way LeanDecoder compiles
+its elementwise pieces; the static tables are made inside it, not cloned. The routing state of a decode step
+(block 0, one position per row) is compiled the same way (`state_step`). Only decode-shaped calls (one position
+per row, every row of the batch) without autograd on CUDA take it: the CPU keeps the eager decide, whose rows are
+exact (a row's numbers never depend on the batch), prefill and training too. A compile that fails falls back to the
+eager decide for the rest of the process.
+
+The top-k here is k rounds of argmax (a reduction inductor fuses; aten.topk would stay a separate kernel, fed by
+a separate cast): equal logits go to the lowest expert index. torch.topk leaves the order of equal values to the
+implementation (the CPU returns [2, 4] for topk(zeros(5), 2)), so exact ties are the one place the two can
+differ; every other decision is the same top-k, and the weights the same softmax up to float rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+# Devices whose decode-step decisions run compiled (tests add "cpu" to check the compiled math against eager)
+COMPILED_DEVICES = {"cuda"}
+_compiled: dict[Any, Callable] = {}
+_failed = False
+
+
+def gate_logits(hidden: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    """Float32 gate logits [n, E] of block inputs `hidden` [n, d] (and routing states [n, S, d]) for a gate
+    weight [E, in]: LearnedGates.logits without its checks."""
+    if state is None:
+        return F.linear(hidden.to(weight.dtype), weight).float()
+    parts = torch.cat([hidden.float()[:, None], state.float()], dim=1)
+    parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return F.linear(parts.reshape(parts.shape[0], -1).to(weight.dtype), weight).float()
+
+
+def top_k_first(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) [n, k] of the k largest logits, largest first, equal values by lowest index: k argmax
+    rounds, which inductor fuses with what follows (aten.topk is a kernel of its own)."""
+    experts = torch.arange(logits.shape[-1], device=logits.device)
+    rest, values, indices = logits, [], []
+    for _ in range(k):
+        index = rest.argmax(-1, keepdim=True)
+        values.append(logits.gather(-1, index))
+        indices.append(index)
+        rest = torch.where(experts == index, float("-inf"), rest)
+    return torch.cat(values, -1), torch.cat(indices, -1)
+
+
+def block_decision(hidden: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, expert_slots: torch.Tensor,
+                   gated: torch.Tensor, old_slots: torch.Tensor | None, old_weights: torch.Tensor | None,
+                   static: torch.Tensor, held_slots: torch.Tensor | None, held_weights: torch.Tensor | None,
+                   held_use: torch.Tensor | None, k: int, k_max: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One gate set's decision over n positions (one per row): (slots [n, k_max], weights [n, k_max], logits [n, E],
+    top-k experts [n, k]). Gated positions take the gate's top-k; the others keep `old_slots` / `old_weights`
+    (another gate set's decision this block), or, when None, the static slot `static` [n] in column 0 with weight 1
+    (-1 / 0 elsewhere: CallRouting.static_topk). `held_use` [n, 1]: take `held_slots` / `held_weights` [n, k] (a
+    picture's kept decision) instead. (A picture's anchor is the position itself: one position per row.)"""
+    logits = gate_logits(hidden, state, weight)
+    top_val, top_idx = top_k_first(logits, k)
+    w = torch.softmax(top_val, dim=-1)
+    s = expert_slots[top_idx]
+    if held_use is not None:
+        s = torch.where(held_use, held_slots, s)
+        w = torch.where(held_use, held_weights, w)
+    if k < k_max:
+        s = torch.cat([s, s.new_full((s.shape[0], k_max - k), -1)], dim=1)
+        w = torch.cat([w, w.new_zeros(w.shape[0], k_max - k)], dim=1)
+    if old_slots is None:
+        first = torch.arange(k_max, device=static.device) == 0
+        old_slots = torch.where(first, static[:, None], -1)
+        old_weights = torch.where(first, (static >= 0)[:, None].float(), 0.0)
+    mask = gated[:, None]
+    return torch.where(mask, s, old_slots), torch.where(mask, w, old_weights), logits, top_idx
+
+
+def static_tables(static: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static slots [N] as [N, k] slots / weights: the slot in column 0 with weight 1 (-1 / 0 elsewhere)."""
+    n = static.shape[0]
+    slots = torch.full((n, k), -1, dtype=torch.long, device=static.device)
+    slots[:, 0] = static
+    weights = torch.zeros(n, k, dtype=torch.float32, device=static.device)
+    weights[:, 0] = (static >= 0).float()
+    return slots, weights
+
+
+def state_update(embeddings: torch.Tensor, updates: torch.Tensor, state_in: torch.Tensor,
+                 decays: Sequence[float], log_decays: Sequence[float]) -> torch.Tensor:
+    """[b, S, d] float32: routers.routing_state for one position per row (embeddings [b, d], updates [b] bool,
+    state_in [b, S, d]) as its chunked form computes it at T = 1 (exp(log λ), (1 - λ) times e)."""
+    e = embeddings.float() * updates[:, None]
+    n = updates.float()[:, None]  # updates up to and including this position: 0 or 1
+    prev = state_in.float()
+    parts = [(1 - lam) * e + torch.exp(n * log_lam) * prev[:, i] for i, (lam, log_lam) in enumerate(zip(decays, log_decays))]
+    return torch.stack(parts, dim=1)
+
+
+def log_decays(decays: Sequence[float]) -> list[float]:
+    """log(λ) in float32 as Python numbers (routing_state's: no host-to-device copy inside a captured step)."""
+    return [float(torch.log(torch.tensor(lam, dtype=torch.float32))) for lam in decays]
+
+
+def compiled_for(device: torch.device) -> bool:
+    """Do decode-step decisions on `device` run compiled (and the compiler has not failed in this process)?"""
+    return device.type in COMPILED_DEVICES and not _failed
+
+
+def run(compiled: Callable, *args: Any) -> Any:
+    """compiled(*args), or None when compiling failed (then, and from then on, callers take their eager path)."""
+    global _failed
+    try:
+        return compiled(*args)
+    except Exception as err:  # no working compiler here, or it failed on these shapes: eager from now on
+        _failed = True
+        log.warning("routing: compiling the learned decision failed (%s: %s); deciding eagerly",
+                    type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        return None
+
+
+def _compile(fn: Callable, name: str) -> Callable:
+    """torch.compile of `fn` under a code object of its own (dynamo keeps its graphs and its recompile limit per
+    code object: one per set of constants, whatever else is compiled)."""
+    fn.__code__ = fn.__code__.replace(co_name=name)
+    return torch.compile(fn, fullgraph=True)
+
+
+def decider(k: int, k_max: int, tensors: Sequence[torch.Tensor | None]) -> Callable:
+    """block_decision for these k and this pattern of absent (None) arguments, compiled once: one code object, so
+    one graph cache, per variant (dynamo recompiles on each None pattern, and the recompile limit counts per code
+    object). Its arguments are tensors only: one graph serves every block (the gate weights are inputs, not
+    guarded constants) and every width from the second on (automatic dynamic shapes)."""
+    absent = tuple(t is None for t in tensors)
+    key = ("decide", k, k_max, absent)
+    if key not in _compiled:
+        def decide(*tensors: Any) -> Any:
+            return block_decision(*tensors, k, k_max)
+        name = f"decide_top{k}_of_{k_max}_" + "".join("n" if a else "t" for a in absent)
+        _compiled[key] = _compile(decide, name)
+    return _compiled[key]
+
+
+def stepper(decays: Sequence[float]) -> Callable:
+    """state_update for these decays (constants of the graph), compiled once."""
+    key = ("state", tuple(decays))
+    if key not in _compiled:
+        constants, logs = tuple(decays), log_decays(decays)
+
+        def step(embeddings: torch.Tensor, updates: torch.Tensor, state_in: torch.Tensor) -> torch.Tensor:
+            return state_update(embeddings, updates, state_in, constants, logs)
+        _compiled[key] = _compile(step, "state_step")
+    return _compiled[key]
