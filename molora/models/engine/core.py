@@ -808,17 +808,22 @@ class Engine:
         """Decode step: gates with a routing state continue each row's state from its previous position."""
         for group in plan.learned if plan is not None else ():
             if group.gates.context_decays:
-                local = group.rows if group.rows is not None else torch.arange(plan.batch, device=self.device)
                 table = self._state_table(group.gates, group.per_picture)
-                group.state_in = table[(positions[local, 0] - 1) % 2, cache_rows[local]]
+                if group.rows is None:  # every row (a decode step): no index tensor, three kernels
+                    group.state_in = table[(positions[:, 0] - 1) % 2, cache_rows]
+                else:
+                    local = group.rows
+                    group.state_in = table[(positions[local, 0] - 1) % 2, cache_rows[local]]
 
     def _keep_states(self, plan: CallRouting | None, cache_rows: torch.Tensor, positions: torch.Tensor) -> None:
         """After a forward (prefill or decode): keep each routed row's state after its last position."""
         for group in plan.learned if plan is not None else ():
             if group.gates.context_decays and group.state_out is not None:
-                local = group.rows if group.rows is not None else torch.arange(plan.batch, device=self.device)
                 table = self._state_table(group.gates, group.per_picture)
-                at = (positions[local, -1] % 2, cache_rows[local])
+                if group.rows is None:
+                    at = (positions[:, -1] % 2, cache_rows)
+                else:
+                    at = (positions[group.rows, -1] % 2, cache_rows[group.rows])
                 state = group.state_out
                 if group.member is not None:
                     state = torch.where(group.member[:, None, None], state, table[at])
@@ -845,6 +850,13 @@ class Engine:
             rows = cache_rows[local]
             slots, weights = self._picture_tables(group.top_k)
             at_last = local * plan.length + plan.length - 1
+            if list(plan.block_slots) == list(range(slots.shape[1])):  # every block: all at once, ~14 kernels a step
+                k = group.top_k
+                kept_s = torch.stack([s for s, _ in plan.block_slots.values()], 1)[at_last, :, :k]  # [b, blocks, k]
+                kept_w = torch.stack([w for _, w in plan.block_slots.values()], 1)[at_last, :, :k].float()
+                slots[rows] = torch.where(last[:, :, None], kept_s, slots[rows])
+                weights[rows] = torch.where(last[:, :, None], kept_w, weights[rows])
+                continue
             for block, (block_slots, block_weights) in plan.block_slots.items():
                 slots[rows, block] = torch.where(last, block_slots[at_last, :group.top_k], slots[rows, block])
                 weights[rows, block] = torch.where(last, block_weights[at_last, :group.top_k].float(),
