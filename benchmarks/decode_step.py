@@ -54,7 +54,7 @@ from serving import (  # noqa: E402
 )
 
 from molora.kernels.graphs import graph_paths  # noqa: E402
-from molora.models.engine.core import Engine, EngineConfig  # noqa: E402
+from molora.models.engine.core import Done, Engine, EngineConfig  # noqa: E402
 from molora.models.engine.generation import GenerationConfig, Request  # noqa: E402
 from molora.models.engine.synthetic import SHAPES, plain_model, random_adapters, random_routed_model  # noqa: E402
 from molora.routing import LearnedGates, LearnedRouter, VocabRangeRouter  # noqa: E402
@@ -138,10 +138,10 @@ def picture_model(shape: str, device: str, dtype: torch.dtype, grid: tuple[int, 
 
 
 def picture_run(routed: Any, vocab: Any, shape: str, device: str, dtype: torch.dtype, grid: tuple[int, int],
-                split_attention: bool = True) -> dict:
+                split_attention: bool = True, profile_window: tuple[int, int] | None = None) -> dict:
     """E3: seconds of one guided picture (a pair of rows, vocabulary routing, greedy) against the bandwidth time.
     `split_attention=False`: decode steps attend through sdpa over the whole cache (the engine before the split-K
-    decode attention kernel)."""
+    decode attention kernel).  `profile_window` (first token, steps): then profile that window of the loop (CUDA)."""
     config = routed.model.config
     steps = vocab.image_span_tokens - 1  # <boi> is forced into the prompt (start_image); <eoi> ends the span
     engine = Engine(routed, vocab, device=device, config=EngineConfig(max_rows=4, max_len=32 + steps + 8))
@@ -177,7 +177,46 @@ def picture_run(routed: Any, vocab: Any, shape: str, device: str, dtype: torch.d
           flush=True)
     if device == "cuda":
         out["graphs"] = graph_costs(engine)
+        if profile_window:
+            out["loop"] = loop_profile(engine, Request(prompt, router), guided, *profile_window)
     engine.close()
+    return out
+
+
+def loop_profile(engine: Engine, request: Request, config: GenerationConfig, first: int, steps: int) -> dict:
+    """Host time against GPU time of the whole decode loop: the profiler (CPU and CUDA) records `steps` steps of a
+    run from its token `first` on (the run is cancelled after them); per step it prints the wall time, the GPU's busy time (every kernel, the
+    captured step's and those outside it) and the kernels, then the host ops that take the most time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    started_at = tokens = 0
+    stream = engine.stream([request], config)
+    for _, item in stream:
+        tokens += not isinstance(item, Done)
+        if tokens == first:
+            sync("cuda")
+            prof.start()
+            started_at, begun = time.perf_counter(), engine.steps
+        if started_at and engine.steps - begun >= steps:
+            sync("cuda")
+            wall = time.perf_counter() - started_at
+            taken = engine.steps - begun
+            prof.stop()
+            break
+    stream.close()  # cancels the rest of the picture
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / taken
+    host = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: -e.self_cpu_time_total)
+    out = {"steps": taken, "wall_ms": round(wall * 1e3 / taken, 3), "gpu_busy_ms": round(busy_ms, 3),
+           "kernels": round(sum(e.count for e in kernels) / taken, 1),
+           "host_top": {e.key[:60]: round(e.self_cpu_time_total / 1e3 / taken, 3) for e in host[:12]}}
+    print(f"loop profile, {taken} steps (profiler on): {out['wall_ms']} ms a step, GPU busy {out['gpu_busy_ms']} ms "
+          f"({out['kernels']} kernels); host ops by self time, ms a step:", flush=True)
+    for key, ms in out["host_top"].items():
+        print(f"   {ms:8.3f}  {key}", flush=True)
     return out
 
 
@@ -191,6 +230,8 @@ def main() -> None:
     parser.add_argument("--picture", action="store_true", help="E3: one guided Emu3-sized picture (see above)")
     parser.add_argument("--grid", type=int, nargs=2, default=[90, 90], help="--picture: rows and columns of codes")
     parser.add_argument("--codebook", type=int, default=32768, help="--picture: codes (the vocabulary's last ids)")
+    parser.add_argument("--profile-loop", type=int, nargs=2, default=None, metavar=("FIRST", "STEPS"),
+                        help="--picture on CUDA: profile STEPS steps of another picture from its token FIRST")
     parser.add_argument("--sdpa-too", action="store_true",
                         help="--picture: also the same picture with sdpa attention (the engine before split-K)")
     parser.add_argument("--learned", action="store_true",
@@ -206,7 +247,8 @@ def main() -> None:
     if args.picture:
         grid = tuple(args.grid)
         routed, vocab = picture_model(args.shape, device, dtype, grid, args.codebook)
-        results["picture"] = picture_run(routed, vocab, args.shape, device, dtype, grid)
+        results["picture"] = picture_run(routed, vocab, args.shape, device, dtype, grid,
+                                         profile_window=args.profile_loop)
         if args.sdpa_too:
             results["picture_sdpa"] = picture_run(routed, vocab, args.shape, device, dtype, grid, split_attention=False)
             print(f"E3 split-K / sdpa seconds: {results['picture']['seconds'] / results['picture_sdpa']['seconds']:.3f}",

@@ -58,7 +58,8 @@ def _case(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     run = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return {row["case"]: row for row in map(json.loads, run.stdout.splitlines())}
