@@ -16,7 +16,9 @@ Top-k is the k of training; the gates are trained at k = 2 (softmax over the two
 weight is always 1 and the next-token loss gives the gate no gradient) and serve at k = 1 or 2.
 
 Data: by default the shapes question domains (models/families/shapes/domains.py, train split): --n-per-domain items of each
-adapter's domain and --n-mixed mixed requests (default as many); validation on held-out items. Or your own adapters and texts:
+adapter's domain and --n-mixed mixed requests (default as many), and --picture-requests picture requests (the words
+before a picture, context throughout: the label loss sends them to the base expert, so learned mode leaves a
+picture's prompt as the base model reads it); validation on held-out items. Or your own adapters and texts:
 
     --data my.jsonl  one JSON object a line: {"text": "..."} (loss on every id), or {"prompt": "...",
                      "answer": "..."} (loss on the answer), optional "domain": "<adapter name>" (routing
@@ -60,6 +62,7 @@ from molora.models.families.shapes.domain_batches import (  # noqa: E402
     make_batch,
 )
 from molora.models.families.shapes.domains import DOMAINS, domain_items, mixed_items  # noqa: E402
+from molora.models.families.shapes.styles import style_items  # noqa: E402
 from molora.models.families.shapes.testing import LORA_TARGETS, set_base_model_name  # noqa: E402
 from molora.models.families.shapes.tokenizer import UnifiedTokenizer  # noqa: E402
 from molora.routing import LearnedGates, LearnedRouter, MoLoRAError, RoutedModel, attach_routed_lora  # noqa: E402
@@ -86,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-val", type=int, default=100, help="generated data: held-out items per domain (+ mixed)")
     p.add_argument("--n-mixed", type=int, default=None,
                    help="generated data: mixed train requests (two domains in one answer; default --n-per-domain)")
+    p.add_argument("--picture-requests", type=int, default=0,
+                   help="generated data: also this many picture requests (the shapes world's styled requests, train "
+                        "split), context throughout: with the base expert and --label-coef, the gates learn to leave "
+                        "the words before a picture to the base model")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-2)
@@ -176,6 +183,17 @@ def shapes_data(tok: UnifiedTokenizer, adapters: list[str], n: int, seed: str, s
     if len(adapters) >= 2:
         items += mixed_items(n if n_mixed is None else n_mixed, seed=seed, split=split, domains=adapters)
     return [encode_item(tok, it) for it in items]
+
+
+def picture_requests(tok: UnifiedTokenizer, n: int, seed: str) -> list[EncodedItem]:
+    """`n` picture requests (models/families/shapes/styles.py, train split) as the words a picture follows: <bos>,
+    the sentence, <boi>; no answer, so every position is context (label: the base expert)."""
+    vocab = tok.vocab
+    items = []
+    for it in style_items(n, seed=seed, split="train"):
+        ids = [vocab.bos_id, *tok.encode_text(it.prompt), vocab.boi_id]
+        items.append(EncodedItem(ids, len(ids), [], "picture request"))
+    return items
 
 
 # --- validation --------------------------------------------------------------------------------------------
@@ -364,9 +382,10 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         n_mixed = args.n_per_domain if args.n_mixed is None else args.n_mixed
         train = shapes_data(tok, adapters, args.n_per_domain, f"router{args.seed}", "train", n_mixed)
+        train += picture_requests(tok, args.picture_requests, f"router{args.seed}")
         val = shapes_data(tok, adapters, args.n_val, f"router-val{args.seed}", "heldout")
         source = {"data": "models/families/shapes/domains.py", "n_per_domain": args.n_per_domain, "n_mixed": n_mixed,
-                  "n_val": args.n_val}
+                  "n_val": args.n_val, "picture_requests": args.picture_requests}
     log.info("router over %s: %d train, %d val records", adapters, len(train), len(val))
     gates, result = train_gates(routed, tok, adapters, train, val, args)
     args.out.mkdir(parents=True, exist_ok=True)

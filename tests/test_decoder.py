@@ -103,17 +103,23 @@ def _tokens(engine: Engine, requests: list[Request], config: GenerationConfig) -
     return out
 
 
-def test_the_engine_gives_the_same_tokens_with_either_forward_learned_rows_included():
-    routed, vocab = random_routed_model("tiny", device="cpu", dtype=torch.float32, num_slots=4, image_size=64)
+def _mixed_requests(device: str, lengths: tuple[int, ...]):
+    """A tiny model with 3 random adapters and requests of these prompt lengths routed in turn by vocabulary range
+    (a, b), not at all, by learned top-2 gates with a routing state, and by vocabulary range (c)."""
+    routed, vocab = random_routed_model("tiny", device=device, dtype=torch.float32, num_slots=4, image_size=64)
     for adapter in random_adapters(routed, ["a", "b", "c"], std=0.2):
         routed.add_adapter(adapter)
     torch.manual_seed(3)
     gates = LearnedGates.for_model(routed, ["a", "b", "c"], context_decays=(0.5, 0.9), init_std=0.5)
     g = torch.Generator().manual_seed(5)
     prompts = [[vocab.bos_id, *torch.randint(vocab.text_start, vocab.vocab_size, (n,), generator=g).tolist()]
-               for n in (4, 9, 6)]
-    routers = [VocabRangeRouter(vocab, "a", "b"), None, LearnedRouter(gates, top_k=2)]
-    requests = [Request(p, r) for p, r in zip(prompts, routers)]
+               for n in lengths]
+    routers = [VocabRangeRouter(vocab, "a", "b"), None, LearnedRouter(gates, top_k=2), VocabRangeRouter(vocab, "c")]
+    return routed, vocab, [Request(p, r) for p, r in zip(prompts, routers)]
+
+
+def test_the_engine_gives_the_same_tokens_with_either_forward_learned_rows_included():
+    routed, vocab, requests = _mixed_requests("cpu", (4, 9, 6))
     config = GenerationConfig(max_new_tokens=12, **GREEDY)
     runs = []
     for lean in (True, False):
@@ -181,16 +187,7 @@ def test_cuda_split_attention_gives_sdpa_tokens_in_captured_steps_learned_rows_i
     """Decode steps on CUDA attend through the split-K kernel (kernels/triton_attention.py), reading each row's
     columns up to its position: the greedy tokens equal those of sdpa over the whole cache under the mask, for rows
     of different lengths joining at different steps, vocabulary and learned routing, captured steps."""
-    routed, vocab = random_routed_model("tiny", device="cuda", dtype=torch.float32, num_slots=4, image_size=64)
-    for adapter in random_adapters(routed, ["a", "b", "c"], std=0.2):
-        routed.add_adapter(adapter)
-    torch.manual_seed(3)
-    gates = LearnedGates.for_model(routed, ["a", "b", "c"], context_decays=(0.5, 0.9), init_std=0.5)
-    g = torch.Generator().manual_seed(5)
-    prompts = [[vocab.bos_id, *torch.randint(vocab.text_start, vocab.vocab_size, (n,), generator=g).tolist()]
-               for n in (4, 37, 6, 70)]
-    routers = [VocabRangeRouter(vocab, "a", "b"), None, LearnedRouter(gates, top_k=2), VocabRangeRouter(vocab, "c")]
-    requests = [Request(p, r) for p, r in zip(prompts, routers)]
+    routed, vocab, requests = _mixed_requests("cuda", (4, 37, 6, 70))
     config = GenerationConfig(max_new_tokens=24, **GREEDY)
     runs = []
     for split in (True, False):

@@ -147,6 +147,28 @@ def test_span_starts_mark_where_the_gate_must_switch_and_weigh_the_label_loss(tr
     assert not torch.allclose(plain, heavy[0]) and torch.allclose(heavy[0], heavy[1], atol=1e-3)
 
 
+def test_picture_requests_are_context_throughout_and_teach_the_base_expert(trained):
+    """--picture-requests: the words before a picture (<bos>, a styled request, <boi>) with no answer: no target,
+    every position context, so the label loss sends each of them to the base expert and the next-token loss
+    takes nothing from them."""
+    _, model, _, _, _ = trained
+    train_router = load_script("train_router")
+    tok = load_model_dir(model).tokenizer
+    requests = train_router.picture_requests(tok, 4, "s")
+    assert len(requests) == 4 and all(r.ids[-1] == tok.vocab.boi_id and r.kind == "picture request" for r in requests)
+    assert [r.ids for r in requests] == [r.ids for r in train_router.picture_requests(tok, 4, "s")]  # seeded
+    question = encode_item(tok, mixed_items(1, seed="s", split="train", domains=["count", "spatial"])[0])
+    batch = make_batch([requests[0], question], [0, 1], tok.vocab.pad_id, ["count", "spatial"])
+    assert not batch.target[0].any() and (batch.labels[0] == -1).all()
+    assert train_router.context_positions(batch)[0].sum() == len(requests[0])
+    to_base = torch.full((batch.ids.numel(), 3), -5.0)
+    to_base[:, 2] = 5.0  # every position's gate picks the base expert (index 2)
+    to_count = to_base.clone()
+    to_count[: batch.ids.shape[1]] = torch.tensor([5.0, -5.0, -5.0])  # the picture request's positions pick count
+    losses = [train_router.label_loss({0: [type("D", (), {"logits": x})()]}, batch, 2) for x in (to_base, to_count)]
+    assert losses[1] > losses[0] + 1.0
+
+
 def test_start_weight_must_be_positive(capsys):
     train_router = load_script("train_router")
     for bad in ("0", "-1"):

@@ -37,7 +37,10 @@ class EncodedItem:
         return len(self.ids)
 
     def position_domains(self) -> list[str | None]:
-        """Domain label of every position (what it predicts): None where it predicts a prompt id (context)."""
+        """Domain label of every position (what it predicts): None where it predicts a prompt id (context); an item
+        without an answer (a picture request: the words before a picture) is context throughout."""
+        if not self.span_domain:
+            return [None] * len(self.ids)
         labels: list[str | None] = [None] * (self.answer_start - 1) + list(self.span_domain)
         return labels + [self.span_domain[-1]]  # the <eos> position predicts nothing; keep its span's label
 
