@@ -104,7 +104,7 @@ LEARNED_EXAMPLES: list[tuple[str, int]] = [
 LEARNED_PICTURE_EXAMPLES: list[tuple[str, int]] = [
     ("Here is a hollow large blue diamond at the bottom:", 0),
     ("Here is a filled small red circle in the top left corner:", 0),
-    ("Here is a negative large orange square in the middle:", 0),
+    ("Here is an inverted small orange triangle at the right:", 0),
 ]
 
 # The pickers start on the shipped model's style adapters (its domain adapters, also "text", are for the learned
