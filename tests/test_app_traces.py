@@ -116,3 +116,28 @@ def test_the_page_is_served_before_the_warm_up_ends(tiny_assets, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def test_sigterms_during_the_warm_up_stop_the_app_cleanly(tiny_assets, tmp_path):
+    """SIGTERM while the warm-up generates (three in a row, as an impatient supervisor sends them): the app closes
+    its server and exits 0, with no traceback (one shutdown, however many signals; the engine's thread, stopped
+    mid-start or mid-request, ends its requests inside its own inference mode)."""
+    port = free_port()
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--model", str(tiny_assets / "model"), "--host",
+                             "127.0.0.1", "--port", str(port)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        while not any("warming up" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        for _ in range(3):
+            proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, "".join(lines) + out
+    assert "Traceback" not in out and "Exception" not in out, out

@@ -121,6 +121,24 @@ def test_cpu_steps_run_in_inference_mode_and_every_decode_step_is_routed(model):
     assert not calls[0][2]  # the prefill of a request without adapters runs the plain base model
 
 
+def test_closing_a_busy_engine_ends_its_requests_with_an_error(model):
+    """close() while a request runs and another waits: both streams end with "the engine was closed" (the CPU loop's
+    row tables are inference tensors: ending the requests runs in the loop's inference mode too)."""
+    routed, vocab = model
+    engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128, max_rows=1))
+    sinks = [engine.stream([Request(p)], GenerationConfig(max_new_tokens=100, min_new_tokens=100, cfg_scale=1.0,
+                                                           **GREEDY))
+             for p in prompts(vocab, 2, seed=5)]
+    first = next(sinks[0])  # the first request is running
+    assert isinstance(first[1], Token)
+    engine.close()
+    for stream in sinks:
+        with pytest.raises(GenerationError, match="the engine was closed"):
+            for _ in stream:
+                pass
+    assert not engine._thread.is_alive()
+
+
 def test_cancelling_frees_the_row_kv_and_adapter_pins_within_one_step(model, monkeypatch):
     routed, vocab = model
     engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128))

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import threading
 import time
 
 import gradio as gr
@@ -86,7 +87,12 @@ def stop_on_sigterm() -> None:
     """Let SIGTERM (how Docker, Kubernetes and Spaces stop a container) end the app the way Ctrl+C does: the server
     closes and the exit handlers remove the app's temporary folder and every session's files in Gradio's cache.
     (Python's default for SIGTERM ends the process at once, leaving them behind.)"""
+    stopping = threading.Event()
+
     def interrupt(signum: int, frame: object) -> None:
+        if stopping.is_set():  # one shutdown: a second SIGTERM (even one already pending) must not cut it short
+            return
+        stopping.set()
         log.info("SIGTERM: shutting down")
         raise KeyboardInterrupt
 
@@ -102,5 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     pipe = load_pipeline(args.model, args.device, args.grid)
     demo = serve(pipe, host=args.host, port=args.port, concurrency=args.concurrency, block=False, quiet=False)
     if not args.no_warmup:
-        warm_up(pipe)
+        try:
+            warm_up(pipe)
+        except KeyboardInterrupt:  # Ctrl+C or SIGTERM during the warm-up: close as block_thread does after it
+            log.info("stopped during the warm-up")
+            demo.close()
+            return
     demo.block_thread()  # until Ctrl+C or SIGTERM

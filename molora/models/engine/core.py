@@ -414,7 +414,7 @@ class Engine:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
-        if self._thread is not None:
+        if self._thread is not None and self._thread.is_alive():  # (a start cut short by a signal never ran)
             self._thread.join(timeout=30)
 
     # --- the loop (engine thread) ----------------------------------------------------------------------
@@ -451,8 +451,9 @@ class Engine:
                     self._pending = None
                     for job in [*self._starting, *self._running.values()]:
                         self._end(job, error=GenerationError(f"generation failed: {type(err).__name__}: {err}"))
-        for job in [*self._waiting, *self._starting, *self._running.values()]:
-            self._end(job, error=GenerationError("the engine was closed"))
+            # closed: still in the loop's mode (on the CPU the row tables are inference tensors, written in place)
+            for job in [*self._waiting, *self._starting, *self._running.values()]:
+                self._end(job, error=GenerationError("the engine was closed"))
 
     def _setup(self) -> None:
         """Allocate the static KV cache and row tables in the engine thread, once."""
