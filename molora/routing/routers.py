@@ -182,17 +182,22 @@ class LearnedGates(nn.Module):
     def logits(self, block: int, hidden: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 gate logits [n, E] of block `block` for block inputs `hidden` [n, d_model] and, with context
         decays, the positions' routing state [n, len(decays), d_model] (`routing_state`)."""
-        if not 0 <= block < self.num_blocks:
-            raise RoutingError(f"no gate for block {block}: these gates cover {self.num_blocks} blocks")
-        if hidden.shape[-1] != self.d_model:
-            raise RoutingError(f"gate expects hidden size {self.d_model}, the model's blocks give {hidden.shape[-1]}")
-        weight = self.gates[block].weight
+        weight = self.gate_weight(block, hidden)
         if not self.context_decays:
             return gate_logits(hidden, None, weight)
         if state is None or tuple(state.shape[1:]) != (len(self.context_decays), self.d_model):
             raise RoutingError(f"these gates read a routing state [n, {len(self.context_decays)}, {self.d_model}] "
                                "beside the block input (LearnedGroup computes it at block 0)")
         return gate_logits(hidden, state, weight)
+
+    def gate_weight(self, block: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Block `block`'s gate weight [E, in], after checking that there is one and that `hidden` [..., d] has the
+        gates' width."""
+        if not 0 <= block < self.num_blocks:
+            raise RoutingError(f"no gate for block {block}: these gates cover {self.num_blocks} blocks")
+        if hidden.shape[-1] != self.d_model:
+            raise RoutingError(f"gate expects hidden size {self.d_model}, the model's blocks give {hidden.shape[-1]}")
+        return self.gates[block].weight
 
     def with_adapters(self, adapters: Sequence[str]) -> LearnedGates:
         """New gates over `adapters` (every adapter of these gates, plus new ones): known adapters keep their
@@ -468,10 +473,7 @@ class LearnedGroup:
         the position itself and a held decision one row of the table. None when compiling failed."""
         b = hidden.shape[0]
         gates = self.gates
-        if not 0 <= block < gates.num_blocks:
-            raise RoutingError(f"no gate for block {block}: these gates cover {gates.num_blocks} blocks")
-        if hidden.shape[-1] != gates.d_model:
-            raise RoutingError(f"gate expects hidden size {gates.d_model}, the model's blocks give {hidden.shape[-1]}")
+        weight = gates.gate_weight(block, hidden)
         h = hidden.reshape(b, -1)
         if gates.context_decays and (block == 0 or self.state is None):
             if block != 0:
@@ -490,7 +492,7 @@ class LearnedGroup:
             held_slots, held_weights, use = self.held
             held = (held_slots[:, block], held_weights[:, block], use.reshape(-1, 1))
         mask = self.gated.reshape(-1)
-        args = (h, self.state if gates.context_decays else None, gates.gates[block].weight, self.expert_slots, mask,
+        args = (h, self.state if gates.context_decays else None, weight, self.expert_slots, mask,
                 None if slots is None else slots.view(b, k_max), None if weights is None else weights.view(b, k_max),
                 static, *held)
         got = fused.run(fused.decider(self.top_k, k_max, args), *args)
