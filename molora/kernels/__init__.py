@@ -1,4 +1,5 @@
-"""Routed LoRA kernels: per-token adapter selection in one pass (PyTorch reference, torch CPU path, Triton GPU)."""
+"""Routed LoRA kernels: per-token adapter selection in one pass (PyTorch reference, torch CPU path, Triton GPU);
+and the engine's split-K decode attention (triton_attention.py, imported where it is used)."""
 
 from molora.kernels.dispatch import reads_meta
 from molora.kernels.errors import KernelInputError
