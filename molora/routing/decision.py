@@ -82,20 +82,16 @@ def block_decision(hidden: torch.Tensor, state: torch.Tensor | None, weight: tor
         s = torch.cat([s, s.new_full((s.shape[0], k_max - k), -1)], dim=1)
         w = torch.cat([w, w.new_zeros(w.shape[0], k_max - k)], dim=1)
     if old_slots is None:
-        first = torch.arange(k_max, device=static.device) == 0
-        old_slots = torch.where(first, static[:, None], -1)
-        old_weights = torch.where(first, (static >= 0)[:, None].float(), 0.0)
+        old_slots, old_weights = static_tables(static, k_max)
     mask = gated[:, None]
     return torch.where(mask, s, old_slots), torch.where(mask, w, old_weights), logits, top_idx
 
 
 def static_tables(static: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Static slots [N] as [N, k] slots / weights: the slot in column 0 with weight 1 (-1 / 0 elsewhere)."""
-    n = static.shape[0]
-    slots = torch.full((n, k), -1, dtype=torch.long, device=static.device)
-    slots[:, 0] = static
-    weights = torch.zeros(n, k, dtype=torch.float32, device=static.device)
-    weights[:, 0] = (static >= 0).float()
+    first = torch.arange(k, device=static.device) == 0  # (no in-place writes: it also runs inside block_decision)
+    slots = torch.where(first, static.long()[:, None], -1)
+    weights = torch.where(first, (static >= 0)[:, None].float(), 0.0)
     return slots, weights
 
 
