@@ -58,6 +58,7 @@ from molora.models.engine.sampling import MAX_SEED, GenerationError
 from molora.models.engine.vocab import IMAGE, TEXT, UnifiedVocab
 from molora.routing import CacheFullError, LearnedRouter, MoLoRAError, SequenceRouter, VocabRangeRouter
 from molora.routing.context import CallRouting
+from molora.routing.errors import RoutingError
 from molora.routing.routers import LearnedGroup, Router
 
 log = logging.getLogger(__name__)
@@ -851,17 +852,14 @@ class Engine:
             rows = cache_rows[local]
             slots, weights = self._picture_tables(group.top_k)
             at_last = local * plan.length + plan.length - 1
-            if list(plan.block_slots) == list(range(slots.shape[1])):  # every block: all at once, ~14 kernels a step
-                k = group.top_k
-                kept_s = torch.stack([s for s, _ in plan.block_slots.values()], 1)[at_last, :, :k]  # [b, blocks, k]
-                kept_w = torch.stack([w for _, w in plan.block_slots.values()], 1)[at_last, :, :k].float()
-                slots[rows] = torch.where(last[:, :, None], kept_s, slots[rows])
-                weights[rows] = torch.where(last[:, :, None], kept_w, weights[rows])
-                continue
-            for block, (block_slots, block_weights) in plan.block_slots.items():
-                slots[rows, block] = torch.where(last, block_slots[at_last, :group.top_k], slots[rows, block])
-                weights[rows, block] = torch.where(last, block_weights[at_last, :group.top_k].float(),
-                                                   weights[rows, block])
+            if list(plan.block_slots) != list(range(slots.shape[1])):  # every block routes, in order (the hooks)
+                raise RoutingError(f"a picture keeps a decision per block; this forward routed blocks "
+                                   f"{list(plan.block_slots)} of {slots.shape[1]}")
+            k = group.top_k  # all blocks at once: ~14 kernels a step, not ~9 a block
+            kept_s = torch.stack([s for s, _ in plan.block_slots.values()], 1)[at_last, :, :k]  # [b, blocks, k]
+            kept_w = torch.stack([w for _, w in plan.block_slots.values()], 1)[at_last, :, :k].float()
+            slots[rows] = torch.where(last[:, :, None], kept_s, slots[rows])
+            weights[rows] = torch.where(last[:, :, None], kept_w, weights[rows])
 
     def _replay(self, width: int, learned: tuple[_LearnedRows, ...]) -> tuple[torch.Tensor, _Producing]:
         """Replay the captured step of this width and these learned routers (capturing it on first use).
