@@ -784,17 +784,58 @@ def test_cpu_stacked_form_matches_reference_adds_in_place_and_serves_groups(n, k
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_cpu_linear_gives_a_row_the_same_numbers_whatever_rows_share_its_call():
-    from molora.kernels.torch_ops import cpu_linear
+@pytest.mark.parametrize("form", ["mkl", "packed"])
+def test_cpu_linear_gives_a_row_the_same_numbers_whatever_rows_share_its_call(form):
+    from molora.kernels.torch_ops import cpu_linear, pack_exact_rows
 
     g = torch.Generator().manual_seed(0)
     for d_out, d_in in [(768, 256), (256, 1024), (1080, 256)]:
         weight = torch.randn(d_out, d_in, generator=g) * 0.05
+        packed = None
+        if form == "packed":
+            packed = pack_exact_rows(weight)
+            if packed is None:
+                pytest.skip("oneDNN's linear is not exact per row on this machine (the MKL form serves)")
         x = torch.randn(24, d_in, generator=g)
-        widest = cpu_linear(x, weight)
+        widest = cpu_linear(x, weight, packed)
         assert widest.is_contiguous()
         torch.testing.assert_close(widest, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
         for rows in (1, 2, 3, 4, 5, 8, 13, 16):
-            assert torch.equal(cpu_linear(x[:rows], weight), widest[:rows])
+            assert torch.equal(cpu_linear(x[:rows], weight, packed), widest[:rows])
         shuffled = torch.randperm(24, generator=g)  # a row's place in its call does not matter either
-        assert torch.equal(cpu_linear(x[shuffled], weight), widest[shuffled])
+        assert torch.equal(cpu_linear(x[shuffled], weight, packed), widest[shuffled])
+
+
+def test_pack_exact_rows_refuses_what_it_cannot_pack():
+    from molora.kernels.torch_ops import pack_exact_rows
+
+    assert pack_exact_rows(torch.randn(8, 4, dtype=torch.float64)) is None
+    assert pack_exact_rows(torch.randn(8, 4, dtype=torch.bfloat16)) is None
+    assert pack_exact_rows(torch.randn(2, 8, 4)) is None
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_packed_group_packs_again_when_its_weight_changes():
+    """The packed copy follows the weights: written in place (load_state_dict copies into them) or replaced."""
+    from molora.routing.lora import RoutedLoRALinear
+
+    layer = RoutedLoRALinear(torch.nn.Linear(32, 48, bias=False), num_slots=2, r_max=4)
+    group = layer.group
+    assert group.exact_rows_weight() is None  # nothing packed until asked
+    if not group.pack_exact_rows():
+        pytest.skip("oneDNN's linear is not exact per row on this machine")
+    x = torch.randn(4, 32)
+    first = group.exact_rows_weight()
+    torch.testing.assert_close(torch.ops.mkldnn._linear_pointwise(x, first, None, "none", [], ""),
+                               x @ layer.weight.t())
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    again = group.exact_rows_weight()
+    assert again is not first
+    torch.testing.assert_close(torch.ops.mkldnn._linear_pointwise(x, again, None, "none", [], ""),
+                               x @ layer.weight.t())
+    with torch.no_grad():
+        layer.weight = torch.nn.Parameter(torch.randn(48, 32))
+    group._stack()  # (what stacked() does when it finds the Parameter replaced)
+    torch.testing.assert_close(torch.ops.mkldnn._linear_pointwise(x, group.exact_rows_weight(), None, "none", [],
+                                                                  ""), x @ layer.weight.t())

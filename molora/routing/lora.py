@@ -44,7 +44,7 @@ from molora.kernels.dispatch import (
     fuses_base,
     routed_lora_group_forward,
 )
-from molora.kernels.torch_ops import routed_linear_torch_slots
+from molora.kernels.torch_ops import pack_exact_rows, routed_linear_torch_slots
 from molora.kernels.triton_linear import stacked_linear_group
 from molora.kernels.triton_stacked import FusedLaunch
 from molora.routing.context import CallRouting, SharedOutputs, current_routing
@@ -78,13 +78,17 @@ class ProjectionGroup:
         self.bounds = tuple(bounds)
         self.widths = tuple(layer.out_features for layer in self.members)
         self.size = len(self.members)
+        # the base weight packed for the CPU's exact-row GEMMs (pack_exact_rows), and the weight's (address,
+        # version) it was packed from: None until the engine asks for it
+        self.packed: torch.Tensor | None = None
+        self._packed_from: tuple[int, int] | None = None
         self._stack()
 
     def __len__(self) -> int:
         return self.size
 
-    def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: the launchers hold the old tensors' addresses
-        return {**self.__dict__, "_launches": {}}
+    def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: the launchers hold the old tensors' addresses,
+        return {**self.__dict__, "_launches": {}, "packed": None}  # and a packed weight is opaque (packed again)
 
     @torch.no_grad()
     def _stack(self) -> None:
@@ -128,6 +132,24 @@ class ProjectionGroup:
         # kernels' FusedLaunch for these tensors, made on the first eager decode call: key None for the whole
         # group, p for member p called on its own input (the group's members turned out not to share x)
         self._launches: dict[int | None, FusedLaunch] = {}
+
+    def pack_exact_rows(self) -> bool:
+        """Pack the members' stacked base weight for the CPU engine's exact-row decode GEMMs (kernels/torch_ops.py
+        pack_exact_rows: a copy of the weight, used only where oneDNN is exact here); True when it is packed."""
+        weight = self.weight
+        self.packed = pack_exact_rows(weight) if weight is not None else None
+        self._packed_from = (weight.data_ptr(), weight._version) if weight is not None else None
+        return self.packed is not None
+
+    def exact_rows_weight(self) -> torch.Tensor | None:
+        """The packed base weight (packed again when the weight was replaced or written in place since); None when
+        none was asked for or oneDNN is not exact here: cpu_linear's MKL form."""
+        if self._packed_from is None:
+            return None
+        weight = self.weight
+        if weight is None or self._packed_from != (weight.data_ptr(), weight._version):
+            self.pack_exact_rows()
+        return self.packed
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(A [P, S, r, in], B [S, O, r], scale [P, S]) over the members' current buffers and weights."""
@@ -185,8 +207,10 @@ class ProjectionGroup:
                 dense_fits(x2, A, B, slots.shape[1]):
             # the CPU: one GEMM for the members' base outputs, then the deltas of the slots present only
             meta = routing.meta(block)
-            ys = routed_linear_torch_slots(x2, self.weight, self.slot_views, self.scale_t,
-                                           meta.mixing_t(x2.dtype), meta.present_slots(), widths, routing.exact_rows)
+            exact = routing.exact_rows
+            ys = routed_linear_torch_slots(x2, self.weight, self.slot_views, self.scale_t, meta.mixing_t(x2.dtype),
+                                           meta.present_slots(), widths, exact,
+                                           self.exact_rows_weight() if exact else None)
             return _with_bias(members, ys, lead)
         elif not torch.is_grad_enabled() and fuses_base(x2, A.shape[1], A.shape[2], A.shape[0]) and \
                 (base := _weights_of_one_layout(members)) is not None:

@@ -338,6 +338,17 @@ class RoutedModel(nn.Module):
             return self.placement.input_device
         return next(self.model.parameters()).device
 
+    def pack_exact_rows(self, max_bytes: int) -> tuple[int, int, int]:
+        """Pack the routed layers' base weights for the CPU's exact-row decode GEMMs (ProjectionGroup.pack_exact_rows),
+        group by group while the copies stay within `max_bytes`; returns (groups packed, groups, bytes packed)."""
+        groups = list({id(layer.group): layer.group for layer in self.cache.layers.values()}.values())
+        packed = spent = 0
+        for group in groups:
+            weight = group.weight
+            if weight is not None and spent + weight.nbytes <= max_bytes and group.pack_exact_rows():
+                packed, spent = packed + 1, spent + weight.nbytes
+        return packed, len(groups), spent
+
     def make_routing(self, *args: Any, **kwargs: Any) -> CallRouting:
         """CallRouting(*args, **kwargs), or a PlacedRouting when the model is spread over devices (what every plan
         for this model must be: its layers ask for their routing on their own device)."""

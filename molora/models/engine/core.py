@@ -74,6 +74,9 @@ CUDA_MAX_ROWS = 64
 # because MKL's small-matrix path (M < 4) is faster and rounds differently; padding only the matmuls to 4 rows keeps
 # the numbers exact but not the speed (8.4 ms). EngineConfig(exact_rows=False) takes the speed instead.
 CPU_MIN_WIDTH = 4
+# The CPU's exact-row decode GEMMs run on oneDNN-packed copies of the routed base weights where oneDNN is exact (kernels/
+# torch_ops.py pack_exact_rows), up to this many bytes of copies (the embedded model's: 26 MB)
+CPU_PACKED_MAX_BYTES = 256 * 2 ** 20
 # Eager steps read only the KV columns the batch has written, rounded up to this many (shapes stay few; the masked
 # columns beyond a row's own length add exact zeros, so a row's result does not depend on its neighbours' lengths).
 KV_COLUMN_BLOCK = 64
@@ -452,7 +455,11 @@ class Engine:
                     self._pending = None
                     for job in [*self._starting, *self._running.values()]:
                         self._end(job, error=GenerationError(f"generation failed: {type(err).__name__}: {err}"))
-            # closed: still in the loop's mode (on the CPU the row tables are inference tensors, written in place)
+            # closed: still in the loop's mode (on the CPU the row tables are inference tensors, written in place);
+            # requests submitted since the loop last looked end too
+            with self._lock:
+                self._waiting.extend(self._incoming)
+                self._incoming.clear()
             for job in [*self._waiting, *self._starting, *self._running.values()]:
                 self._end(job, error=GenerationError("the engine was closed"))
 
@@ -479,6 +486,10 @@ class Engine:
                 self.decoder = LeanDecoder(model)
             else:
                 log.info("engine: transformers' forward for this model (%s)", reason)
+        if self._exact_cpu:
+            packed, groups, spent = self.routed.pack_exact_rows(CPU_PACKED_MAX_BYTES)
+            log.info("engine: %d of %d routed GEMMs on oneDNN-packed weights (%.1f MiB of copies), the others MKL's",
+                     packed, groups, spent / 2 ** 20)
         # learned image gates decide once per picture: each row's decision per block, kept across decode steps
         self._pictures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # top-k -> (slots, weights) [rows+1, blocks, k]
         self._route_states: dict[tuple, torch.Tensor] = {}  # (image gates?, decays, d) -> routing state [rows+1, S, d]
