@@ -139,6 +139,28 @@ def test_closing_a_busy_engine_ends_its_requests_with_an_error(model):
     assert not engine._thread.is_alive()
 
 
+def test_a_failed_setup_fails_the_waiting_requests_and_the_next_request_tries_again(model, monkeypatch):
+    """The engine's first setup (KV cache, tables) raising: the request waiting on it ends with that error instead of
+    waiting forever, and a later request sets the engine up again."""
+    from molora.models.engine.kv_cache import RowKVCache
+
+    routed, vocab = model
+    engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=64))
+    real = RowKVCache.for_model
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("no memory for the KV cache")
+
+    monkeypatch.setattr(RowKVCache, "for_model", no_memory)
+    request, config = Request(prompts(vocab, 1)[0]), GenerationConfig(max_new_tokens=3, **GREEDY)
+    with pytest.raises(GenerationError, match="generation failed: RuntimeError: no memory for the KV cache"):
+        list(engine.stream([request], config))
+    monkeypatch.setattr(RowKVCache, "for_model", real)
+    tokens, ends = collect(engine.stream([request], config))
+    engine.close()
+    assert ends == {0: "length"} and len(tokens[0]) == 3
+
+
 def test_cancelling_frees_the_row_kv_and_adapter_pins_within_one_step(model, monkeypatch):
     routed, vocab = model
     engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128))

@@ -451,9 +451,13 @@ class Engine:
                     elif self._starting:
                         time.sleep(0.0005)  # only copies in flight: poll their events
                 except Exception as err:  # a broken step fails the requests in it; the engine keeps serving
-                    log.exception("decode step failed")
+                    log.exception("decode step failed" if self._ready else "engine setup failed")
                     self._pending = None
-                    for job in [*self._starting, *self._running.values()]:
+                    failed = [*self._starting, *self._running.values()]
+                    if not self._ready:  # no cache or tables to serve from: the waiting requests fail too (each
+                        failed += self._waiting  # later request tries the setup again)
+                        self._waiting.clear()
+                    for job in failed:
                         self._end(job, error=GenerationError(f"generation failed: {type(err).__name__}: {err}"))
             # closed: still in the loop's mode (on the CPU the row tables are inference tensors, written in place);
             # requests submitted since the loop last looked end too
