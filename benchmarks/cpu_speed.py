@@ -11,6 +11,10 @@ Rows, interleaved round by round so a busy or slow machine moves them together (
                                    same number of new tokens with its own KV cache: the ratio C1 is measured against
 
     python benchmarks/cpu_speed.py [--threads 1] [--runs 5]      (one thread: the app's default)
+
+--unpacked-too adds the lean decoder with its exact-row GEMMs in MKL's form instead of on oneDNN-packed weights
+(kernels/torch_ops.py pack_exact_rows; the engine packs them at setup); --together N also times N requests at once
+for both forms (guided pictures: 2N rows).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import platform
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,6 +47,23 @@ def engine_run(pipe: InterleavedPipeline, seed: int, new_tokens: int) -> tuple[f
     return seconds, images, words
 
 
+def together_run(pipe: InterleavedPipeline, seeds: list[int], new_tokens: int) -> float:
+    """Wall time of len(seeds) engine_run requests submitted at once (one thread each, as app visitors)."""
+    threads = [threading.Thread(target=engine_run, args=(pipe, seed, new_tokens)) for seed in seeds]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start
+
+
+def set_packing(groups: list, packed: list, on: bool) -> None:
+    """The routed groups' packed weights as the engine made them (on) or none (off: MKL's chunked form)."""
+    for group, (weight, source) in zip(groups, packed):
+        group.packed, group._packed_from = (weight, source) if on else (None, None)
+
+
 def transformers_run(lm, bos: int, new_tokens: int) -> float:
     """transformers' eager generate of the same LM: one row, greedy, exactly `new_tokens` new tokens."""
     ids = torch.tensor([[bos]])
@@ -56,6 +78,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--unpacked-too", action="store_true",
+                        help="also the lean decoder with MKL's exact-row GEMMs (no oneDNN-packed weights)")
+    parser.add_argument("--together", type=int, default=0, metavar="N",
+                        help="with --unpacked-too: also N requests at once, for both GEMM forms")
     args = parser.parse_args()
     configure_cpu_threads(args.threads)
     pipe = InterleavedPipeline.from_pretrained(device="cpu")
@@ -70,9 +96,33 @@ def main() -> None:
             return engine_run(pipe, seed, new_tokens)
         return run
 
+    groups = list({id(layer.group): layer.group for layer in pipe.routed.cache.layers.values()}.values())
+    packed = [(group.packed, group._packed_from) for group in groups]
+
+    def gemms(on: bool, run):
+        def timed(seed: int) -> tuple[float, int, int]:
+            set_packing(groups, packed, on)
+            try:
+                return run(seed)
+            finally:
+                set_packing(groups, packed, True)
+        return timed
+
     rows = {"engine (lean decoder)": with_forward(lean), "engine (transformers forward)": with_forward(None),
             "transformers generate, eager (no adapters)": lambda seed: (transformers_run(lm, pipe.vocab.bos_id,
                                                                                        new_tokens), 0, 0)}
+    if args.unpacked_too:
+        rows["engine (lean decoder, MKL's GEMMs, unpacked)"] = gemms(False, with_forward(lean))
+        if args.together:
+            n = args.together
+
+            def at_once(seed: int) -> tuple[float, int, int]:
+                engine.decoder = lean
+                return together_run(pipe, [1000 * (seed + 1) + i for i in range(n)], new_tokens), 0, 0
+
+            for on, label in ((True, "packed"), (False, "MKL's GEMMs, unpacked")):
+                rows[f"engine (lean decoder, {label}), {n} requests at once"] = gemms(on, at_once)
+    print(f"oneDNN-packed exact-row GEMMs: {sum(w is not None for w, _ in packed)} of {len(groups)} routed groups")
     for run in rows.values():  # warm-up
         run(1000)
     times: dict[str, list[float]] = {name: [] for name in rows}
@@ -83,6 +133,7 @@ def main() -> None:
             times[name].append(seconds)
             shapes[name] = (images, words)
     engine.decoder = lean
+    set_packing(groups, packed, True)
     print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; {new_tokens} new tokens per run, {args.runs} interleaved rounds")
     print("| row | median s | runs (s) |\n|---|---|---|")
