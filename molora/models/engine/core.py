@@ -72,7 +72,9 @@ CUDA_MAX_ROWS = 64
 # 4-15 by 0.0), so a request decodes exactly as alone whatever runs beside it.
 # The price, same run: a lone guided request (2 live rows) decodes a step in 8.5 ms at width 4 and 6.8 ms at width 2,
 # because MKL's small-matrix path (M < 4) is faster and rounds differently; padding only the matmuls to 4 rows keeps
-# the numbers exact but not the speed (8.4 ms). EngineConfig(exact_rows=False) takes the speed instead.
+# the numbers exact but not the speed (8.4 ms). EngineConfig(exact_rows=False) takes the speed instead. (2026-12-05:
+# with the base GEMMs on oneDNN-packed weights, exact at every width, width 2 is no faster: one picture + ~60 words
+# 3.08 s at width 2 against 2.91 s at width 4, and the LoRA matmuls are not exact below 4 rows.)
 CPU_MIN_WIDTH = 4
 # The CPU's exact-row decode GEMMs run on oneDNN-packed copies of the routed base weights where oneDNN is exact (kernels/
 # torch_ops.py pack_exact_rows), up to this many bytes of copies (the embedded model's: 26 MB)
