@@ -806,6 +806,23 @@ def test_cpu_linear_gives_a_row_the_same_numbers_whatever_rows_share_its_call(fo
         assert torch.equal(cpu_linear(x[shuffled], weight, packed), widest[shuffled])
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_routed_model_packs_its_groups_within_the_byte_budget():
+    from molora.models.engine.synthetic import random_routed_model
+
+    routed, _ = random_routed_model("tiny", device="cpu", dtype=torch.float32, num_slots=2, image_size=64)
+    groups = list({id(layer.group): layer.group for layer in routed.cache.layers.values()}.values())
+    assert routed.pack_exact_rows(0) == (0, len(groups), 0)
+    assert all(group.exact_rows_weight() is None for group in groups)
+    smallest = min(group.weight.nbytes for group in groups)
+    packed, total, spent = routed.pack_exact_rows(smallest)
+    if packed == 0:
+        pytest.skip("oneDNN's linear is not exact per row on this machine")
+    assert packed == 1 and total == len(groups) and spent == smallest
+    packed, _, spent = routed.pack_exact_rows(2 ** 40)
+    assert packed == len(groups) and spent == sum(group.weight.nbytes for group in groups)
+
+
 def test_pack_exact_rows_refuses_what_it_cannot_pack():
     from molora.kernels.torch_ops import pack_exact_rows
 
