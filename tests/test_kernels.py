@@ -806,6 +806,36 @@ def test_cpu_linear_gives_a_row_the_same_numbers_whatever_rows_share_its_call(fo
         assert torch.equal(cpu_linear(x[shuffled], weight, packed), widest[shuffled])
 
 
+def test_the_cpu_slot_form_follows_the_hot_set_writing_a_slot():
+    """ProjectionGroup.slot_form (the CPU's per-slot shrink with the scales folded in) is a copy: a slot written
+    in place (an adapter loaded, a slot cleared, a scale changed) makes it again, in and outside inference mode."""
+    from molora.routing.lora import RoutedLoRALinear, group_projections
+
+    torch.manual_seed(0)
+    parent = torch.nn.Module()
+    parent.q_proj, parent.k_proj = torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(16, 8, bias=False)
+    layers = [RoutedLoRALinear(getattr(parent, n), num_slots=3, r_max=4, name=f"b.{n}") for n in ("q_proj", "k_proj")]
+    (group,) = group_projections(layers)
+
+    def expected(s):
+        return torch.cat([layer.lora_scale[s] * layer.lora_A[s].t() for layer in layers], 1)
+
+    with torch.no_grad():
+        for layer in layers:
+            layer.lora_A.normal_()
+            layer.lora_B.normal_()
+            layer.lora_scale.fill_(0.5)
+    group.stacked()
+    assert torch.equal(group.slot_form()[1][0], expected(1))
+    with torch.inference_mode():
+        layers[1].lora_A[1].normal_()
+        layers[0].lora_scale[1] = 2.0
+        assert torch.equal(group.slot_form()[1][0], expected(1))
+    layers[0].clear_slot(2)
+    assert torch.equal(group.slot_form()[2][0], expected(2))
+    assert torch.equal(group.slot_form()[2][1], layers[0].lora_B[2].t())  # B: views of the slots
+
+
 @pytest.mark.usefixtures("one_torch_thread")
 def test_a_routed_model_packs_its_groups_within_the_byte_budget():
     from molora.models.engine.synthetic import random_routed_model

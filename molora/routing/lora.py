@@ -125,10 +125,7 @@ class ProjectionGroup:
         self.A, self.B, self.scale, self.weight = A, B, scale, base
         self._views = [(layer._buffers, layer.lora_A, layer.lora_B, layer.lora_scale) for layer in self.members]
         self._weight_ptrs = [w.data_ptr() for w in weights]
-        # per slot s: A[:, s]^T and each member's B[s]^T (views: the hot set writes into the same storage)
-        spans = list(zip(self.bounds, self.bounds[1:]))
-        self.slot_views = [(A[:, s].transpose(1, 2), *(B[s, lo:hi].t() for lo, hi in spans)) for s in range(A.shape[1])]
-        self.scale_t = scale.t()
+        self._slot_form_of: tuple[int, int] | None = None  # the CPU's per-slot form: made on first use (slot_form)
         # kernels' FusedLaunch for these tensors, made on the first eager decode call: key None for the whole
         # group, p for member p called on its own input (the group's members turned out not to share x)
         self._launches: dict[int | None, FusedLaunch] = {}
@@ -138,7 +135,7 @@ class ProjectionGroup:
         pack_exact_rows: a copy of the weight, used only where oneDNN is exact here); True when it is packed."""
         weight = self.weight
         self.packed = pack_exact_rows(weight) if weight is not None else None
-        self._packed_from = (weight.data_ptr(), weight._version) if weight is not None else None
+        self._packed_from = (weight.data_ptr(), _version(weight)) if weight is not None else None
         return self.packed is not None
 
     def exact_rows_weight(self) -> torch.Tensor | None:
@@ -147,9 +144,24 @@ class ProjectionGroup:
         if self._packed_from is None:
             return None
         weight = self.weight
-        if weight is None or self._packed_from != (weight.data_ptr(), weight._version):
+        if weight is None or self._packed_from != (weight.data_ptr(), _version(weight)):
             self.pack_exact_rows()
         return self.packed
+
+    def slot_form(self) -> list[tuple[torch.Tensor, ...]]:
+        """What the CPU's per-slot form reads of slot s (kernels/torch_ops.py routed_linear_torch_slots): every
+        member's scale[p, s] * A[p, s]^T side by side [in, P*r] (one shrink GEMM for all members; a copy, made again
+        when the hot set writes A or the scales: their version counters), then each member's B[s]^T [r, width_p]
+        (views). Call after stacked()."""
+        A, scale = self.A, self.scale
+        key = (_version(A), _version(scale))
+        if self._slot_form_of != key or -1 in key:  # (inference tensors: no counter, made every call)
+            p_count, num_slots, r, d_in = A.shape
+            shrink = (A * scale[:, :, None, None]).permute(1, 3, 0, 2).reshape(num_slots, d_in, p_count * r)
+            spans = list(zip(self.bounds, self.bounds[1:]))
+            self._slot_form = [(shrink[s], *(self.B[s, lo:hi].t() for lo, hi in spans)) for s in range(num_slots)]
+            self._slot_form_of = key
+        return self._slot_form
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(A [P, S, r, in], B [S, O, r], scale [P, S]) over the members' current buffers and weights."""
@@ -208,7 +220,7 @@ class ProjectionGroup:
             # the CPU: one GEMM for the members' base outputs, then the deltas of the slots present only
             meta = routing.meta(block)
             exact = routing.exact_rows
-            ys = routed_linear_torch_slots(x2, self.weight, self.slot_views, self.scale_t, meta.mixing_t(x2.dtype),
+            ys = routed_linear_torch_slots(x2, self.weight, self.slot_form(), meta.mixing_t(x2.dtype),
                                            meta.present_slots(), widths, exact,
                                            self.exact_rows_weight() if exact else None)
             return _with_bias(members, ys, lead)
@@ -228,6 +240,11 @@ class ProjectionGroup:
             # can be views of one buffer, which autograd does not let an in-place op modify)
             ys.append(torch.addmm(delta, x2, weight_t) if grad else delta.addmm_(x2, weight_t))
         return _with_bias(members, ys, lead)
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's version counter (bumped by every in-place write); -1 for an inference tensor, which has none."""
+    return -1 if tensor.is_inference() else tensor._version
 
 
 def _weights_of_one_layout(members: Iterable[RoutedLoRALinear]) -> list[torch.Tensor] | None:
