@@ -96,7 +96,7 @@ def main() -> None:
             return engine_run(pipe, seed, new_tokens)
         return run
 
-    groups = list({id(layer.group): layer.group for layer in pipe.routed.cache.layers.values()}.values())
+    groups = pipe.routed.projection_groups()
     packed = [(group.packed, group._packed_from) for group in groups]
 
     def gemms(on: bool, run):

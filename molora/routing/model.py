@@ -43,7 +43,7 @@ from molora.routing.context import (
     set_routing,
 )
 from molora.routing.errors import AdapterError, RoutingError
-from molora.routing.lora import PlacedRoutedLoRALinear, RoutedLoRALinear, group_projections
+from molora.routing.lora import PlacedRoutedLoRALinear, ProjectionGroup, RoutedLoRALinear, group_projections
 from molora.routing.routers import LearnedGroup, LearnedRouter, Router, load_balance_loss, router_z_loss
 
 log = logging.getLogger(__name__)
@@ -338,10 +338,14 @@ class RoutedModel(nn.Module):
             return self.placement.input_device
         return next(self.model.parameters()).device
 
+    def projection_groups(self) -> list[ProjectionGroup]:
+        """The routed layers' projection groups (routing/lora.py), each once, in layer order."""
+        return list({id(layer.group): layer.group for layer in self.cache.layers.values()}.values())
+
     def pack_exact_rows(self, max_bytes: int) -> tuple[int, int, int]:
         """Pack the routed layers' base weights for the CPU's exact-row decode GEMMs (ProjectionGroup.pack_exact_rows),
         group by group while the copies stay within `max_bytes`; returns (groups packed, groups, bytes packed)."""
-        groups = list({id(layer.group): layer.group for layer in self.cache.layers.values()}.values())
+        groups = self.projection_groups()
         packed = spent = 0
         for group in groups:
             weight = group.weight
