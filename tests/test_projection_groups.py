@@ -98,7 +98,7 @@ def test_cpu_group_call_reads_only_the_slots_present(monkeypatch):
     visited = []
     real = lora_mod.routed_linear_torch_slots
     monkeypatch.setattr(lora_mod, "routed_linear_torch_slots",
-                        lambda *a, **k: visited.append(tuple(a[4])) or real(*a, **k))
+                        lambda *a, **k: visited.append(tuple(s for s, _ in a[3])) or real(*a, **k))
     with torch.no_grad():
         routed(IDS, routers=[SequenceRouter("D"), None])
     assert set(visited) == {(routed.cache.slot_of("D"),)}
@@ -111,7 +111,7 @@ def test_one_kernel_call_per_group_and_same_logits_as_each_projection_alone(monk
     monkeypatch.setattr(lora_mod, "routed_lora_group_forward", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
     real_linear = lora_mod.routed_linear_torch_slots  # the CPU's form: base outputs and deltas in one group call
     monkeypatch.setattr(lora_mod, "routed_linear_torch_slots",
-                        lambda *a, **k: calls.append(len(a[5])) or real_linear(*a, **k))
+                        lambda *a, **k: calls.append(len(a[4])) or real_linear(*a, **k))
     router = [SequenceRouter("T"), SequenceRouter("D")]
     with torch.no_grad():
         shared = routed(IDS, routers=router).logits

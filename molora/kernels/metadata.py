@@ -40,8 +40,7 @@ class RoutingMeta:
         self._offsets: torch.Tensor | None = None
         self._sets: tuple[torch.Tensor, torch.Tensor] | None = None
         self._mixing: dict[torch.dtype, torch.Tensor] = {}
-        self._mixing_t: dict[torch.dtype, torch.Tensor] = {}
-        self._present: list[int] | None = None
+        self._columns: dict[tuple[torch.dtype, int | None], list[tuple[int, torch.Tensor | None]]] = {}
 
     @property
     def rows(self) -> torch.Tensor:
@@ -84,19 +83,20 @@ class RoutingMeta:
         """[N, S] in `dtype`: the summed weight of each token's choices of each slot, made once per dtype."""
         return self.mixing_rows(dtype)[:, 0]
 
-    def mixing_t(self, dtype: torch.dtype) -> torch.Tensor:
-        """mixing(dtype) as [S, N] (a slot's weights over the tokens: the CPU's per-slot form), made once per dtype."""
-        got = self._mixing_t.get(dtype)
+    def slot_columns(self, dtype: torch.dtype, live: int | None = None) -> list[tuple[int, torch.Tensor | None]]:
+        """The CPU's per-slot form (kernels/torch_ops.py routed_linear_torch_slots): (slot, its weight on each token
+        [N, 1] in `dtype`) for each slot some token chose with a nonzero weight, in slot order; the weights are None
+        where each of the first `live` tokens (all: None) gives the slot weight 1, so nothing needs weighting
+        (tokens from `live` on are padding whose outputs nobody reads). One host read, made once per forward."""
+        key = (dtype, live)
+        got = self._columns.get(key)
         if got is None:
-            got = self._mixing_t[dtype] = self.mixing(dtype).t()
+            mixing = self.mixing(dtype)  # [N, S]
+            present, whole = torch.stack((mixing.ne(0).any(0), mixing[:live].eq(1).all(0))).tolist()
+            columns = mixing.t()[:, :, None]
+            got = self._columns[key] = [(s, None if whole[s] else columns[s])
+                                        for s in range(self.num_slots) if present[s]]
         return got
-
-    def present_slots(self) -> list[int]:
-        """The slots some token chose with a nonzero weight, in slot order (one host read, made once: the CPU's
-        per-slot form reads only these slots' adapters)."""
-        if self._present is None:
-            self._present = self.mixing(torch.float32).ne(0).any(0).nonzero().view(-1).tolist()
-        return self._present
 
     def mixing_rows(self, dtype: torch.dtype) -> torch.Tensor:
         """mixing(dtype) as [N, 1, S] (the dense form's layout), made once per dtype."""

@@ -268,14 +268,15 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Non
 
 
 def routed_linear_torch_slots(x: torch.Tensor, weight: torch.Tensor, slot_form: list[tuple[torch.Tensor, ...]],
-                              mix_t: torch.Tensor, present: list[int], widths: tuple[int, ...],
+                              columns: list[tuple[int, torch.Tensor | None]], widths: tuple[int, ...],
                               exact_rows: bool = False, packed: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Every output (base linear + routed delta) of P projections sharing x [N, in], reading only the adapters of
     the slots present: weight [O, in] = the members' base weights stacked (one GEMM for all of them);
     slot_form[s] = (every member's scale[p, s] * A[p, s]^T side by side [in, P*r], then B[s, member p's columns]^T
-    [r, width_p] for each p: ProjectionGroup.slot_form); mix_t [S, N] the summed weight of each token's choices of
-    each slot; present: the slots some token chose; exact_rows: the base GEMM by cpu_linear (a row's numbers do not
-    depend on the other rows; `packed`: the weight as pack_exact_rows made it), else F.linear.
+    [r, width_p] for each p: ProjectionGroup.slot_form); columns: (slot, each token's summed weight on it [N, 1],
+    or None when every token that counts gives it weight 1) for the slots some token chose
+    (RoutingMeta.slot_columns); exact_rows: the base GEMM by cpu_linear (a row's numbers do not depend on the
+    other rows; `packed`: the weight as pack_exact_rows made it), else F.linear.
 
     Per present slot: one shrink GEMM of every row for all members (a row that did not choose s gets weight 0: it
     adds exact zeros, so a row's numbers do not depend on its neighbours' slots), weighted in place, and one expand
@@ -286,14 +287,16 @@ def routed_linear_torch_slots(x: torch.Tensor, weight: torch.Tensor, slot_form: 
     took 14.4 ms a decode step at 4 rows that way against 6.2 for the base GEMMs alone. Returns views [N, width_p]
     of one [N, O] buffer."""
     base = cpu_linear(x, weight, packed) if exact_rows else torch.nn.functional.linear(x, weight)
-    outs = base.split_with_sizes(widths, 1)
-    for s in present:
+    count = len(widths)
+    outs = base.split_with_sizes(widths, 1) if count > 1 else (base,)
+    for s, column in columns:
         shrink, *b_t = slot_form[s]
         h = torch.mm(x, shrink)  # [N, P*r]
-        h.mul_(mix_t[s].unsqueeze(1))
-        r = shrink.shape[1] // len(b_t)
-        for p, (y, b_p) in enumerate(zip(outs, b_t)):
-            y.addmm_(h[:, p * r:(p + 1) * r], b_p)
+        if column is not None:
+            h.mul_(column)
+        parts = h.split_with_sizes((shrink.shape[1] // count,) * count, 1) if count > 1 else (h,)
+        for y, h_p, b_p in zip(outs, parts, b_t):
+            y.addmm_(h_p, b_p)
     return list(outs)
 
 

@@ -47,6 +47,8 @@ class CallRouting:
     # the CPU's routed base GEMMs take kernels.torch_ops.cpu_linear, whose numbers for a row do not depend on the
     # call's other rows (the serving engine's decode steps with exact rows)
     exact_rows: bool = False
+    # rows from here on are padding whose outputs nobody reads (the CPU engine's decode steps; None: none are)
+    live_rows: int | None = None
     block_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     decisions: dict[int, list[tuple[Any, BlockDecision]]] = field(default_factory=dict)
     _static_k: tuple[torch.Tensor, torch.Tensor] | None = None

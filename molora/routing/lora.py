@@ -220,8 +220,8 @@ class ProjectionGroup:
             # the CPU: one GEMM for the members' base outputs, then the deltas of the slots present only
             meta = routing.meta(block)
             exact = routing.exact_rows
-            ys = routed_linear_torch_slots(x2, self.weight, self.slot_form(), meta.mixing_t(x2.dtype),
-                                           meta.present_slots(), widths, exact,
+            ys = routed_linear_torch_slots(x2, self.weight, self.slot_form(),
+                                           meta.slot_columns(x2.dtype, routing.live_rows), widths, exact,
                                            self.exact_rows_weight() if exact else None)
             return _with_bias(members, ys, lead)
         elif not torch.is_grad_enabled() and fuses_base(x2, A.shape[1], A.shape[2], A.shape[0]) and \

@@ -795,7 +795,8 @@ class Engine:
                                                            member=table.member[:width],
                                                            expert_slots=table.expert_slots)]
             plan = self.routed.make_routing(width, 1, slots, self.routed.cache.num_slots, learned=groups,
-                                            k=max((g.top_k for g in groups), default=1), exact_rows=self._exact_cpu)
+                                            k=max((g.top_k for g in groups), default=1), exact_rows=self._exact_cpu,
+                                            live_rows=live if self._exact_cpu else None)
         rows = self.all_rows[:width]
         self._hold_pictures(plan)
         self._hold_states(plan, rows, positions)

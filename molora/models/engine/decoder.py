@@ -141,6 +141,9 @@ class LeanDecoder:
         if T == 1 and self.split_attention and getattr(cache, "causal_rows", False) and x.is_cuda and \
                 decode_attention_runs_on(x):
             lengths = position_ids[:, 0] + 1
+        padded = lengths is None and live < n  # a decode step's padding rows: zeros, not attention over their KV rows
+        if padded:  # (made once a forward: the padding rows of `o` stay zero in every block)
+            o_padded, live_mask = x.new_zeros(n, Hkv, G * T, D), mask[:live]
         eps = self.eps
         first = self.blocks[0].input_layernorm
         h = self.norm(x, first.weight, first.variance_epsilon)
@@ -158,9 +161,9 @@ class LeanDecoder:
             q = q.view(n, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(n, Hkv, G * T, D)
             if lengths is not None:
                 o = decode_attention(q, keys, values, lengths, self.scaling)
-            elif live < n:  # padding rows of a decode step: zeros, not attention over their KV rows
-                o = q.new_zeros(q.shape)
-                o[:live] = F.scaled_dot_product_attention(q[:live], keys[:live], values[:live], attn_mask=mask[:live],
+            elif padded:
+                o = o_padded
+                o[:live] = F.scaled_dot_product_attention(q[:live], keys[:live], values[:live], attn_mask=live_mask,
                                                           scale=self.scaling)
             else:
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
@@ -176,7 +179,10 @@ class LeanDecoder:
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: in float32, cast back to x's dtype, then the weight."""
+    """transformers' RMSNorm: in float32, cast back to x's dtype, then the weight (float32: one op, the weight
+    inside F.rms_norm, the same numbers; the CPU's eager step pays per op)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 

@@ -37,6 +37,7 @@ class RowKVCache(Cache):
         self.max_rows, self.max_len = max_rows, max_len
         self._rows: torch.Tensor | None = None  # [n] long: the cache row of each batch row
         self._positions: torch.Tensor | None = None  # [n, T] long: where each new token is written
+        self._index: tuple[Any, ...] = ()  # store's index of those places, made once a forward
         self._leading = 0  # > 0: the call covers rows [0, leading) in order, so reads need no gather
         self._length = max_len  # columns attention reads (every written position of the call's rows is below)
         self.live_rows: int | None = None  # a decode call's rows from here on are padding (None: none are)
@@ -87,6 +88,7 @@ class RowKVCache(Cache):
         `causal` promises the mask is exactly "column <= the row's position" (a decode step), so attention may read
         each row's columns up to its position and skip the mask (`causal_rows`)."""
         self._rows, self._positions, self._leading = rows, positions, leading
+        self._index = (rows[:, None], slice(None), positions)  # store's: advanced dims first, [n, T, H, D]
         self._length = length or self.max_len
         self.live_rows = live
         self.causal_rows = causal
@@ -103,9 +105,8 @@ class RowKVCache(Cache):
         if self._rows is None:
             raise RuntimeError("RowKVCache.address(rows, positions) must be called before each forward")
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        index = (self._rows[:, None], slice(None), self._positions)  # advanced dims first: [n, T, H, D]
-        keys[index] = keys_nthd.to(keys.dtype)
-        values[index] = values_nthd.to(values.dtype)
+        keys[self._index] = keys_nthd if keys_nthd.dtype == keys.dtype else keys_nthd.to(keys.dtype)
+        values[self._index] = values_nthd if values_nthd.dtype == values.dtype else values_nthd.to(values.dtype)
         if self._leading:
             return keys[:self._leading, :, :self._length], values[:self._leading, :, :self._length]
         return keys[self._rows, :, :self._length], values[self._rows, :, :self._length]
