@@ -806,6 +806,39 @@ def test_cpu_linear_gives_a_row_the_same_numbers_whatever_rows_share_its_call(fo
         assert torch.equal(cpu_linear(x[shuffled], weight, packed), widest[shuffled])
 
 
+def test_the_cpu_per_slot_form_weights_a_slot_only_where_a_live_row_needs_it():
+    """RoutingMeta.slot_columns: a slot every live row gives weight 1 needs no weighting (None); rows past `live`
+    are padding and do not count. The live rows' outputs are the same numbers either way."""
+    from molora.kernels.metadata import RoutingMeta
+    from molora.kernels.torch_ops import routed_linear_torch_slots
+
+    g = torch.Generator().manual_seed(1)
+    meta = RoutingMeta(torch.tensor([2, 2, -1, 0]), 3)
+    every = meta.slot_columns(torch.float32)
+    assert [s for s, _ in every] == [0, 2] and all(column is not None for _, column in every)
+    assert torch.equal(dict(every)[2].view(-1), torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    live2 = meta.slot_columns(torch.float32, 2)
+    assert [s for s, _ in live2] == [0, 2] and dict(live2)[2] is None and dict(live2)[0] is not None
+    assert meta.slot_columns(torch.float32, 2) is live2  # made once a forward
+    # learned weights (not 1) are always applied
+    learned = RoutingMeta(torch.tensor([[1, 2], [1, 2]]), 3, torch.tensor([[0.75, 0.25], [0.75, 0.25]]))
+    assert all(column is not None for _, column in learned.slot_columns(torch.float32, 2))
+
+    d_in, r, widths = 8, 3, (6, 4)
+    weight = torch.randn(sum(widths), d_in, generator=g)
+    slot_form = [(torch.randn(d_in, 2 * r, generator=g), *(torch.randn(r, w, generator=g) for w in widths))
+                 for _ in range(3)]
+    x = torch.randn(4, d_in, generator=g)
+    weighted = routed_linear_torch_slots(x, weight, slot_form, every, widths)
+    skipped = routed_linear_torch_slots(x, weight, slot_form, live2, widths)
+    for y, z in zip(weighted, skipped):
+        assert torch.equal(y[:2], z[:2])
+    shrink, *b_t = slot_form[2]  # row 0 against the reference: base + its one slot's delta
+    h = x[:1] @ shrink
+    want = torch.cat([x[:1] @ weight[:6].t() + h[:, :r] @ b_t[0], x[:1] @ weight[6:].t() + h[:, r:] @ b_t[1]], 1)
+    torch.testing.assert_close(torch.cat([y[:1] for y in skipped], 1), want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_cpu_slot_form_follows_the_hot_set_writing_a_slot():
     """ProjectionGroup.slot_form (the CPU's per-slot shrink with the scales folded in) is a copy: a slot written
     in place (an adapter loaded, a slot cleared, a scale changed) makes it again, in and outside inference mode."""
