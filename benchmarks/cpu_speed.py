@@ -12,9 +12,10 @@ Rows, interleaved round by round so a busy or slow machine moves them together (
 
     python benchmarks/cpu_speed.py [--threads 1] [--runs 5]      (one thread: the app's default)
 
---unpacked-too adds the lean decoder with its exact-row GEMMs in MKL's form instead of on oneDNN-packed weights
-(kernels/torch_ops.py pack_exact_rows; the engine packs them at setup); --together N also times N requests at once
-for both forms (guided pictures: 2N rows).
+--unpacked-too adds the lean decoder with its exact-row GEMMs in the other forms: oneDNN's float32 GEMM on packed
+weights (when the engine packed bfloat16 copies for our kernel, kernels/cpu_bf16.py) and MKL's chunked form on the
+weights as they are (kernels/torch_ops.py pack_exact_rows: the engine packs at setup); --together N also times N
+requests at once for each form (unguided pictures: N rows).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's molora, as `python benchmarks/x.py`
 
+from molora.kernels.torch_ops import pack_exact_rows  # noqa: E402
 from molora.models import InterleavedPipeline  # noqa: E402
 from molora.models.engine.runtime import configure_cpu_threads  # noqa: E402
 
@@ -58,10 +60,11 @@ def together_run(pipe: InterleavedPipeline, seeds: list[int], new_tokens: int) -
     return time.perf_counter() - start
 
 
-def set_packing(groups: list, packed: list, on: bool) -> None:
-    """The routed groups' packed weights as the engine made them (on) or none (off: MKL's chunked form)."""
-    for group, (weight, source) in zip(groups, packed):
-        group.packed, group._packed_from = (weight, source) if on else (None, None)
+def set_packing(groups: list, forms: list) -> None:
+    """The routed groups' exact-row GEMM forms: (packed weight, source) each, as ProjectionGroup keeps them
+    ((None, None): MKL's chunked form)."""
+    for group, (weight, source) in zip(groups, forms):
+        group.packed, group._packed_from = weight, source
 
 
 def transformers_run(lm, bos: int, new_tokens: int) -> float:
@@ -79,9 +82,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--unpacked-too", action="store_true",
-                        help="also the lean decoder with MKL's exact-row GEMMs (no oneDNN-packed weights)")
+                        help="also the lean decoder with its exact-row GEMMs in the other forms (oneDNN float32, MKL)")
     parser.add_argument("--together", type=int, default=0, metavar="N",
-                        help="with --unpacked-too: also N requests at once, for both GEMM forms")
+                        help="with --unpacked-too: also N requests at once, for each GEMM form")
     args = parser.parse_args()
     configure_cpu_threads(args.threads)
     pipe = InterleavedPipeline.from_pretrained(device="cpu")
@@ -97,22 +100,28 @@ def main() -> None:
         return run
 
     groups = pipe.routed.projection_groups()
-    packed = [(group.packed, group._packed_from) for group in groups]
+    packed = [(group.packed, group._packed_from) for group in groups]  # as the engine made them
+    forms = {"packed": packed,
+             "oneDNN float32": [(pack_exact_rows(group.weight, bf16=False), source) for group, (_, source)
+                                in zip(groups, packed)],
+             "MKL": [(None, None)] * len(groups)}
 
-    def gemms(on: bool, run):
+    def gemms(form: str, run):
         def timed(seed: int) -> tuple[float, int, int]:
-            set_packing(groups, packed, on)
+            set_packing(groups, forms[form])
             try:
                 return run(seed)
             finally:
-                set_packing(groups, packed, True)
+                set_packing(groups, packed)
         return timed
 
     rows = {"engine (lean decoder)": with_forward(lean), "engine (transformers forward)": with_forward(None),
             "transformers generate, eager (no adapters)": lambda seed: (transformers_run(lm, pipe.vocab.bos_id,
                                                                                        new_tokens), 0, 0)}
     if args.unpacked_too:
-        rows["engine (lean decoder, MKL's GEMMs, unpacked)"] = gemms(False, with_forward(lean))
+        if any(weight is not None and weight.dtype == torch.bfloat16 for weight, _ in packed):
+            rows["engine (lean decoder, oneDNN's float32 GEMMs)"] = gemms("oneDNN float32", with_forward(lean))
+        rows["engine (lean decoder, MKL's GEMMs, unpacked)"] = gemms("MKL", with_forward(lean))
         if args.together:
             n = args.together
 
@@ -120,9 +129,12 @@ def main() -> None:
                 engine.decoder = lean
                 return together_run(pipe, [1000 * (seed + 1) + i for i in range(n)], new_tokens), 0, 0
 
-            for on, label in ((True, "packed"), (False, "MKL's GEMMs, unpacked")):
-                rows[f"engine (lean decoder, {label}), {n} requests at once"] = gemms(on, at_once)
-    print(f"oneDNN-packed exact-row GEMMs: {sum(w is not None for w, _ in packed)} of {len(groups)} routed groups")
+            for form, label in (("packed", "as packed"), ("oneDNN float32", "oneDNN's float32 GEMMs"),
+                                ("MKL", "MKL's GEMMs, unpacked")):
+                rows[f"engine (lean decoder, {label}), {n} requests at once"] = gemms(form, at_once)
+    bf16 = sum(w is not None and w.dtype == torch.bfloat16 for w, _ in packed)
+    print(f"exact-row GEMMs: {bf16} of {len(groups)} routed groups on bfloat16 copies (kernels/cpu_bf16.py), "
+          f"{sum(w is not None for w, _ in packed) - bf16} oneDNN-packed")
     for run in rows.values():  # warm-up
         run(1000)
     times: dict[str, list[float]] = {name: [] for name in rows}
@@ -133,7 +145,7 @@ def main() -> None:
             times[name].append(seconds)
             shapes[name] = (images, words)
     engine.decoder = lean
-    set_packing(groups, packed, True)
+    set_packing(groups, packed)
     print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; {new_tokens} new tokens per run, {args.runs} interleaved rounds")
     print("| row | median s | runs (s) |\n|---|---|---|")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from molora.kernels.cpu_bf16 import bf16_weight, gemm_bf16w
 from molora.kernels.metadata import RoutingMeta, build_routing_meta_torch, selection_matrix
 
 
@@ -220,38 +221,51 @@ CPU_GEMM_BLOCK = 4
 # 3.41 (6.86 as two chunks above); inside a decode step, where the weights come from memory, 2.65 against 2.96 at
 # 4 rows. A row's numbers did not depend on the other rows at any width from 1 to 40 there; pack_exact_rows checks
 # that on each weight before it is used (another CPU or oneDNN build may block rows otherwise: then the MKL form).
+# Fastest where the weights' values are bfloat16 (the embedded model's): our kernel on a bfloat16 copy, half the
+# bytes (kernels/cpu_bf16.py): the 24 routed GEMMs of a step, each weight read once, 0.97 ms against 1.72 packed.
 PACK_CHECK_WIDTHS = (1, 2, 3, 4, 5, 7, 8, 12, 16, 17, 32, 64)
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    if packed.dtype == torch.bfloat16:  # bf16_weight's copy
+        return gemm_bf16w(x, packed)
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def pack_exact_rows(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [O, in] (float32, CPU) packed for oneDNN's linear, if oneDNN gives a row the same numbers whatever rows
-    share its call here (checked on random rows: every width in PACK_CHECK_WIDTHS, at two offsets, against each row
-    alone) and the right ones (close to F.linear); else None. The packed tensor is a copy: the caller packs again
-    when the weight changes."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or \
-            not torch.backends.mkldnn.is_available():
+def _rows_exact(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Does `packed` give a row the same numbers whatever rows share its call (random rows: every width in
+    PACK_CHECK_WIDTHS, at two offsets, against each row alone), and the right ones (close to F.linear)?"""
+    x = torch.randn(PACK_CHECK_WIDTHS[-1] + 1, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    alone = torch.cat([_packed_linear(row, packed) for row in x.split(1)])
+    exact = all(torch.equal(_packed_linear(x[at:at + n], packed), alone[at:at + n])
+                for n in PACK_CHECK_WIDTHS for at in (0, 1))
+    return exact and torch.allclose(alone, torch.nn.functional.linear(x, weight), rtol=1e-4, atol=1e-4)
+
+
+def pack_exact_rows(weight: torch.Tensor, bf16: bool = True) -> torch.Tensor | None:
+    """weight [O, in] (float32, CPU) in a form cpu_linear computes faster with, if that form gives a row the same
+    numbers whatever rows share its call here, and the right ones (_rows_exact): a bfloat16 copy for our kernel where
+    the weight's values are bfloat16 and it serves here (kernels/cpu_bf16.py; `bf16=False`: not tried), else
+    oneDNN's packed layout; else None. Either is a copy: the caller packs again when the weight changes."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     weight = weight.detach()
-    x = torch.randn(PACK_CHECK_WIDTHS[-1] + 1, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    copy = bf16_weight(weight) if bf16 else None
+    if copy is not None and _rows_exact(weight, copy):
+        return copy
+    if not torch.backends.mkldnn.is_available():
+        return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        alone = torch.cat([_packed_linear(row, packed) for row in x.split(1)])
-        exact = all(torch.equal(_packed_linear(x[at:at + n], packed), alone[at:at + n])
-                    for n in PACK_CHECK_WIDTHS for at in (0, 1))
+        return packed if _rows_exact(weight, packed) else None
     except RuntimeError:  # no oneDNN kernel for this build or machine
         return None
-    right = torch.allclose(alone, torch.nn.functional.linear(x, weight), rtol=1e-4, atol=1e-4)
-    return packed if exact and right else None
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, in] @ weight [O, in]^T as a contiguous [N, O] whose rows do not depend on the other rows of x (float32
-    on the CPU: through `packed` = pack_exact_rows(weight) when given, else weight @ x^T per chunk of CPU_GEMM_CHUNK
-    rows, see above; elsewhere F.linear)."""
+    on the CPU: through `packed` = pack_exact_rows(weight) when given (our bfloat16 kernel or oneDNN's), else
+    weight @ x^T per chunk of CPU_GEMM_CHUNK rows, see above; elsewhere F.linear)."""
     n = x.shape[0]
     if packed is not None and n:
         return _packed_linear(x, packed)

@@ -76,8 +76,9 @@ CUDA_MAX_ROWS = 64
 # with the base GEMMs on oneDNN-packed weights, exact at every width, width 2 is no faster: one picture + ~60 words
 # 3.08 s at width 2 against 2.91 s at width 4, and the LoRA matmuls are not exact below 4 rows.)
 CPU_MIN_WIDTH = 4
-# The CPU's exact-row decode GEMMs run on oneDNN-packed copies of the routed base weights where oneDNN is exact (kernels/
-# torch_ops.py pack_exact_rows), up to this many bytes of copies (the embedded model's: 26 MB)
+# The CPU's exact-row decode GEMMs run on copies of the routed base weights made once (kernels/torch_ops.py
+# pack_exact_rows: bfloat16 copies for our kernel where the values are bfloat16, else oneDNN-packed where oneDNN is
+# exact), up to this many bytes of copies counted at float32 size (the embedded model's: 26 MB)
 CPU_PACKED_MAX_BYTES = 256 * 2 ** 20
 # Eager steps read only the KV columns the batch has written, rounded up to this many (shapes stay few; the masked
 # columns beyond a row's own length add exact zeros, so a row's result does not depend on its neighbours' lengths).
@@ -494,8 +495,11 @@ class Engine:
                 log.info("engine: transformers' forward for this model (%s)", reason)
         if self._exact_cpu:
             packed, groups, spent = self.routed.pack_exact_rows(CPU_PACKED_MAX_BYTES)
-            log.info("engine: %d of %d routed GEMMs on oneDNN-packed weights (%.1f MiB of copies), the others MKL's",
-                     packed, groups, spent / 2 ** 20)
+            bf16 = sum(group.packed is not None and group.packed.dtype == torch.bfloat16
+                       for group in self.routed.projection_groups())
+            log.info("engine: %d of %d routed GEMMs on packed copies of their weights (%.1f MiB at float32 size): "
+                     "%d bfloat16 copies for our kernel (kernels/cpu_bf16.py), %d oneDNN-packed; the others MKL's",
+                     packed, groups, spent / 2 ** 20, bf16, packed - bf16)
         # learned image gates decide once per picture: each row's decision per block, kept across decode steps
         self._pictures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # top-k -> (slots, weights) [rows+1, blocks, k]
         self._route_states: dict[tuple, torch.Tensor] = {}  # (image gates?, decays, d) -> routing state [rows+1, S, d]

@@ -1,0 +1,94 @@
+"""The CPU engine's exact-row decode GEMM on a bfloat16 copy of the weights (gemm_bf16w.c, beside this file).
+
+A decode step of the embedded model on a 2-core CPU is bound by reading its float32 weights (benchmarks/RESULTS.md,
+C1). Its checkpoint is bfloat16, so every weight value is a bfloat16 value: a bfloat16 copy holds the same numbers
+in half the bytes, and the kernel widens them in registers and computes in float32. torch has no GEMM of float32
+activations against bfloat16 weights on the CPU (oneDNN refuses the mix; F.linear wants one dtype), so the kernel is
+ours: ~40 lines of C with AVX-512 intrinsics, compiled at first use by the machine's C compiler
+(`cc -O3 -march=native`, ~0.3 s) into a temporary directory and called through ctypes (which releases the GIL).
+
+Where it cannot serve (no compiler, no AVX-512, a failed build or check, a weight whose values are not all bfloat16,
+an inner size not a multiple of 16, more than one torch thread: oneDNN's GEMM uses them all), `bf16_weight` returns
+None and the caller keeps oneDNN's float32 GEMM; a failed build logs one line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("gemm_bf16w.c")
+# the inner size the kernel steps through (16 float32 lanes)
+LANES = 16
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernel, built once per process (a build in a shared cache could meet another CPU: -march=native);
+    None where it cannot be built here."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not SOURCE.is_file():
+        log.info("cpu bfloat16 GEMM: no C compiler here; the engine keeps oneDNN's float32 GEMM")
+        return None
+    folder = tempfile.mkdtemp(prefix="molora-gemm-")
+    target = os.path.join(folder, "gemm_bf16w.so")
+    try:
+        subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", target, str(SOURCE)],
+                       check=True, capture_output=True, timeout=60)
+        library = ctypes.CDLL(target)
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", b"") or b""
+        first = detail.decode(errors="replace").strip().splitlines()[:1] or [str(err)]
+        log.info("cpu bfloat16 GEMM: building %s failed (%s); the engine keeps oneDNN's float32 GEMM",
+                 SOURCE.name, first[0][:200])
+        return None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # the loaded library stays mapped
+    function = library.molora_gemm_bf16w
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                         ctypes.c_long]
+    function.restype = None
+    return library
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def bf16_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 copy of weight [O, in] (float32, CPU) for gemm_bf16w, when it holds the same values and the kernel
+    serves here (see the module doc); else None."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or \
+            weight.shape[1] % LANES or torch.get_num_threads() != 1 or not available():
+        return None
+    copy = weight.detach().to(torch.bfloat16).contiguous()
+    return copy if torch.equal(copy.float(), weight.detach()) else None
+
+
+def gemm_bf16w(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [N, in] (float32, CPU) @ weight [O, in]^T, weight as bf16_weight made it: [N, O] float32, each row's
+    numbers the same whatever rows share the call."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the bfloat16 GEMM kernel is not built on this machine (kernels/cpu_bf16.py)")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or weight.dtype != torch.bfloat16 or \
+            weight.dim() != 2 or not weight.is_contiguous() or x.shape[1] != weight.shape[1] or \
+            weight.shape[1] % LANES:
+        raise ValueError(f"gemm_bf16w takes float32 x [N, in] and a contiguous bfloat16 weight [O, in] with in a "
+                         f"multiple of {LANES}; got x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    library.molora_gemm_bf16w(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0],
+                              x.shape[1])
+    return y

@@ -1,0 +1,88 @@
+"""The CPU's bfloat16-weight GEMM (kernels/cpu_bf16.py, gemm_bf16w.c): against float32 F.linear on random inputs,
+row-exact, used only where it holds the same weights, and a machine where it cannot be built keeps oneDNN's GEMM."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from molora.kernels import cpu_bf16
+from molora.kernels.torch_ops import cpu_linear, pack_exact_rows
+
+needs_kernel = pytest.mark.skipif(not cpu_bf16.available(), reason="no C compiler with AVX-512 here")
+
+
+def _bf16_valued(*shape: int, seed: int = 0) -> torch.Tensor:
+    """A float32 weight whose values are bfloat16 values (as the embedded model's checkpoint gives)."""
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.05).bfloat16().float()
+
+
+@needs_kernel
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("d_out, d_in", [(768, 256), (256, 1024), (2048, 256), (5, 32), (1080, 256)])
+def test_the_kernel_matches_float32_linear_and_a_row_never_depends_on_its_neighbours(d_out, d_in):
+    weight = _bf16_valued(d_out, d_in)
+    copy = cpu_bf16.bf16_weight(weight)
+    assert copy is not None and copy.dtype == torch.bfloat16 and torch.equal(copy.float(), weight)
+    x = torch.randn(19, d_in, generator=torch.Generator().manual_seed(1)) * 3
+    every = cpu_bf16.gemm_bf16w(x, copy)
+    torch.testing.assert_close(every, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+    for rows in (1, 2, 3, 4, 5, 7, 8, 13):
+        for at in (0, 1, 6):
+            assert torch.equal(cpu_bf16.gemm_bf16w(x[at:at + rows], copy), every[at:at + rows])
+    shuffled = torch.randperm(19, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(cpu_bf16.gemm_bf16w(x[shuffled], copy), every[shuffled])
+    assert torch.equal(cpu_bf16.gemm_bf16w(x[:, :][::2], copy), every[::2])  # a strided x is made contiguous
+
+
+@needs_kernel
+@pytest.mark.usefixtures("one_torch_thread")
+def test_the_engine_form_is_the_bfloat16_copy_only_where_it_holds_the_same_weights():
+    weight = _bf16_valued(64, 256)
+    packed = pack_exact_rows(weight)
+    assert packed is not None and packed.dtype == torch.bfloat16
+    x = torch.randn(6, 256)
+    assert torch.equal(cpu_linear(x, weight, packed), cpu_bf16.gemm_bf16w(x, packed))
+    assert pack_exact_rows(weight, bf16=False) is None or pack_exact_rows(weight, bf16=False).dtype != torch.bfloat16
+    # a float32 weight that is not bfloat16-valued, or an inner size the kernel does not step through: not copied
+    assert cpu_bf16.bf16_weight(weight + 1e-4) is None
+    assert cpu_bf16.bf16_weight(_bf16_valued(64, 40)) is None
+    assert cpu_bf16.bf16_weight(weight.double()) is None
+
+
+@needs_kernel
+def test_with_more_torch_threads_the_engine_keeps_onednn(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # oneDNN's GEMM would use them all
+    assert cpu_bf16.bf16_weight(_bf16_valued(64, 256)) is None
+
+
+@needs_kernel
+def test_bad_arguments_are_refused_before_the_kernel_runs():
+    copy = cpu_bf16.bf16_weight(_bf16_valued(32, 64))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_bf16.gemm_bf16w(torch.randn(2, 48), copy)
+    with pytest.raises(ValueError, match="float32 x"):
+        cpu_bf16.gemm_bf16w(torch.randn(2, 64).double(), copy)
+    with pytest.raises(ValueError, match="bfloat16 weight"):
+        cpu_bf16.gemm_bf16w(torch.randn(2, 64), copy.float())
+
+
+def test_a_machine_where_the_kernel_cannot_be_built_keeps_onednn_with_one_log_line(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    cpu_bf16._library.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="molora.kernels.cpu_bf16"):
+            assert not cpu_bf16.available()
+            assert not cpu_bf16.available()  # tried once a process
+            weight = _bf16_valued(64, 256)
+            assert cpu_bf16.bf16_weight(weight) is None
+            packed = pack_exact_rows(weight)
+            assert packed is None or packed.dtype != torch.bfloat16  # oneDNN's form, or MKL's
+        lines = [r for r in caplog.records if "bfloat16 GEMM" in r.getMessage()]
+        assert len(lines) == 1 and "failed" in lines[0].getMessage()
+        with pytest.raises(RuntimeError, match="not built"):
+            cpu_bf16.gemm_bf16w(torch.randn(2, 256), weight.bfloat16())
+    finally:
+        cpu_bf16._library.cache_clear()
