@@ -21,14 +21,15 @@ def _bf16_valued(*shape: int, seed: int = 0) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("d_out, d_in", [(768, 256), (256, 1024), (2048, 256), (5, 32), (1080, 256)])
+@pytest.mark.parametrize("d_out, d_in", [(768, 256), (256, 1024), (2048, 256), (48, 7), (1088, 256)])
 def test_the_kernel_matches_float32_linear_and_a_row_never_depends_on_its_neighbours(d_out, d_in):
     weight = _bf16_valued(d_out, d_in)
     copy = cpu_bf16.bf16_weight(weight)
-    assert copy is not None and copy.dtype == torch.bfloat16 and torch.equal(copy.float(), weight)
+    assert copy is not None and copy.dtype == torch.bfloat16
+    assert torch.equal(copy.transpose(1, 2).reshape(d_out, d_in).float(), weight)  # blocks of 16 outputs
     x = torch.randn(19, d_in, generator=torch.Generator().manual_seed(1)) * 3
     every = cpu_bf16.gemm_bf16w(x, copy)
-    torch.testing.assert_close(every, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(every, torch.nn.functional.linear(x, weight), rtol=1e-4, atol=1e-4)
     for rows in (1, 2, 3, 4, 5, 7, 8, 13):
         for at in (0, 1, 6):
             assert torch.equal(cpu_bf16.gemm_bf16w(x[at:at + rows], copy), every[at:at + rows])
@@ -46,9 +47,9 @@ def test_the_engine_form_is_the_bfloat16_copy_only_where_it_holds_the_same_weigh
     x = torch.randn(6, 256)
     assert torch.equal(cpu_linear(x, weight, packed), cpu_bf16.gemm_bf16w(x, packed))
     assert pack_exact_rows(weight, bf16=False) is None or pack_exact_rows(weight, bf16=False).dtype != torch.bfloat16
-    # a float32 weight that is not bfloat16-valued, or an inner size the kernel does not step through: not copied
+    # a float32 weight that is not bfloat16-valued, or outputs not in blocks of 16: not copied
     assert cpu_bf16.bf16_weight(weight + 1e-4) is None
-    assert cpu_bf16.bf16_weight(_bf16_valued(64, 40)) is None
+    assert cpu_bf16.bf16_weight(_bf16_valued(40, 256)) is None
     assert cpu_bf16.bf16_weight(weight.double()) is None
 
 
@@ -61,12 +62,14 @@ def test_with_more_torch_threads_the_engine_keeps_onednn(monkeypatch):
 @needs_kernel
 def test_bad_arguments_are_refused_before_the_kernel_runs():
     copy = cpu_bf16.bf16_weight(_bf16_valued(32, 64))
-    with pytest.raises(ValueError, match="multiple of 16"):
+    with pytest.raises(ValueError, match="bf16_weight makes it"):
         cpu_bf16.gemm_bf16w(torch.randn(2, 48), copy)
     with pytest.raises(ValueError, match="float32 x"):
         cpu_bf16.gemm_bf16w(torch.randn(2, 64).double(), copy)
     with pytest.raises(ValueError, match="bfloat16 weight"):
         cpu_bf16.gemm_bf16w(torch.randn(2, 64), copy.float())
+    with pytest.raises(ValueError, match="bfloat16 weight"):
+        cpu_bf16.gemm_bf16w(torch.randn(2, 64), _bf16_valued(32, 64).bfloat16())  # not the blocked layout
 
 
 def test_a_machine_where_the_kernel_cannot_be_built_keeps_onednn_with_one_log_line(monkeypatch, caplog):
@@ -83,6 +86,6 @@ def test_a_machine_where_the_kernel_cannot_be_built_keeps_onednn_with_one_log_li
         lines = [r for r in caplog.records if "bfloat16 GEMM" in r.getMessage()]
         assert len(lines) == 1 and "failed" in lines[0].getMessage()
         with pytest.raises(RuntimeError, match="not built"):
-            cpu_bf16.gemm_bf16w(torch.randn(2, 256), weight.bfloat16())
+            cpu_bf16.gemm_bf16w(torch.randn(2, 256), weight.bfloat16().view(4, 16, 256).transpose(1, 2).contiguous())
     finally:
         cpu_bf16._library.cache_clear()

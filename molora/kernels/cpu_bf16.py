@@ -8,7 +8,7 @@ ours: ~40 lines of C with AVX-512 intrinsics, compiled at first use by the machi
 (`cc -O3 -march=native`, ~0.3 s) into a temporary directory and called through ctypes (which releases the GIL).
 
 Where it cannot serve (no compiler, no AVX-512, a failed build or check, a weight whose values are not all bfloat16,
-an inner size not a multiple of 16, more than one torch thread: oneDNN's GEMM uses them all), `bf16_weight` returns
+an output size not a multiple of 16, more than one torch thread: oneDNN's GEMM uses them all), `bf16_weight` returns
 None and the caller keeps oneDNN's float32 GEMM; a failed build logs one line.
 """
 
@@ -28,7 +28,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemm_bf16w.c")
-# the inner size the kernel steps through (16 float32 lanes)
+# outputs per block of the copy's layout (one 16-lane float32 vector)
 LANES = 16
 
 
@@ -66,29 +66,32 @@ def available() -> bool:
 
 
 def bf16_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A bfloat16 copy of weight [O, in] (float32, CPU) for gemm_bf16w, when it holds the same values and the kernel
-    serves here (see the module doc); else None."""
+    """A bfloat16 copy of weight [O, in] (float32, CPU) for gemm_bf16w, in blocks of LANES outputs [O / LANES, in,
+    LANES], when it holds the same values and the kernel serves here (see the module doc); else None."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or \
-            weight.shape[1] % LANES or torch.get_num_threads() != 1 or not available():
+            weight.shape[0] % LANES or torch.get_num_threads() != 1 or not available():
         return None
-    copy = weight.detach().to(torch.bfloat16).contiguous()
-    return copy if torch.equal(copy.float(), weight.detach()) else None
+    weight = weight.detach()
+    copy = weight.to(torch.bfloat16)
+    if not torch.equal(copy.float(), weight):
+        return None
+    return copy.view(-1, LANES, weight.shape[1]).transpose(1, 2).contiguous()
 
 
 def gemm_bf16w(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [N, in] (float32, CPU) @ weight [O, in]^T, weight as bf16_weight made it: [N, O] float32, each row's
-    numbers the same whatever rows share the call."""
+    """x [N, in] (float32, CPU) @ W [O, in]^T for weight = bf16_weight(W): [N, O] float32, each row's numbers the
+    same whatever rows share the call."""
     library = _library()
     if library is None:
         raise RuntimeError("the bfloat16 GEMM kernel is not built on this machine (kernels/cpu_bf16.py)")
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or weight.dtype != torch.bfloat16 or \
-            weight.dim() != 2 or not weight.is_contiguous() or x.shape[1] != weight.shape[1] or \
-            weight.shape[1] % LANES:
-        raise ValueError(f"gemm_bf16w takes float32 x [N, in] and a contiguous bfloat16 weight [O, in] with in a "
-                         f"multiple of {LANES}; got x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} "
+            weight.dim() != 3 or weight.shape[2] != LANES or not weight.is_contiguous() or \
+            x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemm_bf16w takes float32 x [N, in] and a bfloat16 weight as bf16_weight makes it "
+                         f"[O / {LANES}, in, {LANES}]; got x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} "
                          f"{tuple(weight.shape)}")
     x = x.contiguous()
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    library.molora_gemm_bf16w(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0],
-                              x.shape[1])
+    out_features = weight.shape[0] * LANES
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    library.molora_gemm_bf16w(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], out_features, x.shape[1])
     return y
