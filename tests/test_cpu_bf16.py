@@ -72,8 +72,13 @@ def test_bad_arguments_are_refused_before_the_kernel_runs():
         cpu_bf16.gemm_bf16w(torch.randn(2, 64), _bf16_valued(32, 64).bfloat16())  # not the blocked layout
 
 
-def test_a_machine_where_the_kernel_cannot_be_built_keeps_onednn_with_one_log_line(monkeypatch, caplog):
-    monkeypatch.setenv("CC", "/nonexistent/cc")
+@pytest.mark.parametrize("machine", ["a compiler that fails", "no compiler"])
+def test_a_machine_where_the_kernel_cannot_be_built_keeps_onednn_with_one_log_line(machine, monkeypatch, caplog):
+    if machine == "no compiler":
+        monkeypatch.delenv("CC", raising=False)
+        monkeypatch.setattr(cpu_bf16.shutil, "which", lambda name: None)
+    else:
+        monkeypatch.setenv("CC", "/nonexistent/cc")
     cpu_bf16._library.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger="molora.kernels.cpu_bf16"):
@@ -84,7 +89,8 @@ def test_a_machine_where_the_kernel_cannot_be_built_keeps_onednn_with_one_log_li
             packed = pack_exact_rows(weight)
             assert packed is None or packed.dtype != torch.bfloat16  # oneDNN's form, or MKL's
         lines = [r for r in caplog.records if "bfloat16 GEMM" in r.getMessage()]
-        assert len(lines) == 1 and "failed" in lines[0].getMessage()
+        assert len(lines) == 1
+        assert ("no C compiler" if machine == "no compiler" else "failed") in lines[0].getMessage()
         with pytest.raises(RuntimeError, match="not built"):
             cpu_bf16.gemm_bf16w(torch.randn(2, 256), weight.bfloat16().view(4, 16, 256).transpose(1, 2).contiguous())
     finally:

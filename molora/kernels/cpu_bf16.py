@@ -38,11 +38,13 @@ def _library() -> ctypes.CDLL | None:
     None where it cannot be built here."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None or not SOURCE.is_file():
-        log.info("cpu bfloat16 GEMM: no C compiler here; the engine keeps oneDNN's float32 GEMM")
+        log.info("cpu bfloat16 GEMM: %s; the engine keeps oneDNN's float32 GEMM",
+                 "no C compiler here" if compiler is None else f"{SOURCE} is missing")
         return None
-    folder = tempfile.mkdtemp(prefix="molora-gemm-")
-    target = os.path.join(folder, "gemm_bf16w.so")
+    folder = None
     try:
+        folder = tempfile.mkdtemp(prefix="molora-gemm-")
+        target = os.path.join(folder, "gemm_bf16w.so")
         subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", target, str(SOURCE)],
                        check=True, capture_output=True, timeout=60)
         library = ctypes.CDLL(target)
@@ -53,7 +55,8 @@ def _library() -> ctypes.CDLL | None:
                  SOURCE.name, first[0][:200])
         return None
     finally:
-        shutil.rmtree(folder, ignore_errors=True)  # the loaded library stays mapped
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)  # the loaded library stays mapped
     function = library.molora_gemm_bf16w
     function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                          ctypes.c_long]
