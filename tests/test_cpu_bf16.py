@@ -70,6 +70,13 @@ def test_bad_arguments_are_refused_before_the_kernel_runs():
         cpu_bf16.gemm_bf16w(torch.randn(2, 64), copy.float())
     with pytest.raises(ValueError, match="bfloat16 weight"):
         cpu_bf16.gemm_bf16w(torch.randn(2, 64), _bf16_valued(32, 64).bfloat16())  # not the blocked layout
+    with pytest.raises(ValueError, match="on the CPU"):  # a pointer the kernel must never read
+        cpu_bf16.gemm_bf16w(torch.randn(2, 64), copy.to("meta"))
+    with torch.device("meta"):  # the output is made on x's device, not torch's default one
+        y = cpu_bf16.gemm_bf16w(torch.randn(2, 64, device="cpu"), copy)
+    assert y.device.type == "cpu" and torch.isfinite(y).all()
+    empty = cpu_bf16.bf16_weight(torch.zeros(32, 0))  # no input features: zeros, like F.linear
+    assert torch.equal(cpu_bf16.gemm_bf16w(torch.zeros(3, 0), empty), torch.zeros(3, 32))
 
 
 @pytest.mark.parametrize("machine", ["a compiler that fails", "no compiler"])

@@ -78,7 +78,7 @@ def bf16_weight(weight: torch.Tensor) -> torch.Tensor | None:
     copy = weight.to(torch.bfloat16)
     if not torch.equal(copy.float(), weight):
         return None
-    return copy.view(-1, LANES, weight.shape[1]).transpose(1, 2).contiguous()
+    return copy.view(weight.shape[0] // LANES, LANES, weight.shape[1]).transpose(1, 2).contiguous()
 
 
 def gemm_bf16w(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -88,13 +88,13 @@ def gemm_bf16w(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if library is None:
         raise RuntimeError("the bfloat16 GEMM kernel is not built on this machine (kernels/cpu_bf16.py)")
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or weight.dtype != torch.bfloat16 or \
-            weight.dim() != 3 or weight.shape[2] != LANES or not weight.is_contiguous() or \
-            x.shape[1] != weight.shape[1]:
+            weight.device.type != "cpu" or weight.dim() != 3 or weight.shape[2] != LANES or \
+            not weight.is_contiguous() or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemm_bf16w takes float32 x [N, in] and a bfloat16 weight as bf16_weight makes it "
-                         f"[O / {LANES}, in, {LANES}]; got x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} "
-                         f"{tuple(weight.shape)}")
+                         f"[O / {LANES}, in, {LANES}], both on the CPU; got x {x.dtype} {tuple(x.shape)} on "
+                         f"{x.device}, weight {weight.dtype} {tuple(weight.shape)} on {weight.device}")
     x = x.contiguous()
     out_features = weight.shape[0] * LANES
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    y = x.new_empty(x.shape[0], out_features)  # (on x's device, the CPU, whatever torch's default device is)
     library.molora_gemm_bf16w(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], out_features, x.shape[1])
     return y
