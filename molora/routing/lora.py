@@ -78,8 +78,8 @@ class ProjectionGroup:
         self.bounds = tuple(bounds)
         self.widths = tuple(layer.out_features for layer in self.members)
         self.size = len(self.members)
-        # the base weight packed for the CPU's exact-row GEMMs (pack_exact_rows), and the weight's (address,
-        # version) it was packed from: None until the engine asks for it
+        # the base weight's copy for the CPU's exact-row GEMMs (kernels/torch_ops.py pack_exact_rows: bfloat16 for our
+        # kernel or oneDNN-packed), and the weight's (address, version) it was made from: None until the engine asks
         self.packed: torch.Tensor | None = None
         self._packed_from: tuple[int, int] | None = None
         self._stack()
@@ -131,16 +131,17 @@ class ProjectionGroup:
         self._launches: dict[int | None, FusedLaunch] = {}
 
     def pack_exact_rows(self) -> bool:
-        """Pack the members' stacked base weight for the CPU engine's exact-row decode GEMMs (kernels/torch_ops.py
-        pack_exact_rows: a copy of the weight, used only where oneDNN is exact here); True when it is packed."""
+        """Copy the members' stacked base weight into the CPU engine's exact-row GEMM form (kernels/torch_ops.py
+        pack_exact_rows: our bfloat16 kernel's copy or oneDNN's packed one, each only where it is exact here); True
+        when there is one."""
         weight = self.weight
         self.packed = pack_exact_rows(weight) if weight is not None else None
         self._packed_from = (weight.data_ptr(), _version(weight)) if weight is not None else None
         return self.packed is not None
 
     def exact_rows_weight(self) -> torch.Tensor | None:
-        """The packed base weight (packed again when the weight was replaced or written in place since); None when
-        none was asked for or oneDNN is not exact here: cpu_linear's MKL form."""
+        """The base weight's packed copy (made again when the weight was replaced or written in place since); None
+        when none was asked for or no packed form is exact here: cpu_linear's MKL form."""
         if self._packed_from is None:
             return None
         weight = self.weight

@@ -344,7 +344,8 @@ class RoutedModel(nn.Module):
 
     def pack_exact_rows(self, max_bytes: int) -> tuple[int, int, int]:
         """Pack the routed layers' base weights for the CPU's exact-row decode GEMMs (ProjectionGroup.pack_exact_rows),
-        group by group while the copies stay within `max_bytes`; returns (groups packed, groups, bytes packed)."""
+        group by group while the copies, counted at the weights' size, stay within `max_bytes`; returns (groups
+        packed, groups, bytes counted)."""
         groups = self.projection_groups()
         packed = spent = 0
         for group in groups:
