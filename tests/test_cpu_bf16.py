@@ -86,7 +86,7 @@ def test_a_machine_where_the_kernel_cannot_be_built_keeps_onednn_with_one_log_li
         monkeypatch.setattr(cpu_bf16.shutil, "which", lambda name: None)
     else:
         monkeypatch.setenv("CC", "/nonexistent/cc")
-    cpu_bf16._library.cache_clear()
+    cpu_bf16.library.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger="molora.kernels.cpu_bf16"):
             assert not cpu_bf16.available()
@@ -101,4 +101,4 @@ def test_a_machine_where_the_kernel_cannot_be_built_keeps_onednn_with_one_log_li
         with pytest.raises(RuntimeError, match="not built"):
             cpu_bf16.gemm_bf16w(torch.randn(2, 256), weight.bfloat16().view(4, 16, 256).transpose(1, 2).contiguous())
     finally:
-        cpu_bf16._library.cache_clear()
+        cpu_bf16.library.cache_clear()

@@ -1,4 +1,5 @@
-"""The CPU engine's exact-row decode GEMM on a bfloat16 copy of the weights (gemm_bf16w.c, beside this file).
+"""The CPU engine's exact-row decode GEMM on a bfloat16 copy of the weights (gemm_bf16w.c, beside this file), and the
+build of the engine's C library (that GEMM and the whole decode step on it, decode_step.c: kernels/cpu_decode.py).
 
 A decode step of the embedded model on a 2-core CPU is bound by reading its float32 weights (benchmarks/RESULTS.md,
 C1). Its checkpoint is bfloat16, so every weight value is a bfloat16 value: a bfloat16 copy holds the same numbers
@@ -27,45 +28,49 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("gemm_bf16w.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemm_bf16w.c", "decode_step.c"))
 # outputs per block of the copy's layout (one 16-lane float32 vector)
 LANES = 16
 
 
 @functools.lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    """The compiled kernel, built once per process (a build in a shared cache could meet another CPU: -march=native);
-    None where it cannot be built here."""
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels (SOURCES), built once per process (a build in a shared cache could meet another CPU:
+    -march=native); None where they cannot be built here."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or not SOURCE.is_file():
-        log.info("cpu bfloat16 GEMM: %s; the engine keeps oneDNN's float32 GEMM",
-                 "no C compiler here" if compiler is None else f"{SOURCE} is missing")
+    missing = [str(source) for source in SOURCES if not source.is_file()]
+    if compiler is None or missing:
+        log.info("cpu bfloat16 GEMM: %s; the engine keeps oneDNN's float32 GEMM and torch's decode step",
+                 "no C compiler here" if compiler is None else f"{missing[0]} is missing")
         return None
     folder = None
     try:
         folder = tempfile.mkdtemp(prefix="molora-gemm-")
-        target = os.path.join(folder, "gemm_bf16w.so")
-        subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", target, str(SOURCE)],
-                       check=True, capture_output=True, timeout=60)
-        library = ctypes.CDLL(target)
+        target = os.path.join(folder, "molora_cpu.so")
+        subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", target,
+                        *(str(source) for source in SOURCES), "-lm"], check=True, capture_output=True, timeout=60)
+        built = ctypes.CDLL(target)
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", b"") or b""
         first = detail.decode(errors="replace").strip().splitlines()[:1] or [str(err)]
-        log.info("cpu bfloat16 GEMM: building %s failed (%s); the engine keeps oneDNN's float32 GEMM",
-                 SOURCE.name, first[0][:200])
+        log.info("cpu bfloat16 GEMM: building %s failed (%s); the engine keeps oneDNN's float32 GEMM and torch's "
+                 "decode step", " and ".join(source.name for source in SOURCES), first[0][:200])
         return None
     finally:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)  # the loaded library stays mapped
-    function = library.molora_gemm_bf16w
+    function = built.molora_gemm_bf16w
     function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                          ctypes.c_long]
     function.restype = None
-    return library
+    step = built.molora_decode_step
+    step.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 5
+    step.restype = None
+    return built
 
 
 def available() -> bool:
-    return _library() is not None
+    return library() is not None
 
 
 def bf16_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -84,8 +89,8 @@ def bf16_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def gemm_bf16w(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [N, in] (float32, CPU) @ W [O, in]^T for weight = bf16_weight(W): [N, O] float32, each row's numbers the
     same whatever rows share the call."""
-    library = _library()
-    if library is None:
+    built = library()
+    if built is None:
         raise RuntimeError("the bfloat16 GEMM kernel is not built on this machine (kernels/cpu_bf16.py)")
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or weight.dtype != torch.bfloat16 or \
             weight.device.type != "cpu" or weight.dim() != 3 or weight.shape[2] != LANES or \
@@ -96,5 +101,5 @@ def gemm_bf16w(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out_features = weight.shape[0] * LANES
     y = x.new_empty(x.shape[0], out_features)  # (on x's device, the CPU, whatever torch's default device is)
-    library.molora_gemm_bf16w(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], out_features, x.shape[1])
+    built.molora_gemm_bf16w(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], out_features, x.shape[1])
     return y

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from molora.kernels.graphs import capture_graph
+from molora.models.engine.cpu_step import CpuStep
 from molora.models.engine.decoder import LeanDecoder
 from molora.models.engine.generation import GenerationConfig, Request, open_image_span
 from molora.models.engine.kv_cache import RowKVCache
@@ -119,7 +120,9 @@ class EngineConfig:
     queue_timeout_s: how long a request may wait for room.  batch_prefill:
     prefill requests admitted at the same step boundary in one forward.  exact_rows=False lets the CPU decode as
     few rows as are live: a lone request is faster (one picture + ~60 words 2.4 s instead of 3.0-3.15 s on the
-    embedded model, quiet 2-core CPU), and a row's numbers may then differ slightly with the batch it shares."""
+    embedded model, quiet 2-core CPU), and a row's numbers may then differ slightly with the batch it shares.
+    cpu_step: on the CPU with exact rows, decode through the C step (models/engine/cpu_step.py) where the model
+    allows it (False: torch's eager step)."""
 
     max_rows: int | None = None
     max_len: int | None = None
@@ -129,6 +132,7 @@ class EngineConfig:
     exact_rows: bool = True  # CPU: decode >= CPU_MIN_WIDTH rows so a row's numbers never depend on its batch
     lean_decoder: bool = True  # Llama-family models run the engine's own forward (engine/decoder.py)
     overlap_steps: bool = True  # CUDA: launch step t+1 before reading step t's tokens
+    cpu_step: bool = True  # CPU: one C call per decode step where the model allows (engine/cpu_step.py)
 
 
 @dataclass
@@ -500,6 +504,13 @@ class Engine:
             log.info("engine: %d of %d routed GEMMs on packed copies of their weights (%.1f MiB at float32 size): "
                      "%d bfloat16 copies for our kernel (kernels/cpu_bf16.py), %d oneDNN-packed; the others MKL's",
                      packed, groups, spent / 2 ** 20, bf16, packed - bf16)
+        self.cpu_step = None
+        if self._exact_cpu and self.config.cpu_step:
+            reason = CpuStep.unsupported(self.decoder, self.kv)
+            if reason is None:
+                self.cpu_step = CpuStep(self.decoder, self.kv, self.max_len)
+            log.info("engine: decode steps through %s", "the C step (models/engine/cpu_step.py)" if reason is None
+                     else f"torch's forward; the C step cannot run this model: {reason}")
         # learned image gates decide once per picture: each row's decision per block, kept across decode steps
         self._pictures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # top-k -> (slots, weights) [rows+1, blocks, k]
         self._route_states: dict[tuple, torch.Tensor] = {}  # (image gates?, decays, d) -> routing state [rows+1, S, d]
@@ -782,11 +793,31 @@ class Engine:
         padding: an eager step skips their attention)."""
         if self.use_graphs:
             return self._replay(width, learned)
+        if self.cpu_step is not None:
+            return self._c_decode(width, jobs, learned, live)
         needed = max(len(j.prompt) + j.emitted for j in jobs)
         # exact rows on the CPU: every step is routed, adapters or not, so every row takes the base GEMMs of a routed
         # call with exact rows (kernels/torch_ops.py cpu_linear), whatever its neighbours hold
         routed = self._exact_cpu or any(j.names for j in jobs)
         return self._decode_body(width, learned, self._columns(needed), routed=routed, live=live)
+
+    def _c_decode(self, width: int, jobs: list[_Job], learned: tuple[_LearnedRows, ...], live: int
+                  ) -> tuple[torch.Tensor, _Producing]:
+        """_decode through the C step: rows [0, live), except the rows (and twins) of learned jobs, which the torch
+        forward decodes first (their gates are torch modules; the C step then overwrites the other rows' logits and
+        K/V with its own, so every row's numbers are those of its solo run)."""
+        ids, positions, slots = self.states.decode_feeds(width)
+        rows = self.all_rows[:live]
+        if learned:
+            needed = max(len(j.prompt) + j.emitted for j in jobs)
+            logits, producing = self._decode_body(width, learned, self._columns(needed), live=live)
+            logits = logits.contiguous()
+            torch_rows = {r for j in jobs if j.learned is not None for r in (j.row, j.twin) if r is not None}
+            rows = torch.tensor([r for r in range(live) if r not in torch_rows], dtype=torch.long)
+        else:
+            logits, producing = torch.zeros(width, self.cpu_step.vocab, device=self.device), _Producing(slots)
+        self.cpu_step.run(rows, ids, positions, slots, logits)
+        return logits, producing
 
     def _decode_body(self, width: int, learned: tuple[_LearnedRows, ...] = (), length: int | None = None,
                      routed: bool = True, live: int | None = None) -> tuple[torch.Tensor, _Producing]:

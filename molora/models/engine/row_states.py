@@ -168,8 +168,12 @@ class RowStates:
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids [W, 1], positions [W, 1], additive attention mask [W, 1, 1, L], slots [W]) of rows [0, W):
         each row sees the columns up to the position it writes now, and routes by its slot table."""
-        ids = self.feed_ids[:width, None]
-        pos = self.feed_pos[:width, None]
+        ids, pos, slots = self.decode_feeds(width)
+        ids, pos = ids[:, None], pos[:, None]
         mask = torch.where(columns[None, :] <= pos, 0.0, float("-inf")).to(dtype)[:, None, None, :]
-        slots = self.row_slots[:width].gather(1, self.modality[ids]).view(-1)
         return ids, pos, mask, slots
+
+    def decode_feeds(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids [W], positions [W], slots [W]) of rows [0, W): what each row feeds, where, and its adapter slot."""
+        ids = self.feed_ids[:width]
+        return ids, self.feed_pos[:width], self.row_slots[:width].gather(1, self.modality[ids][:, None]).view(-1)

@@ -1,0 +1,156 @@
+"""The CPU engine's whole decode step in one C call (decode_step.c, built with the bfloat16 GEMM: kernels/cpu_bf16.py).
+
+A decode step of the embedded model is ~6.3M multiply-adds a row but ~575 small torch ops, and on a 2-core CPU the
+ops' dispatch, not their arithmetic, was most of the step (benchmarks/RESULTS.md, C1). The C step runs the same
+Llama-family forward for one token a row with no per-op cost: the GEMMs are gemm_bf16w.c's (each output one FMA
+chain, so a row's numbers never depend on its neighbours), the rest loops over one row at a time.
+
+    weights = StepWeights(dims, eps, scaling, tensors)     # once; the tensors' layout: decode_step.c's header
+    decode_step(weights, rows, ids, positions, slots, logits)
+
+The engine's glue (models/engine/cpu_step.py) knows the model and builds the tensor list; this module knows only
+tensors: it checks every one against `dims` when the table is made, and each call's indices against the table, so
+no call can make the C code read or write outside a tensor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from molora.kernels.cpu_bf16 import LANES, bf16_weight, library
+
+DIM_NAMES = ("layers", "d", "heads", "kv_heads", "head_dim", "ffn", "vocab", "slots", "rank", "max_len", "qk_norm")
+GLOBAL_TENSORS = 5
+GROUPS = ("qkv", "o", "gate_up", "down")
+LAYER_TENSORS = 4 + 4 * len(GROUPS) + 2
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _padded(n: int) -> int:
+    return -(-n // LANES) * LANES
+
+
+def expected_shapes(dims: dict[str, int], kv_rows: int) -> list[tuple[tuple[int, ...] | None, torch.dtype]]:
+    """(shape, dtype) of each tensor of the table, in order (None shape: an optional tensor, q/k norms)."""
+    d, heads, kv_heads, dim = dims["d"], dims["heads"], dims["kv_heads"], dims["head_dim"]
+    ffn, vocab, slots, rank = dims["ffn"], dims["vocab"], dims["slots"], dims["rank"]
+    f32, bf16 = torch.float32, torch.bfloat16
+    q_out, kv_out = heads * dim, kv_heads * dim
+    shapes: list[tuple[tuple[int, ...] | None, torch.dtype]] = [
+        ((vocab, d), f32), ((d,), f32), ((_padded(vocab) // LANES, d, LANES), bf16),
+        ((dims["max_len"], dim), f32), ((dims["max_len"], dim), f32)]
+    norm = (dim,) if dims["qk_norm"] else None
+    groups = ((3, d, q_out + 2 * kv_out), (1, q_out, d), (2, d, 2 * ffn), (1, ffn, d))
+    for _ in range(dims["layers"]):
+        shapes += [((d,), f32), ((d,), f32), (norm, f32), (norm, f32)]
+        for members, d_in, d_out in groups:
+            shapes += [((d_out // LANES, d_in, LANES), bf16), ((members, slots, rank, d_in), f32),
+                       ((slots, d_out, rank), f32), ((members, slots), f32)]
+        shapes += [((kv_rows, kv_heads, dims["max_len"], dim), f32)] * 2
+    return shapes
+
+
+@dataclass
+class StepWeights:
+    """The C step's pointer table over `tensors` (held here, so none is freed while the table lives)."""
+
+    dims: dict[str, int]
+    eps: float
+    scaling: float
+    tensors: list[torch.Tensor | None]
+
+    def __post_init__(self) -> None:
+        if set(self.dims) != set(DIM_NAMES):
+            raise ValueError(f"decode step dims must name {DIM_NAMES}, got {sorted(self.dims)}")
+        dims = self.dims
+        if dims["heads"] % dims["kv_heads"] or dims["head_dim"] % 2 or any(
+                (dims["heads"] * dims["head_dim"], dims["d"], dims["ffn"])[i] % LANES for i in range(3)):
+            raise ValueError(f"decode step dims {dims}: heads must be a multiple of kv_heads, head_dim even, and the "
+                             f"projections' outputs multiples of {LANES}")
+        kv = self.tensors[-1]
+        kv_rows = kv.shape[0] if kv is not None and kv.dim() == 4 else -1
+        shapes = expected_shapes(dims, kv_rows)
+        if len(self.tensors) != len(shapes):
+            raise ValueError(f"decode step: {len(self.tensors)} tensors for {len(shapes)} places")
+        for index, (tensor, (shape, dtype)) in enumerate(zip(self.tensors, shapes)):
+            if shape is None:
+                if tensor is not None:
+                    raise ValueError(f"decode step tensor {index}: none expected (dims qk_norm=0), got one")
+                continue
+            if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype or \
+                    tensor.device.type != "cpu" or not tensor.is_contiguous():
+                got = "None" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
+                raise ValueError(f"decode step tensor {index}: expected a contiguous CPU {dtype} {shape}, got {got}")
+        self.kv_rows = kv_rows
+        self._dims = (ctypes.c_long * len(DIM_NAMES))(*(dims[name] for name in DIM_NAMES))
+        self._reals = (ctypes.c_float * 2)(self.eps, self.scaling)
+        self._pointers = (ctypes.c_void_p * len(self.tensors))(
+            *(0 if t is None else t.data_ptr() for t in self.tensors))
+        self.addresses = tuple(0 if t is None else t.data_ptr() for t in self.tensors)
+
+
+def _index_vector(name: str, tensor: torch.Tensor, width: int) -> None:
+    if tensor.dtype != torch.long or tensor.device.type != "cpu" or tensor.dim() != 1 or \
+            not tensor.is_contiguous() or tensor.shape[0] < width:
+        raise ValueError(f"decode step {name}: expected a contiguous CPU int64 vector of at least {width} entries, got "
+                         f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
+
+
+def _within(name: str, values: torch.Tensor, low: int, high: int) -> None:
+    if values.numel() and not (low <= int(values.min()) and int(values.max()) < high):
+        raise ValueError(f"decode step {name} must lie in [{low}, {high}), got {values.tolist()}")
+
+
+def decode_step(weights: StepWeights, rows: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+                slots: torch.Tensor, logits: torch.Tensor) -> None:
+    """One token for each batch row in `rows` [n]: row r feeds ids[r] at positions[r] with LoRA slot slots[r] (-1:
+    none), writes its K/V at (cache row r, positions[r]) and its logits into logits[r] (float32 [W, vocab]); the
+    other rows of `logits` are left as they are."""
+    built = library()
+    if built is None:
+        raise RuntimeError("the CPU decode step is not built on this machine (kernels/cpu_bf16.py)")
+    dims = weights.dims
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 or \
+            logits.shape[1] != dims["vocab"] or not logits.is_contiguous():
+        raise ValueError(f"decode step logits: expected a contiguous CPU float32 [W, {dims['vocab']}], got "
+                         f"{logits.dtype} {tuple(logits.shape)} on {logits.device}")
+    width = logits.shape[0]
+    for name, tensor in (("ids", ids), ("positions", positions), ("slots", slots)):
+        _index_vector(name, tensor, width)
+    if rows.dtype != torch.long or rows.device.type != "cpu" or rows.dim() != 1 or not rows.is_contiguous():
+        raise ValueError(f"decode step rows: expected a contiguous CPU int64 vector, got {rows.dtype} "
+                         f"{tuple(rows.shape)} on {rows.device}")
+    if rows.numel() == 0:
+        return
+    _within("rows", rows, 0, min(width, weights.kv_rows))
+    _within("ids", ids[rows], 0, dims["vocab"])
+    _within("positions", positions[rows], 0, dims["max_len"])
+    _within("slots", slots[rows], -1, dims["slots"])
+    built.molora_decode_step(weights._dims, weights._reals, weights._pointers, rows.shape[0], rows.data_ptr(),
+                             ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), logits.data_ptr())
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [L, D] (a model's rotary embedding at positions 0..L-1) as the C step reads them: cos, and sin with
+    rotate_half's signs folded in ([-sin[:D/2], sin[D/2:]])."""
+    half = sin.shape[-1] // 2
+    return cos.float().contiguous(), torch.cat((-sin[..., :half], sin[..., half:]), -1).float().contiguous()
+
+
+def head_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The output head [vocab, d] as the C step reads it: a bfloat16 copy padded with zero rows to a multiple of
+    LANES outputs, in gemm_bf16w's blocks; None unless its values are all bfloat16 (float32 weight on the CPU)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    padded = weight.detach().new_zeros(_padded(weight.shape[0]), weight.shape[1])
+    padded[:weight.shape[0]] = weight.detach()
+    return bf16_weight(padded)
+
+
+__all__ = ["StepWeights", "decode_step", "available", "rope_tables", "head_copy", "expected_shapes"]

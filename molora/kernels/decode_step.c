@@ -1,0 +1,193 @@
+/* The CPU engine's whole decode step for a Llama-family model, in one call (kernels/cpu_decode.py loads it):
+   embedding, every block (RMSNorm, q/k/v, rotary, the KV write, attention over the row's own columns, o, the
+   gated MLP, each projection with its routed LoRA delta), the final norm and the head, for n rows of one token.
+
+   Why C: the embedded model's step is ~6.3M multiply-adds a row, far less than a millisecond, while its eager torch
+   form is ~575 small tensor ops whose dispatch costs most of the step on a 2-core CPU (benchmarks/RESULTS.md, C1).
+
+   Row by row: every number of a row is computed by the same operations in the same order whatever the other rows
+   are (the GEMMs are molora_gemm_bf16w's one FMA chain per output; everything else loops over one row), so a
+   request's tokens equal its solo run (the engine's exact rows). Sums differ from torch's by float32 rounding.
+
+   Layouts (float32 unless said; all contiguous):
+     dims   [layers, d, heads, kv_heads, head_dim, ffn, vocab, slots, rank, max_len, qk_norm]
+     reals  [eps, scaling]
+     global tensors: embed [vocab, d], final norm [d], head (bf16 copy [vpad/16, d, 16], vpad = vocab rounded up
+       to 16), cos and sin_signed [max_len, head_dim] (rotate_half's signs folded into sin)
+     per layer, LAYER_TENSORS pointers: input norm [d], post-attention norm [d], q_norm and k_norm [head_dim] (or
+       NULL), then for each projection group qkv (3 members), o (1), gate_up (2), down (1): the base weight's bf16
+       copy [O/16, in, 16], A [P, S, r, in], B [S, O, r], scale [P, S]; then K and V [cache rows, kv_heads,
+       max_len, head_dim]
+   The step: rows[n] (batch rows: each is also the row's cache row and its row of `logits` [*, vocab]), and per
+   batch row ids, positions and LoRA slots (-1: none), all int64. Needs AVX-512F (as gemm_bf16w.c). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void molora_gemm_bf16w(const float *x, const uint16_t *w, float *y, long n, long o, long k);
+
+enum { GLOBAL_TENSORS = 5, GROUP_TENSORS = 4, GROUPS = 4, LAYER_TENSORS = 4 + GROUPS * GROUP_TENSORS + 2 };
+enum { D_LAYERS, D_MODEL, D_HEADS, D_KV_HEADS, D_HEAD, D_FFN, D_VOCAB, D_SLOTS, D_RANK, D_MAX_LEN, D_QK_NORM,
+       D_COUNT };
+
+static float dot(const float *a, const float *b, long n) {
+    __m512 acc = _mm512_setzero_ps();
+    long i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    float sum = _mm512_reduce_add_ps(acc);
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* y += a * x */
+static void axpy(float *y, float a, const float *x, long n) {
+    __m512 av = _mm512_set1_ps(a);
+    long i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i),
+                                                                          _mm512_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * weight, as transformers' RMSNorm in float32 */
+static void rms_norm(const float *x, const float *weight, float *out, long n, float eps) {
+    float scale = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (long i = 0; i < n; i++) out[i] = x[i] * scale * weight[i];
+}
+
+/* x * cos + rotate_half(x) * sin == x * cos + roll(x, D/2) * sin_signed */
+static void rotate(float *x, const float *cos, const float *sin_signed, long dim) {
+    float rotated[dim];
+    long half = dim / 2;
+    for (long i = 0; i < dim; i++) rotated[i] = x[i] * cos[i] + x[(i + half) % dim] * sin_signed[i];
+    memcpy(x, rotated, sizeof(float) * dim);
+}
+
+typedef struct {
+    const uint16_t *weight;
+    const float *A, *B, *scale;
+    long members, in, out;
+} Group;
+
+/* y [n, out] = x [n, in] @ W^T + each row's LoRA delta: member p's outputs (widths[p] of them, in order) get
+   scale[p, s] * B[s, its outputs] @ (A[p, s] @ x) for the row's slot s (none when s < 0) */
+static void routed_linear(const Group *g, const long *widths, const float *x, float *y, long n,
+                          const long *slot_of, long slots, long rank) {
+    molora_gemm_bf16w(x, g->weight, y, n, g->out, g->in);
+    float t[rank];
+    for (long i = 0; i < n; i++) {
+        long s = slot_of[i];
+        if (s < 0) continue;
+        long first = 0;
+        for (long p = 0; p < g->members; p++) {
+            const float *A = g->A + (p * slots + s) * rank * g->in;
+            float scale = g->scale[p * slots + s];
+            for (long j = 0; j < rank; j++) t[j] = scale * dot(A + j * g->in, x + i * g->in, g->in);
+            const float *B = g->B + (s * g->out + first) * rank;
+            for (long o = 0; o < widths[p]; o++) y[i * g->out + first + o] += dot(B + o * rank, t, rank);
+            first += widths[p];
+        }
+    }
+}
+
+/* one query head's attention over columns 0..last of its KV head: out [dim] */
+static void attend(const float *q, const float *keys, const float *values, long last, long dim, float scaling,
+                   float *scores, float *out) {
+    float top = -INFINITY;
+    for (long c = 0; c <= last; c++) {
+        scores[c] = dot(q, keys + c * dim, dim) * scaling;
+        if (scores[c] > top) top = scores[c];
+    }
+    float total = 0.0f;
+    for (long c = 0; c <= last; c++) {
+        scores[c] = expf(scores[c] - top);
+        total += scores[c];
+    }
+    memset(out, 0, sizeof(float) * dim);
+    for (long c = 0; c <= last; c++) axpy(out, scores[c] / total, values + c * dim, dim);
+}
+
+void molora_decode_step(const long *dims, const float *reals, void *const *tensors, long n, const long *rows,
+                        const long *ids, const long *positions, const long *slots, float *logits) {
+    const long layers = dims[D_LAYERS], d = dims[D_MODEL], heads = dims[D_HEADS], kv_heads = dims[D_KV_HEADS];
+    const long dim = dims[D_HEAD], ffn = dims[D_FFN], vocab = dims[D_VOCAB], num_slots = dims[D_SLOTS];
+    const long rank = dims[D_RANK], max_len = dims[D_MAX_LEN];
+    const long vpad = (vocab + 15) / 16 * 16, group_size = heads / kv_heads;
+    const long q_out = heads * dim, kv_out = kv_heads * dim, qkv_out = q_out + 2 * kv_out;
+    const float eps = reals[0], scaling = reals[1];
+
+    const float *embed = tensors[0], *final_norm = tensors[1];
+    const uint16_t *head = tensors[2];
+    const float *cos_table = tensors[3], *sin_table = tensors[4];
+
+    /* scratch, one block: x [n, d], h [n, d], qkv [n, qkv_out], attn [n, q_out], proj [n, d], gu [n, 2 ffn],
+       act [n, ffn], out [n, vpad], scores [max_len] */
+    long floats = n * (3 * d + qkv_out + q_out + 3 * ffn + vpad) + max_len;
+    float *scratch = malloc(sizeof(float) * floats);
+    if (scratch == NULL) return;
+    float *x = scratch, *h = x + n * d, *qkv = h + n * d, *attn = qkv + n * qkv_out, *proj = attn + n * q_out;
+    float *gu = proj + n * d, *act = gu + n * 2 * ffn, *out = act + n * ffn, *scores = out + n * vpad;
+    long slot_of[n];
+    for (long i = 0; i < n; i++) {
+        long r = rows[i];
+        slot_of[i] = slots[r];
+        memcpy(x + i * d, embed + ids[r] * d, sizeof(float) * d);
+    }
+    const long qkv_widths[3] = {q_out, kv_out, kv_out}, o_widths[1] = {d}, gu_widths[2] = {ffn, ffn};
+    const long down_widths[1] = {d};
+
+    for (long layer = 0; layer < layers; layer++) {
+        void *const *t = tensors + GLOBAL_TENSORS + layer * LAYER_TENSORS;
+        const float *in_norm = t[0], *post_norm = t[1], *q_norm = t[2], *k_norm = t[3];
+        Group groups[GROUPS];
+        const long group_in[GROUPS] = {d, q_out, d, ffn}, group_out[GROUPS] = {qkv_out, d, 2 * ffn, d};
+        const long group_members[GROUPS] = {3, 1, 2, 1};
+        for (int g = 0; g < GROUPS; g++) {
+            void *const *gt = t + 4 + g * GROUP_TENSORS;
+            groups[g] = (Group){gt[0], gt[1], gt[2], gt[3], group_members[g], group_in[g], group_out[g]};
+        }
+        float *keys = t[4 + GROUPS * GROUP_TENSORS], *values = t[5 + GROUPS * GROUP_TENSORS];
+
+        for (long i = 0; i < n; i++) rms_norm(x + i * d, in_norm, h + i * d, d, eps);
+        routed_linear(&groups[0], qkv_widths, h, qkv, n, slot_of, num_slots, rank);
+        for (long i = 0; i < n; i++) {
+            long r = rows[i], pos = positions[r];
+            float *q = qkv + i * qkv_out, *k = q + q_out, *v = k + kv_out;
+            const float *cos = cos_table + pos * dim, *sin = sin_table + pos * dim;
+            for (long a = 0; a < heads; a++) {
+                if (q_norm != NULL) rms_norm(q + a * dim, q_norm, q + a * dim, dim, eps);
+                rotate(q + a * dim, cos, sin, dim);
+            }
+            for (long j = 0; j < kv_heads; j++) {
+                if (k_norm != NULL) rms_norm(k + j * dim, k_norm, k + j * dim, dim, eps);
+                rotate(k + j * dim, cos, sin, dim);
+                long at = ((r * kv_heads + j) * max_len + pos) * dim;
+                memcpy(keys + at, k + j * dim, sizeof(float) * dim);
+                memcpy(values + at, v + j * dim, sizeof(float) * dim);
+            }
+            for (long a = 0; a < heads; a++) {
+                long j = a / group_size, base = (r * kv_heads + j) * max_len * dim;
+                attend(q + a * dim, keys + base, values + base, pos, dim, scaling, scores, attn + i * q_out + a * dim);
+            }
+        }
+        routed_linear(&groups[1], o_widths, attn, proj, n, slot_of, num_slots, rank);
+        for (long i = 0; i < n; i++) {
+            for (long c = 0; c < d; c++) x[i * d + c] += proj[i * d + c];
+            rms_norm(x + i * d, post_norm, h + i * d, d, eps);
+        }
+        routed_linear(&groups[2], gu_widths, h, gu, n, slot_of, num_slots, rank);
+        for (long i = 0; i < n; i++)
+            for (long c = 0; c < ffn; c++) {
+                float gate = gu[i * 2 * ffn + c];
+                act[i * ffn + c] = gate / (1.0f + expf(-gate)) * gu[i * 2 * ffn + ffn + c];
+            }
+        routed_linear(&groups[3], down_widths, act, proj, n, slot_of, num_slots, rank);
+        for (long i = 0; i < n; i++)
+            for (long c = 0; c < d; c++) x[i * d + c] += proj[i * d + c];
+    }
+    for (long i = 0; i < n; i++) rms_norm(x + i * d, final_norm, h + i * d, d, eps);
+    molora_gemm_bf16w(h, head, out, n, vpad, d);
+    for (long i = 0; i < n; i++) memcpy(logits + rows[i] * vocab, out + i * vpad, sizeof(float) * vocab);
+    free(scratch);
+}

@@ -1,0 +1,131 @@
+"""CpuStep: the CPU engine's decode step through the C step (kernels/cpu_decode.py) for models LeanDecoder runs.
+
+The engine's eager CPU step spent most of its time on the dispatch of ~575 small torch ops (benchmarks/RESULTS.md,
+C1). Where the model allows, a decode step is one C call instead: the same forward (LeanDecoder's, with each row's
+LoRA slot from the vocabulary routing), each row computed on its own (exact rows: a request's tokens equal its solo
+run), padding rows skipped. It serves rows routed by vocabulary range, a fixed adapter or none; rows of learned
+(MoLoRA) routers decode through the torch forward, their gates being torch modules (core.py runs both in one step).
+
+Where it cannot serve (`CpuStep.unsupported` says why: no built C library, weights whose values are not all
+bfloat16, projection biases, an activation other than SiLU, a projection left unrouted or ungrouped, ...), the
+engine keeps the torch step and logs the reason once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from molora.kernels import cpu_decode
+from molora.models.engine.decoder import LeanDecoder
+from molora.models.engine.kv_cache import RowKVCache
+
+# each block's projection groups, as the C step reads them (kernels/decode_step.c), and their members in order
+GROUP_MEMBERS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
+                 ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return -1
+
+
+class CpuStep:
+    """The C decode step over one engine's model and KV cache (see the module docstring)."""
+
+    def __init__(self, decoder: LeanDecoder, kv: RowKVCache, max_len: int) -> None:
+        reason = self.unsupported(decoder, kv)
+        if reason is not None:
+            raise ValueError(f"the C decode step cannot run this model: {reason}")
+        self.decoder, self.kv, self.max_len = decoder, kv, max_len
+        model = decoder.model
+        self.vocab = int(model.lm_head.weight.shape[0])
+        positions = torch.arange(max_len)[None]
+        cos, sin = decoder.base.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+        self.cos, self.sin_signed = cpu_decode.rope_tables(cos[0], sin[0])
+        self._head: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._weights: cpu_decode.StepWeights | None = None
+
+    @staticmethod
+    def unsupported(decoder: LeanDecoder | None, kv: RowKVCache) -> str | None:
+        """Why the C step cannot run this model and cache (None: it can)."""
+        if not cpu_decode.available():
+            return "the C library is not built here (kernels/cpu_bf16.py logged why)"
+        if decoder is None:
+            return "the engine runs transformers' forward, not LeanDecoder"
+        model = decoder.model
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if decoder.act is not torch.nn.functional.silu:
+            return f"activation {getattr(config, 'hidden_act', None)!r} (the C step has SiLU)"
+        if type(kv) is not RowKVCache or any(t.dtype != torch.float32 or t.device.type != "cpu"
+                                              for t in (*kv.keys, *kv.values)):
+            return "the KV cache is not one float32 RowKVCache on the CPU"
+        if model.lm_head.bias is not None or cpu_decode.head_copy(model.lm_head.weight) is None:
+            return "the output head has a bias, or values that are not all bfloat16"
+        embed = decoder.base.embed_tokens
+        if type(embed) is not nn.Embedding or embed.weight.dtype != torch.float32 or \
+                getattr(embed, "embed_scale", None) is not None:
+            return "the token embedding is not a plain float32 nn.Embedding"
+        eps = {decoder.eps} | {float(norm.variance_epsilon) for block in decoder.blocks
+                               for norm in (block.input_layernorm, block.post_attention_layernorm)}
+        if len(eps | {float(decoder.base.norm.variance_epsilon)}) != 1:
+            return "the RMSNorms use different epsilons"
+        for index, block in enumerate(decoder.blocks):
+            for parent, names in GROUP_MEMBERS:
+                layers = [getattr(getattr(block, parent), name) for name in names]
+                group = getattr(layers[0], "group", None)
+                if group is None or list(group.members) != layers:
+                    return f"block {index}'s {'/'.join(names)} are not one routed projection group"
+                if any(layer.bias is not None for layer in layers):
+                    return f"block {index}'s {'/'.join(names)} have biases"
+                A, _, _ = group.stacked()
+                weight = group.exact_rows_weight()
+                if weight is None or weight.dtype != torch.bfloat16 or A.dtype != torch.float32:
+                    return (f"block {index}'s {'/'.join(names)} weights have no bfloat16 copy (values not all "
+                            "bfloat16, or more than one torch thread)")
+        return None
+
+    def _table(self) -> cpu_decode.StepWeights:
+        """The C step's pointer table, made again when a weight's copy or a buffer was replaced (a weight written in
+        place gets a new bfloat16 copy: ProjectionGroup.exact_rows_weight, and the head's version check here)."""
+        decoder, model = self.decoder, self.decoder.model
+        head = model.lm_head.weight
+        key = (head.data_ptr(), _version(head))
+        if self._head is None or self._head[0] != key:
+            copy = cpu_decode.head_copy(head)
+            if copy is None:
+                raise RuntimeError("the output head's values are no longer all bfloat16: the C decode step cannot run")
+            self._head = (key, copy)
+        tensors: list[torch.Tensor | None] = [decoder.base.embed_tokens.weight.detach(),
+                                              decoder.base.norm.weight.detach(), self._head[1], self.cos,
+                                              self.sin_signed]
+        for index, block in enumerate(decoder.blocks):
+            attn = block.self_attn
+            tensors += [block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach(),
+                        attn.q_norm.weight.detach() if decoder.qk_norm else None,
+                        attn.k_norm.weight.detach() if decoder.qk_norm else None]
+            for parent, names in GROUP_MEMBERS:
+                group = getattr(getattr(block, parent), names[0]).group
+                A, B, scale = group.stacked()
+                tensors += [group.exact_rows_weight(), A, B, scale]
+            tensors += [self.kv.keys[index], self.kv.values[index]]
+        addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
+        if self._weights is None or self._weights.addresses != addresses:
+            first = decoder.blocks[0].self_attn.q_proj
+            dims = dict(layers=len(decoder.blocks), d=int(decoder.base.norm.weight.shape[0]), heads=decoder.heads,
+                        kv_heads=decoder.kv_heads, head_dim=decoder.head_dim,
+                        ffn=int(decoder.blocks[0].mlp.gate_proj.out_features), vocab=self.vocab,
+                        slots=int(first.num_slots), rank=int(first.r_max), max_len=self.max_len,
+                        qk_norm=int(decoder.qk_norm))
+            self._weights = cpu_decode.StepWeights(dims, decoder.eps, decoder.scaling, tensors)
+        return self._weights
+
+    def run(self, rows: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            logits: torch.Tensor) -> None:
+        """Decode one token for each batch row in `rows` (see cpu_decode.decode_step); ids, positions, slots [W]."""
+        cpu_decode.decode_step(self._table(), rows, ids, positions, slots, logits)
+
+
+__all__ = ["CpuStep"]

@@ -1,0 +1,238 @@
+"""The CPU engine's C decode step (kernels/decode_step.c, kernels/cpu_decode.py, models/engine/cpu_step.py):
+against transformers' own forward of the same weights with each adapter merged in, on random tiny Llama and Qwen3
+models; a row's numbers whatever rows share the step; the engine's requests equal to their solo runs, learned rows
+beside C rows included; the checks that keep bad indices and tables out of the C code; the fallbacks."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from molora.kernels import cpu_bf16, cpu_decode
+from molora.models.engine.core import Engine, EngineConfig
+from molora.models.engine.cpu_step import CpuStep
+from molora.models.engine.decoder import LeanDecoder
+from molora.models.engine.generation import GenerationConfig, Request
+from molora.models.engine.kv_cache import RowKVCache
+from molora.models.engine.sampling import SamplingConfig
+from molora.models.engine.synthetic import SHAPES, id_range_vocab, random_adapters
+from molora.routing import LearnedGates, LearnedRouter, SequenceRouter, VocabRangeRouter, attach_routed_lora
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler with AVX-512 here")]
+
+GREEDY = dict(text=SamplingConfig(0.0), image=SamplingConfig(0.0))
+MAX_LEN = 48
+
+
+def bf16_valued_model(architecture: str, seed: int = 0):
+    """A tiny random model whose weights are all bfloat16 values (as the embedded checkpoint's), routed on all
+    projections, adapters "a" and "b" in its pool."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[architecture]
+    model = model_class(config_class(**SHAPES["tiny"], attn_implementation="sdpa")).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(parameter.bfloat16().float())
+        for norm in [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]:
+            norm.weight.copy_((1 + 0.1 * torch.randn_like(norm.weight)).bfloat16().float())
+    routed = attach_routed_lora(model, num_slots=3, r_max=8)
+    for adapter in random_adapters(routed, ["a", "b"], rank=8, std=0.2):
+        routed.add_adapter(adapter)
+    vocab = id_range_vocab(model.config.vocab_size, image_size=64)
+    return routed, vocab
+
+
+def merged(routed, name: str):
+    """A plain copy of the model with adapter `name` merged into its weights (the reference)."""
+    plain = copy.deepcopy(routed.model)
+    adapter = routed.cache.adapter(name)
+    modules = dict(plain.named_modules())
+    with torch.no_grad():
+        for module, (a, b) in adapter.weights.items():
+            modules[module].weight += adapter.scales[module] * (b @ a)
+    return plain
+
+
+def c_step(routed, rows: int = 4) -> CpuStep:
+    routed.pack_exact_rows(2 ** 30)
+    kv = RowKVCache.for_model(routed.model.config, rows + 1, MAX_LEN, dtype=torch.float32, device="cpu")
+    step = CpuStep(LeanDecoder(routed.model, compile=False), kv, MAX_LEN)
+    return step
+
+
+def decode(step, feeds: list[tuple[list[int], int]], rows: list[int] | None = None) -> torch.Tensor:
+    """Feed row i the ids feeds[i][0] one token a step with slot feeds[i][1]; logits [steps, rows, V] of `rows`."""
+    n, steps = len(feeds), len(feeds[0][0])
+    rows = list(range(n)) if rows is None else rows
+    out = []
+    for t in range(steps):
+        logits = torch.full((n, step.vocab), float("nan"))
+        step.run(torch.tensor(rows), torch.tensor([f[0][t] for f in feeds]), torch.full((n,), t),
+                 torch.tensor([f[1] for f in feeds]), logits)
+        out.append(logits[rows])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_the_c_step_gives_transformers_logits_with_each_rows_adapter_merged(architecture):
+    routed, vocab = bf16_valued_model(architecture)
+    step = c_step(routed)
+    slots = dict(zip(["a", "b"], routed.cache.acquire(["a", "b"])))
+    ids = torch.randint(5, vocab.vocab_size, (3, 20), generator=torch.Generator().manual_seed(1))
+    got = decode(step, [(ids[0].tolist(), slots["a"]), (ids[1].tolist(), slots["b"]), (ids[2].tolist(), -1)])
+    references = [merged(routed, "a"), merged(routed, "b"), routed.model]
+    with torch.no_grad():
+        for row, reference in enumerate(references):
+            want = reference(input_ids=ids[row:row + 1]).logits[0]
+            assert torch.allclose(got[:, row], want, rtol=1e-4, atol=1e-4), \
+                f"row {row}: max error {(got[:, row] - want).abs().max():.2e}"
+    # the K/V it wrote are the keys and values transformers' forward sees (here: the first layer's at position 3)
+    assert torch.isfinite(step.kv.keys[0][:3, :, :20]).all() and step.kv.keys[0][3:].abs().sum() == 0
+
+
+def test_a_rows_numbers_do_not_depend_on_the_rows_beside_it():
+    routed, vocab = bf16_valued_model("qwen3", seed=3)
+    slots = routed.cache.acquire(["a", "b"])
+    feeds = [(torch.randint(5, vocab.vocab_size, (12,), generator=torch.Generator().manual_seed(i)).tolist(),
+              [slots[0], slots[1], -1, slots[0]][i]) for i in range(4)]
+    together = decode(c_step(routed), feeds)
+    for row in range(4):
+        alone = decode(c_step(routed), [feeds[row]] * 4, rows=[row])  # in its own place, the other rows idle
+        assert torch.equal(alone[:, 0], together[:, row])
+
+
+def stream_all(engine, requests, configs):
+    out: dict[int, list] = {}
+    for index, item in engine.stream(requests, configs):
+        if hasattr(item, "token"):
+            out.setdefault(index, []).append((item.token, item.adapter))
+    return [out.get(i, []) for i in range(len(requests))]
+
+
+def test_the_engine_decodes_through_the_c_step_and_a_request_equals_its_solo_run(caplog):
+    routed, vocab = bf16_valued_model("llama", seed=5)
+    with caplog.at_level(logging.INFO, logger="molora.models.engine.core"):
+        engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=96, max_rows=8))
+        engine._setup()
+    assert engine.cpu_step is not None
+    assert any("through the C step" in r.getMessage() for r in caplog.records)
+    g = torch.Generator().manual_seed(0)
+    prompts = [[vocab.bos_id, *torch.randint(5, vocab.text_start + vocab.text_size, (n,), generator=g).tolist()]
+               for n in (3, 7, 5, 9)]
+    routers = [VocabRangeRouter(vocab, "a", "b"), SequenceRouter("b"), None, VocabRangeRouter(vocab, None, "a")]
+    configs = [GenerationConfig(max_new_tokens=30, seed=i, cfg_scale=2.0 if i == 0 else 1.0,
+                                text=SamplingConfig(0.9, top_k=20 if i == 1 else 0), image=SamplingConfig(1.1))
+               for i in range(4)]
+    requests = [Request(p, r) for p, r in zip(prompts, routers)]
+    alone = [stream_all(engine, [r], [c])[0] for r, c in zip(requests, configs)]
+    assert stream_all(engine, requests, configs) == alone
+    # the C step against torch's step: the same greedy tokens (sums differ only by float32 rounding)
+    greedy = GenerationConfig(max_new_tokens=24, seed=0, **GREEDY)
+    torch_engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=96, max_rows=8, cpu_step=False))
+    assert stream_all(engine, requests, [greedy] * 4) == stream_all(torch_engine, requests, [greedy] * 4)
+    engine.close()
+    torch_engine.close()
+
+
+def test_learned_rows_decode_through_torch_beside_c_rows_and_every_row_equals_its_solo_run():
+    routed, vocab = bf16_valued_model("llama", seed=6)
+    torch.manual_seed(0)
+    gates = LearnedGates.for_model(routed, ["a", "b"])
+    engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=96, max_rows=8))
+    prompts = [[vocab.bos_id, 9, 10, 11], [vocab.bos_id, 20, 21], [vocab.bos_id, 30]]
+    requests = [Request(prompts[0], LearnedRouter(gates, top_k=2)), Request(prompts[1], VocabRangeRouter(vocab, "a", "b")),
+                Request(prompts[2], None)]
+    configs = [GenerationConfig(max_new_tokens=20, seed=i, **GREEDY) for i in range(3)]
+    alone = [stream_all(engine, [r], [c])[0] for r, c in zip(requests, configs)]
+    engine._setup()
+    served, run = [], engine.cpu_step.run
+    engine.cpu_step.run = lambda rows, *args: served.append(rows.tolist()) or run(rows, *args)
+    assert stream_all(engine, requests, configs) == alone
+    # the learned request came first: its rows (0 and its guidance twin 1) decode through torch, the others in C
+    assert served and all(0 not in rows and 1 not in rows for rows in served) and max(map(len, served)) >= 2
+    engine.close()
+
+
+def test_models_the_c_step_cannot_run_keep_torchs_step_with_the_reason_logged(caplog):
+    routed, vocab = bf16_valued_model("llama", seed=7)
+    with torch.no_grad():
+        routed.model.model.layers[1].mlp.down_proj.weight.add_(1e-3)  # no longer bfloat16 values
+    with caplog.at_level(logging.INFO, logger="molora.models.engine.core"):
+        engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=64, max_rows=4))
+        engine._setup()
+    assert engine.cpu_step is None
+    lines = [r.getMessage() for r in caplog.records if "C step cannot run" in r.getMessage()]
+    assert len(lines) == 1 and "block 1's down_proj" in lines[0] and "bfloat16" in lines[0]
+    assert solo_tokens(engine, vocab)
+    engine.close()
+    with caplog.at_level(logging.INFO, logger="molora.models.engine.core"):
+        off = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=64, max_rows=4, cpu_step=False))
+        off._setup()
+    assert off.cpu_step is None
+    off.close()
+
+
+def solo_tokens(engine, vocab):
+    return stream_all(engine, [Request([vocab.bos_id, 7, 8])], [GenerationConfig(max_new_tokens=5, **GREEDY)])[0]
+
+
+def test_without_a_built_library_the_engine_keeps_torchs_step(monkeypatch):
+    routed, vocab = bf16_valued_model("llama", seed=8)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    cpu_bf16.library.cache_clear()
+    try:
+        assert CpuStep.unsupported(LeanDecoder(routed.model), None) == \
+            "the C library is not built here (kernels/cpu_bf16.py logged why)"
+        engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=64, max_rows=4))
+        engine._setup()
+        assert engine.cpu_step is None and solo_tokens(engine, vocab)
+        engine.close()
+    finally:
+        cpu_bf16.library.cache_clear()
+
+
+def test_a_weight_written_in_place_is_read_at_its_new_values():
+    routed, vocab = bf16_valued_model("qwen3", seed=9)
+    step = c_step(routed)
+    feeds = [([7, 8, 9], -1)]
+    before = decode(step, feeds)
+    with torch.no_grad():
+        routed.model.lm_head.weight.mul_(2)  # the head's bfloat16 copy is made again
+        routed.model.model.layers[0].self_attn.q_proj.weight.mul_(0.5)  # and the group's (exact_rows_weight)
+    after = decode(step, feeds)
+    with torch.no_grad():
+        want = routed.model(input_ids=torch.tensor([[7, 8, 9]])).logits[0]
+    assert not torch.allclose(before, after)
+    assert torch.allclose(after[:, 0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_indices_and_tables_are_refused_before_the_c_code_runs():
+    routed, vocab = bf16_valued_model("llama", seed=10)
+    step = c_step(routed, rows=4)
+    ok = dict(rows=torch.tensor([0, 1]), ids=torch.tensor([7, 8]), positions=torch.tensor([0, 0]),
+              slots=torch.tensor([-1, -1]), logits=torch.zeros(2, step.vocab))
+    step.run(**ok)
+    for field, value, message in (("ids", torch.tensor([7, vocab.vocab_size]), "ids must lie in"),
+                                  ("positions", torch.tensor([0, MAX_LEN]), "positions must lie in"),
+                                  ("slots", torch.tensor([-1, 3]), "slots must lie in"),
+                                  ("rows", torch.tensor([0, 2]), "rows must lie in"),
+                                  ("ids", torch.tensor([7, 8], dtype=torch.int32), "int64"),
+                                  ("logits", torch.zeros(2, step.vocab + 1), "logits"),
+                                  ("logits", torch.zeros(2, step.vocab).double(), "logits")):
+        before = [k.clone() for k in step.kv.keys]
+        with pytest.raises(ValueError, match=message):
+            step.run(**{**ok, field: value})
+        assert all(torch.equal(a, b) for a, b in zip(before, step.kv.keys))  # nothing was written
+    weights = step._table()
+    with pytest.raises(ValueError, match="tensor 1: expected a contiguous CPU torch.float32"):
+        cpu_decode.StepWeights(weights.dims, 1e-6, 0.25, [weights.tensors[0], weights.tensors[1][:-1],
+                                                          *weights.tensors[2:]])
+    with pytest.raises(ValueError, match="tensors for"):
+        cpu_decode.StepWeights(weights.dims, 1e-6, 0.25, weights.tensors[:-1])
