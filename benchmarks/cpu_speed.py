@@ -5,17 +5,19 @@ Workload: one request with vocabulary routing (pirate text LoRA + outline image 
 (`min_new_tokens` masks <eos>), so every run does the same amount of work (and the VQ decodes the picture).
 
 Rows, interleaved round by round so a busy or slow machine moves them together (CPU VMs differ by 3x):
-    engine (lean decoder)          the default: the engine's own forward (models/engine/decoder.py)
+    engine (C step)                the default: each decode step one C call (models/engine/cpu_step.py)
+    engine (lean decoder, torch's step)   EngineConfig(cpu_step=False): the engine's own forward in torch ops
+                                   (models/engine/decoder.py)
     engine (transformers forward)  EngineConfig(lean_decoder=False)
     transformers generate, eager   the same LM weights (assets/model/lm, no adapters, one row, greedy) writing the
                                    same number of new tokens with its own KV cache: the ratio C1 is measured against
 
     python benchmarks/cpu_speed.py [--threads 1] [--runs 5]      (one thread: the app's default)
 
---unpacked-too adds the lean decoder with its exact-row GEMMs in the other forms: oneDNN's float32 GEMM on packed
+--unpacked-too adds torch's step with its exact-row GEMMs in the other forms: oneDNN's float32 GEMM on packed
 weights (when the engine packed bfloat16 copies for our kernel, kernels/cpu_bf16.py) and MKL's chunked form on the
 weights as they are (kernels/torch_ops.py pack_exact_rows: the engine packs at setup); --together N also times N
-requests at once for each form (unguided pictures: N rows).
+requests at once for the C step and each of torch's forms (unguided pictures: N rows).
 """
 
 from __future__ import annotations
@@ -92,10 +94,11 @@ def main() -> None:
     lm = pipe.routed.model  # the routed layers run as plain linears outside a routed call
     engine = pipe.engine
     lean = engine._setup() or engine.decoder
+    c_step = engine.cpu_step
 
-    def with_forward(decoder):
+    def with_forward(decoder, step=None):
         def run(seed: int) -> tuple[float, int, int]:
-            engine.decoder = decoder
+            engine.decoder, engine.cpu_step = decoder, step
             return engine_run(pipe, seed, new_tokens)
         return run
 
@@ -115,23 +118,28 @@ def main() -> None:
                 set_packing(groups, packed)
         return timed
 
-    rows = {"engine (lean decoder)": with_forward(lean), "engine (transformers forward)": with_forward(None),
+    rows = {"engine (C step)": with_forward(lean, c_step)} if c_step is not None else {}
+    rows |= {"engine (lean decoder, torch's step)": with_forward(lean), "engine (transformers forward)": with_forward(None),
             "transformers generate, eager (no adapters)": lambda seed: (transformers_run(lm, pipe.vocab.bos_id,
                                                                                        new_tokens), 0, 0)}
     if args.unpacked_too:
         if any(weight is not None and weight.dtype == torch.bfloat16 for weight, _ in packed):
-            rows["engine (lean decoder, oneDNN's float32 GEMMs)"] = gemms("oneDNN float32", with_forward(lean))
-        rows["engine (lean decoder, MKL's GEMMs, unpacked)"] = gemms("MKL", with_forward(lean))
+            rows["engine (torch's step, oneDNN's float32 GEMMs)"] = gemms("oneDNN float32", with_forward(lean))
+        rows["engine (torch's step, MKL's GEMMs, unpacked)"] = gemms("MKL", with_forward(lean))
         if args.together:
             n = args.together
 
-            def at_once(seed: int) -> tuple[float, int, int]:
-                engine.decoder = lean
-                return together_run(pipe, [1000 * (seed + 1) + i for i in range(n)], new_tokens), 0, 0
+            def at_once(step):
+                def run(seed: int) -> tuple[float, int, int]:
+                    engine.decoder, engine.cpu_step = lean, step
+                    return together_run(pipe, [1000 * (seed + 1) + i for i in range(n)], new_tokens), 0, 0
+                return run
 
+            if c_step is not None:
+                rows[f"engine (C step), {n} requests at once"] = at_once(c_step)
             for form, label in (("packed", "as packed"), ("oneDNN float32", "oneDNN's float32 GEMMs"),
                                 ("MKL", "MKL's GEMMs, unpacked")):
-                rows[f"engine (lean decoder, {label}), {n} requests at once"] = gemms(form, at_once)
+                rows[f"engine (torch's step, {label}), {n} requests at once"] = gemms(form, at_once(None))
     bf16 = sum(w is not None and w.dtype == torch.bfloat16 for w, _ in packed)
     print(f"exact-row GEMMs: {bf16} of {len(groups)} routed groups on bfloat16 copies (kernels/cpu_bf16.py), "
           f"{sum(w is not None for w, _ in packed) - bf16} oneDNN-packed")
@@ -144,7 +152,7 @@ def main() -> None:
             seconds, images, words = run(seed)
             times[name].append(seconds)
             shapes[name] = (images, words)
-    engine.decoder = lean
+    engine.decoder, engine.cpu_step = lean, c_step
     set_packing(groups, packed)
     print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; {new_tokens} new tokens per run, {args.runs} interleaved rounds")
@@ -153,10 +161,13 @@ def main() -> None:
     for name, t in times.items():
         print(f"| {name} | {medians[name]:.2f} | {', '.join(f'{s:.2f}' for s in t)} |")
     reference = medians["transformers generate, eager (no adapters)"]
-    images, words = shapes["engine (lean decoder)"]
-    print(f"C1: {medians['engine (lean decoder)']:.2f} s for {images} image + {words} words = "
-          f"{medians['engine (lean decoder)'] / reference:.2f}x transformers' eager generate (target <= 0.40x, "
-          f"<= 1.0 s); transformers forward in the engine {medians['engine (transformers forward)'] / reference:.2f}x")
+    default = "engine (C step)" if c_step is not None else "engine (lean decoder, torch's step)"
+    images, words = shapes[default]
+    torch_step = medians["engine (lean decoder, torch's step)"]
+    print(f"C1 ({default}): {medians[default]:.2f} s for {images} image + {words} words = "
+          f"{medians[default] / reference:.2f}x transformers' eager generate (target <= 0.40x, <= 1.0 s); torch's step "
+          f"{torch_step / reference:.2f}x, transformers forward in the engine "
+          f"{medians['engine (transformers forward)'] / reference:.2f}x")
 
 
 if __name__ == "__main__":

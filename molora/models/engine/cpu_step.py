@@ -13,6 +13,8 @@ engine keeps the torch step and logs the reason once.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -45,8 +47,10 @@ class CpuStep:
         positions = torch.arange(max_len)[None]
         cos, sin = decoder.base.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
         self.cos, self.sin_signed = cpu_decode.rope_tables(cos[0], sin[0])
-        self._head: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._head: tuple[tuple[int, int], torch.Tensor] | None = None  # (the head's (address, version), its copy)
         self._weights: cpu_decode.StepWeights | None = None
+        self._checks: list[tuple[dict, str, torch.Tensor, int]] = []  # what _current compares
+        self._group_tensors: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
 
     @staticmethod
     def unsupported(decoder: LeanDecoder | None, kv: RowKVCache) -> str | None:
@@ -88,8 +92,45 @@ class CpuStep:
         return None
 
     def _table(self) -> cpu_decode.StepWeights:
-        """The C step's pointer table, made again when a weight's copy or a buffer was replaced (a weight written in
-        place gets a new bfloat16 copy: ProjectionGroup.exact_rows_weight, and the head's version check here)."""
+        """The C step's pointer table (made again when a weight, a copy of one or a buffer was replaced: see
+        _current)."""
+        if self._weights is None or not self._current():
+            self._weights = self._make_table()
+        return self._weights
+
+    def _parameters(self) -> list[tuple[nn.Module, str]]:
+        """(module, parameter name) of every plain parameter the C step reads where it lies."""
+        decoder = self.decoder
+        places = [(decoder.base.embed_tokens, "weight"), (decoder.base.norm, "weight"), (decoder.model.lm_head, "weight")]
+        for block in decoder.blocks:
+            places += [(block.input_layernorm, "weight"), (block.post_attention_layernorm, "weight")]
+            if decoder.qk_norm:
+                places += [(block.self_attn.q_norm, "weight"), (block.self_attn.k_norm, "weight")]
+        return places
+
+    def _groups(self) -> list[Any]:
+        return [getattr(getattr(block, parent), names[0]).group for block in self.decoder.blocks
+                for parent, names in GROUP_MEMBERS]
+
+    def _current(self) -> bool:
+        """Does the table still point at what the model holds? Cheap (a step's check): the same parameter objects
+        over the same storage, the head at the version its copy was made from, and each group's stacked adapters
+        and base-weight copy the same tensors (ProjectionGroup.stacked / exact_rows_weight make new ones when the
+        model was moved or a weight written in place)."""
+        for params, name, param, address in self._checks:
+            if params[name] is not param or param.data_ptr() != address:
+                return False
+        head = self.decoder.model.lm_head.weight
+        if self._head is None or self._head[0] != (head.data_ptr(), _version(head)):
+            return False
+        for group, (packed, A, B, scale) in self._group_tensors:
+            stacked = group.stacked()
+            if stacked[0] is not A or stacked[1] is not B or stacked[2] is not scale or \
+                    group.exact_rows_weight() is not packed:
+                return False
+        return True
+
+    def _make_table(self) -> cpu_decode.StepWeights:
         decoder, model = self.decoder, self.decoder.model
         head = model.lm_head.weight
         key = (head.data_ptr(), _version(head))
@@ -98,29 +139,28 @@ class CpuStep:
             if copy is None:
                 raise RuntimeError("the output head's values are no longer all bfloat16: the C decode step cannot run")
             self._head = (key, copy)
+        self._checks = [(module._parameters, name, module._parameters[name], module._parameters[name].data_ptr())
+                        for module, name in self._parameters()]
+        self._group_tensors = [(group, (group.exact_rows_weight(), *group.stacked())) for group in self._groups()]
         tensors: list[torch.Tensor | None] = [decoder.base.embed_tokens.weight.detach(),
                                               decoder.base.norm.weight.detach(), self._head[1], self.cos,
                                               self.sin_signed]
+        groups = iter(self._group_tensors)
         for index, block in enumerate(decoder.blocks):
             attn = block.self_attn
             tensors += [block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach(),
                         attn.q_norm.weight.detach() if decoder.qk_norm else None,
                         attn.k_norm.weight.detach() if decoder.qk_norm else None]
-            for parent, names in GROUP_MEMBERS:
-                group = getattr(getattr(block, parent), names[0]).group
-                A, B, scale = group.stacked()
-                tensors += [group.exact_rows_weight(), A, B, scale]
+            for _ in GROUP_MEMBERS:
+                tensors += list(next(groups)[1])
             tensors += [self.kv.keys[index], self.kv.values[index]]
-        addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
-        if self._weights is None or self._weights.addresses != addresses:
-            first = decoder.blocks[0].self_attn.q_proj
-            dims = dict(layers=len(decoder.blocks), d=int(decoder.base.norm.weight.shape[0]), heads=decoder.heads,
-                        kv_heads=decoder.kv_heads, head_dim=decoder.head_dim,
-                        ffn=int(decoder.blocks[0].mlp.gate_proj.out_features), vocab=self.vocab,
-                        slots=int(first.num_slots), rank=int(first.r_max), max_len=self.max_len,
-                        qk_norm=int(decoder.qk_norm))
-            self._weights = cpu_decode.StepWeights(dims, decoder.eps, decoder.scaling, tensors)
-        return self._weights
+        first = decoder.blocks[0].self_attn.q_proj
+        dims = dict(layers=len(decoder.blocks), d=int(decoder.base.norm.weight.shape[0]), heads=decoder.heads,
+                    kv_heads=decoder.kv_heads, head_dim=decoder.head_dim,
+                    ffn=int(decoder.blocks[0].mlp.gate_proj.out_features), vocab=self.vocab,
+                    slots=int(first.num_slots), rank=int(first.r_max), max_len=self.max_len,
+                    qk_norm=int(decoder.qk_norm))
+        return cpu_decode.StepWeights(dims, decoder.eps, decoder.scaling, tensors)
 
     def run(self, rows: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             logits: torch.Tensor) -> None:
