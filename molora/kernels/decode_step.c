@@ -59,6 +59,41 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* sum16 gives lane j the horizontal sum of v[SUM16_PLACE[j]] (a transposing tree of shuffles: 15 adds for 16 sums,
+   where 16 separate reductions take ~8 ops each) */
+static const int SUM16_PLACE[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[i], x[i + 2], 0x44), _mm512_shuffle_ps(x[i], x[i + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+}
+
+/* out[j] = dot(rows + j * stride, x, n) for j < 16, n a multiple of 16 */
+static inline __m512 dots16(const float *rows, long stride, const float *x, long n) {
+    __m512 v[16];
+    for (int j = 0; j < 16; j++) {
+        const float *row = rows + j * stride;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_loadu_ps(x));
+        for (long i = 16; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(x + i), acc);
+        v[SUM16_PLACE[j]] = acc;
+    }
+    return sum16(v);
+}
+
+/* out[j] = dot(rows + j * stride, x, n) for j < count (16 at a time where n is a multiple of 16) */
+static void dots(const float *rows, long stride, const float *x, long n, long count, float *out) {
+    long j = 0;
+    if (n % 16 == 0)
+        for (; j + 16 <= count; j += 16) _mm512_storeu_ps(out + j, dots16(rows + j * stride, stride, x, n));
+    for (; j < count; j++) out[j] = dot(rows + j * stride, x, n);
+}
+
 /* y += a * x */
 static void axpy(float *y, float a, const float *x, long n) {
     __m512 av = _mm512_set1_ps(a);
@@ -89,21 +124,37 @@ typedef struct {
 } Group;
 
 /* y [n, out] = x [n, in] @ W^T + each row's LoRA delta: member p's outputs (widths[p] of them, in order) get
-   scale[p, s] * B[s, its outputs] @ (A[p, s] @ x) for the row's slot s (none when s < 0) */
+   scale[p, s] * B[s, its outputs] @ (A[p, s] @ x) for the row's slot s (none when s < 0). The rows of one slot are
+   taken together, so each piece of A and B is read once for all of them (a row's operations stay its own). */
 static void routed_linear(const Group *g, const long *widths, const float *x, float *y, long n,
                           const long *slot_of, long slots, long rank) {
     molora_gemm_bf16w(x, g->weight, y, n, g->out, g->in);
-    float t[rank];
-    for (long i = 0; i < n; i++) {
-        long s = slot_of[i];
-        if (s < 0) continue;
+    long members[n], t_size = rank > 0 ? rank : 1;
+    float t[n * t_size];
+    for (long s = 0; s < slots; s++) {
+        long count = 0;
+        for (long i = 0; i < n; i++)
+            if (slot_of[i] == s) members[count++] = i;
+        if (count == 0) continue;
         long first = 0;
         for (long p = 0; p < g->members; p++) {
             const float *A = g->A + (p * slots + s) * rank * g->in;
             float scale = g->scale[p * slots + s];
-            for (long j = 0; j < rank; j++) t[j] = scale * dot(A + j * g->in, x + i * g->in, g->in);
+            for (long j = 0; j < rank; j++)
+                for (long m = 0; m < count; m++)
+                    t[m * rank + j] = scale * dot(A + j * g->in, x + members[m] * g->in, g->in);
             const float *B = g->B + (s * g->out + first) * rank;
-            for (long o = 0; o < widths[p]; o++) y[i * g->out + first + o] += dot(B + o * rank, t, rank);
+            long o = 0;
+            if (rank % 16 == 0)
+                for (; o + 16 <= widths[p]; o += 16)
+                    for (long m = 0; m < count; m++) {
+                        float *out = y + members[m] * g->out + first + o;
+                        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out),
+                                                            dots16(B + o * rank, rank, t + m * rank, rank)));
+                    }
+            for (; o < widths[p]; o++)
+                for (long m = 0; m < count; m++)
+                    y[members[m] * g->out + first + o] += dot(B + o * rank, t + m * rank, rank);
             first += widths[p];
         }
     }
@@ -113,8 +164,9 @@ static void routed_linear(const Group *g, const long *widths, const float *x, fl
 static void attend(const float *q, const float *keys, const float *values, long last, long dim, float scaling,
                    float *scores, float *out) {
     float top = -INFINITY;
+    dots(keys, dim, q, dim, last + 1, scores);
     for (long c = 0; c <= last; c++) {
-        scores[c] = dot(q, keys + c * dim, dim) * scaling;
+        scores[c] *= scaling;
         if (scores[c] > top) top = scores[c];
     }
     __m512 sums = _mm512_setzero_ps(), shift = _mm512_set1_ps(top);
