@@ -6,7 +6,8 @@ C1). Its checkpoint is bfloat16, so every weight value is a bfloat16 value: a bf
 in half the bytes, and the kernel widens them in registers and computes in float32. torch has no GEMM of float32
 activations against bfloat16 weights on the CPU (oneDNN refuses the mix; F.linear wants one dtype), so the kernel is
 ours: ~40 lines of C with AVX-512 intrinsics, compiled at first use by the machine's C compiler
-(`cc -O3 -march=native`, ~0.3 s) into a temporary directory and called through ctypes (which releases the GIL).
+(`cc -O3 -march=native`, about a second with the decode step) into a temporary directory and called through ctypes
+(which releases the GIL).
 
 Where it cannot serve (no compiler, no AVX-512, a failed build or check, a weight whose values are not all bfloat16,
 an output size not a multiple of 16, more than one torch thread: oneDNN's GEMM uses them all), `bf16_weight` returns

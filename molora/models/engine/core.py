@@ -13,8 +13,9 @@ One background thread owns the model (gpt-fast's loop, vLLM's scheduler in minia
     3. prefill each admitted request alone (batch 1, its own row of the static KV cache) and sample its first
        token;
     4. decode one token for every running row in one forward of fixed width (a bucket), captured as a CUDA
-       graph on the GPU and replayed; sampling is per row (own settings, own random generator), so a request's
-       tokens do not depend on what else runs beside it.
+       graph on the GPU and replayed; on the CPU one call of the C step where the model allows
+       (models/engine/cpu_step.py: only the live rows, each on its own); sampling is per row (own settings, own
+       random generator), so a request's tokens do not depend on what else runs beside it.
 
 Routing is device tables written in place (models/engine/row_states.py): a row's (text, image) slots and the
 vocabulary's modality table; the captured step reads them, so no slot number is baked into a graph and adapters
@@ -118,11 +119,10 @@ class EngineConfig:
     LeanDecoder (models/engine/decoder.py) instead of transformers' module forward.  overlap_steps: on CUDA, launch
     each decode step before the previous step's tokens are read (the host's work per step runs beside the GPU's).
     queue_timeout_s: how long a request may wait for room.  batch_prefill:
-    prefill requests admitted at the same step boundary in one forward.  exact_rows=False lets the CPU decode as
-    few rows as are live: a lone request is faster (one picture + ~60 words 2.4 s instead of 3.0-3.15 s on the
-    embedded model, quiet 2-core CPU), and a row's numbers may then differ slightly with the batch it shares.
-    cpu_step: on the CPU with exact rows, decode through the C step (models/engine/cpu_step.py) where the model
-    allows it (False: torch's eager step)."""
+    prefill requests admitted at the same step boundary in one forward.  cpu_step: on the CPU with exact rows,
+    decode through the C step (models/engine/cpu_step.py) where the model allows it: one call a step, only the live
+    rows, each on its own (False: torch's eager step).  exact_rows=False (torch's step) lets the CPU decode as few
+    rows as are live, and a row's numbers may then differ slightly with the batch it shares."""
 
     max_rows: int | None = None
     max_len: int | None = None
