@@ -13,7 +13,7 @@ import torch
 
 from molora.kernels import cpu_bf16, cpu_decode
 from molora.models.engine.core import Engine, EngineConfig
-from molora.models.engine.cpu_step import CpuStep
+from molora.models.engine.cpu_step import CpuStep, CpuStepError
 from molora.models.engine.decoder import LeanDecoder
 from molora.models.engine.generation import GenerationConfig, Request
 from molora.models.engine.kv_cache import RowKVCache
@@ -172,6 +172,10 @@ def test_models_the_c_step_cannot_run_keep_torchs_step_with_the_reason_logged(ca
     assert len(lines) == 1 and "block 1's down_proj" in lines[0] and "bfloat16" in lines[0]
     assert solo_tokens(engine, vocab)
     engine.close()
+    decoder = LeanDecoder(routed.model)
+    decoder.base.rotary_emb.rope_type = "dynamic"  # frequencies that depend on a call's longest position
+    assert "rope type 'dynamic'" in CpuStep.unsupported(decoder, engine.kv)
+    decoder.base.rotary_emb.rope_type = "default"
     with caplog.at_level(logging.INFO, logger="molora.models.engine.core"):
         off = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=64, max_rows=4, cpu_step=False))
         off._setup()
@@ -213,6 +217,45 @@ def test_a_weight_written_in_place_is_read_at_its_new_values():
     assert torch.allclose(after[:, 0], want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_replaced_module_is_read_at_its_new_weights():
+    routed, _ = bf16_valued_model("llama", seed=11)
+    step = c_step(routed)
+    decode(step, [([7, 8, 9], -1)])
+    block = routed.model.model.layers[0]
+    replacement = copy.deepcopy(block.input_layernorm)
+    with torch.no_grad():
+        replacement.weight.mul_(-1)
+    block.input_layernorm = replacement
+    with torch.no_grad():
+        want = routed.model(input_ids=torch.tensor([[7, 8, 9]])).logits[0]
+    assert torch.allclose(decode(step, [([7, 8, 9], -1)])[:, 0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_that_stops_fitting_the_c_step_is_refused_every_time_and_the_engine_goes_back_to_torch(caplog):
+    routed, vocab = bf16_valued_model("llama", seed=12)
+    step = c_step(routed)
+    with torch.no_grad():
+        routed.model.lm_head.weight.add_(1e-3)  # no longer bfloat16 values: no copy for the C step
+    for _ in range(2):  # (never the table made before the write)
+        with pytest.raises(CpuStepError, match="no longer all bfloat16"):
+            decode(step, [([7, 8], -1)])
+    with torch.no_grad():
+        routed.model.lm_head.weight.sub_(1e-3).copy_(routed.model.lm_head.weight.bfloat16().float())
+    engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=64, max_rows=4))
+    engine._setup()
+    assert engine.cpu_step is not None
+    with torch.no_grad():
+        routed.model.lm_head.weight.add_(1e-3)
+    with caplog.at_level(logging.WARNING, logger="molora.models.engine.core"):
+        got = solo_tokens(engine, vocab)
+    assert engine.cpu_step is None
+    assert any("cannot run the model any more" in r.getMessage() for r in caplog.records)
+    torch_engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=64, max_rows=4, cpu_step=False))
+    assert got == solo_tokens(torch_engine, vocab)  # the steps after the change are torch's
+    engine.close()
+    torch_engine.close()
+
+
 def test_bad_indices_and_tables_are_refused_before_the_c_code_runs():
     routed, vocab = bf16_valued_model("llama", seed=10)
     step = c_step(routed, rows=4)
@@ -230,7 +273,7 @@ def test_bad_indices_and_tables_are_refused_before_the_c_code_runs():
         with pytest.raises(ValueError, match=message):
             step.run(**{**ok, field: value})
         assert all(torch.equal(a, b) for a, b in zip(before, step.kv.keys))  # nothing was written
-    weights = step._table()
+    weights = step.table()
     with pytest.raises(ValueError, match="tensor 1: expected a contiguous CPU torch.float32"):
         cpu_decode.StepWeights(weights.dims, 1e-6, 0.25, [weights.tensors[0], weights.tensors[1][:-1],
                                                           *weights.tensors[2:]])

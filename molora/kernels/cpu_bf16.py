@@ -66,7 +66,7 @@ def library() -> ctypes.CDLL | None:
     function.restype = None
     step = built.molora_decode_step
     step.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 5
-    step.restype = None
+    step.restype = ctypes.c_int
     return built
 
 

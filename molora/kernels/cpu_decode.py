@@ -69,10 +69,12 @@ class StepWeights:
         if set(self.dims) != set(DIM_NAMES):
             raise ValueError(f"decode step dims must name {DIM_NAMES}, got {sorted(self.dims)}")
         dims = self.dims
-        if dims["heads"] % dims["kv_heads"] or dims["head_dim"] % 2 or any(
-                (dims["heads"] * dims["head_dim"], dims["d"], dims["ffn"])[i] % LANES for i in range(3)):
-            raise ValueError(f"decode step dims {dims}: heads must be a multiple of kv_heads, head_dim even, and the "
-                             f"projections' outputs multiples of {LANES}")
+        outputs = (dims["heads"] * dims["head_dim"], (dims["heads"] + 2 * dims["kv_heads"]) * dims["head_dim"],
+                   dims["d"], dims["ffn"])
+        if dims["heads"] % dims["kv_heads"] or dims["head_dim"] % 2 or dims["rank"] < 1 or \
+                any(size % LANES for size in outputs):
+            raise ValueError(f"decode step dims {dims}: heads must be a multiple of kv_heads, head_dim even, rank at "
+                             f"least 1, and the projections' outputs multiples of {LANES}")
         kv = self.tensors[-1]
         kv_rows = kv.shape[0] if kv is not None and kv.dim() == 4 else -1
         shapes = expected_shapes(dims, kv_rows)
@@ -92,7 +94,6 @@ class StepWeights:
         self._reals = (ctypes.c_float * 2)(self.eps, self.scaling)
         self._pointers = (ctypes.c_void_p * len(self.tensors))(
             *(0 if t is None else t.data_ptr() for t in self.tensors))
-        self.addresses = tuple(0 if t is None else t.data_ptr() for t in self.tensors)
 
 
 def _index_vector(name: str, tensor: torch.Tensor, width: int) -> None:
@@ -132,8 +133,9 @@ def decode_step(weights: StepWeights, rows: torch.Tensor, ids: torch.Tensor, pos
     _within("ids", ids[rows], 0, dims["vocab"])
     _within("positions", positions[rows], 0, dims["max_len"])
     _within("slots", slots[rows], -1, dims["slots"])
-    built.molora_decode_step(weights._dims, weights._reals, weights._pointers, rows.shape[0], rows.data_ptr(),
-                             ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), logits.data_ptr())
+    if built.molora_decode_step(weights._dims, weights._reals, weights._pointers, rows.shape[0], rows.data_ptr(),
+                                ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), logits.data_ptr()):
+        raise MemoryError(f"the C decode step could not allocate its scratch for {rows.shape[0]} rows")
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,8 @@
        copy [O/16, in, 16], A [P, S, r, in], B [S, O, r], scale [P, S]; then K and V [cache rows, kv_heads,
        max_len, head_dim]
    The step: rows[n] (batch rows: each is also the row's cache row and its row of `logits` [*, vocab]), and per
-   batch row ids, positions and LoRA slots (-1: none), all int64. Needs AVX-512F (as gemm_bf16w.c). */
+   batch row ids, positions and LoRA slots (-1: none), all int64. Returns 0, or 1 when its scratch could not be
+   allocated (then nothing was written). Needs AVX-512F (as gemm_bf16w.c). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -44,7 +45,7 @@ static float dot(const float *a, const float *b, long n) {
 /* exp of 16 floats (Cephes' expf: n = round(x / ln 2), r = x - n ln 2 in two parts, a degree-7 polynomial in r,
    times 2^n; within ~2 ulp of expf, 0 below -104, inf above 88.7): glibc's scalar expf was a fifth of a row's step */
 static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  /* (this order keeps a NaN) */
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -187,7 +188,7 @@ static void attend(const float *q, const float *keys, const float *values, long 
     for (long c = 0; c <= last; c++) axpy(out, scores[c] / total, values + c * dim, dim);
 }
 
-void molora_decode_step(const long *dims, const float *reals, void *const *tensors, long n, const long *rows,
+int molora_decode_step(const long *dims, const float *reals, void *const *tensors, long n, const long *rows,
                         const long *ids, const long *positions, const long *slots, float *logits) {
     const long layers = dims[D_LAYERS], d = dims[D_MODEL], heads = dims[D_HEADS], kv_heads = dims[D_KV_HEADS];
     const long dim = dims[D_HEAD], ffn = dims[D_FFN], vocab = dims[D_VOCAB], num_slots = dims[D_SLOTS];
@@ -204,7 +205,7 @@ void molora_decode_step(const long *dims, const float *reals, void *const *tenso
        act [n, ffn], out [n, vpad], scores [max_len] */
     long floats = n * (3 * d + qkv_out + q_out + 3 * ffn + vpad) + max_len;
     float *scratch = malloc(sizeof(float) * floats);
-    if (scratch == NULL) return;
+    if (scratch == NULL) return 1;
     float *x = scratch, *h = x + n * d, *qkv = h + n * d, *attn = qkv + n * qkv_out, *proj = attn + n * q_out;
     float *gu = proj + n * d, *act = gu + n * 2 * ffn, *out = act + n * ffn, *scores = out + n * vpad;
     long slot_of[n];
@@ -272,4 +273,5 @@ void molora_decode_step(const long *dims, const float *reals, void *const *tenso
     molora_gemm_bf16w(h, head, out, n, vpad, d);
     for (long i = 0; i < n; i++) memcpy(logits + rows[i] * vocab, out + i * vpad, sizeof(float) * vocab);
     free(scratch);
+    return 0;
 }

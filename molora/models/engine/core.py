@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from molora.kernels.graphs import capture_graph
-from molora.models.engine.cpu_step import CpuStep
+from molora.models.engine.cpu_step import CpuStep, CpuStepError
 from molora.models.engine.decoder import LeanDecoder
 from molora.models.engine.generation import GenerationConfig, Request, open_image_span
 from molora.models.engine.kv_cache import RowKVCache
@@ -509,6 +509,10 @@ class Engine:
             reason = CpuStep.unsupported(self.decoder, self.kv)
             if reason is None:
                 self.cpu_step = CpuStep(self.decoder, self.kv, self.max_len)
+                try:
+                    self.cpu_step.table()
+                except CpuStepError as err:
+                    self.cpu_step, reason = None, str(err)
             log.info("engine: decode steps through %s", "the C step (models/engine/cpu_step.py)" if reason is None
                      else f"torch's forward; the C step cannot run this model: {reason}")
         # learned image gates decide once per picture: each row's decision per block, kept across decode steps
@@ -806,6 +810,12 @@ class Engine:
         """_decode through the C step: rows [0, live), except the rows (and twins) of learned jobs, which the torch
         forward decodes first (their gates are torch modules; the C step then overwrites the other rows' logits and
         K/V with its own, so every row's numbers are those of its solo run)."""
+        try:
+            self.cpu_step.table()  # (made again where the model changed)
+        except CpuStepError as err:
+            log.warning("engine: the C decode step cannot run the model any more (%s); torch's step from now on", err)
+            self.cpu_step = None
+            return self._decode(width, jobs, learned, live)
         ids, positions, slots = self.states.decode_feeds(width)
         rows = self.all_rows[:live]
         if learned:

@@ -13,6 +13,7 @@ engine keeps the torch step and logs the reason once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +35,22 @@ def _version(tensor: torch.Tensor) -> int:
         return -1
 
 
+class CpuStepError(RuntimeError):
+    """The model changed so that the C step can no longer run it (the engine goes back to torch's step)."""
+
+
+@dataclass
+class _Table:
+    """A pointer table and what it was made from: (parent's modules, child name, module, its weight, the weight's
+    address) of each plain weight (the head's third), the head's (address, version) its copy was made from, and each
+    projection group's (packed weight, A, B, scale)."""
+
+    weights: cpu_decode.StepWeights
+    head_key: tuple[int, int]
+    checks: list[tuple[dict, str, nn.Module, torch.Tensor, int]]
+    groups: list[tuple[Any, tuple[torch.Tensor, ...]]]
+
+
 class CpuStep:
     """The C decode step over one engine's model and KV cache (see the module docstring)."""
 
@@ -47,10 +64,7 @@ class CpuStep:
         positions = torch.arange(max_len)[None]
         cos, sin = decoder.base.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
         self.cos, self.sin_signed = cpu_decode.rope_tables(cos[0], sin[0])
-        self._head: tuple[tuple[int, int], torch.Tensor] | None = None  # (the head's (address, version), its copy)
-        self._weights: cpu_decode.StepWeights | None = None
-        self._checks: list[tuple[dict, str, torch.Tensor, int]] = []  # what _current compares
-        self._group_tensors: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
+        self._table: _Table | None = None
 
     @staticmethod
     def unsupported(decoder: LeanDecoder | None, kv: RowKVCache) -> str | None:
@@ -61,6 +75,9 @@ class CpuStep:
             return "the engine runs transformers' forward, not LeanDecoder"
         model = decoder.model
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        rope_type = str(getattr(decoder.base.rotary_emb, "rope_type", "default"))
+        if "dynamic" in rope_type or rope_type == "longrope":
+            return f"rope type {rope_type!r} (its frequencies depend on the longest position of a call)"
         if decoder.act is not torch.nn.functional.silu:
             return f"activation {getattr(config, 'hidden_act', None)!r} (the C step has SiLU)"
         if type(kv) is not RowKVCache or any(t.dtype != torch.float32 or t.device.type != "cpu"
@@ -88,71 +105,81 @@ class CpuStep:
                 weight = group.exact_rows_weight()
                 if weight is None or weight.dtype != torch.bfloat16 or A.dtype != torch.float32:
                     return (f"block {index}'s {'/'.join(names)} weights have no bfloat16 copy (values not all "
-                            "bfloat16, or more than one torch thread)")
+                            "bfloat16, more than one torch thread, or the engine's packing budget spent)")
         return None
 
-    def _table(self) -> cpu_decode.StepWeights:
-        """The C step's pointer table (made again when a weight, a copy of one or a buffer was replaced: see
-        _current)."""
-        if self._weights is None or not self._current():
-            self._weights = self._make_table()
-        return self._weights
+    def table(self) -> cpu_decode.StepWeights:
+        """The C step's pointer table for the model as it is now: the last one while _current says it still points at
+        what the model holds, else a new one (CpuStepError where the model no longer allows one)."""
+        if self._table is None or not self._current(self._table):
+            self._table = None
+            try:
+                self._table = self._make_table()
+            except (ValueError, RuntimeError) as err:
+                raise CpuStepError(str(err)) from err
+        return self._table.weights
 
-    def _parameters(self) -> list[tuple[nn.Module, str]]:
-        """(module, parameter name) of every plain parameter the C step reads where it lies."""
+    def _places(self) -> list[tuple[nn.Module, str]]:
+        """(parent module, child name) of every module whose `weight` the C step reads where it lies."""
         decoder = self.decoder
-        places = [(decoder.base.embed_tokens, "weight"), (decoder.base.norm, "weight"), (decoder.model.lm_head, "weight")]
+        places: list[tuple[nn.Module, str]] = [(decoder.base, "embed_tokens"), (decoder.base, "norm"),
+                                               (decoder.model, "lm_head")]
         for block in decoder.blocks:
-            places += [(block.input_layernorm, "weight"), (block.post_attention_layernorm, "weight")]
+            places += [(block, "input_layernorm"), (block, "post_attention_layernorm")]
             if decoder.qk_norm:
-                places += [(block.self_attn.q_norm, "weight"), (block.self_attn.k_norm, "weight")]
+                places += [(block.self_attn, "q_norm"), (block.self_attn, "k_norm")]
         return places
 
     def _groups(self) -> list[Any]:
         return [getattr(getattr(block, parent), names[0]).group for block in self.decoder.blocks
                 for parent, names in GROUP_MEMBERS]
 
-    def _current(self) -> bool:
-        """Does the table still point at what the model holds? Cheap (a step's check): the same parameter objects
-        over the same storage, the head at the version its copy was made from, and each group's stacked adapters
-        and base-weight copy the same tensors (ProjectionGroup.stacked / exact_rows_weight make new ones when the
-        model was moved or a weight written in place)."""
-        for params, name, param, address in self._checks:
-            if params[name] is not param or param.data_ptr() != address:
+    @staticmethod
+    def _current(table: _Table) -> bool:
+        """Does `table` still point at what the model holds? Cheap (a step's check): the same modules holding the
+        same parameter objects over the same storage, the head at the version its copy was made from, and each
+        group's stacked adapters and base-weight copy the same tensors (ProjectionGroup.stacked / exact_rows_weight
+        make new ones when the model was moved or a weight written in place). A write through `.data` bumps no
+        version: as for torch's step's packed copies, it is not seen."""
+        for modules, name, module, param, address in table.checks:
+            if modules.get(name) is not module or module._parameters.get("weight") is not param or \
+                    param.data_ptr() != address:
                 return False
-        head = self.decoder.model.lm_head.weight
-        if self._head is None or self._head[0] != (head.data_ptr(), _version(head)):
+        head = table.checks[2][3]
+        if table.head_key != (head.data_ptr(), _version(head)):
             return False
-        for group, (packed, A, B, scale) in self._group_tensors:
+        for group, (packed, A, B, scale) in table.groups:
             stacked = group.stacked()
             if stacked[0] is not A or stacked[1] is not B or stacked[2] is not scale or \
                     group.exact_rows_weight() is not packed:
                 return False
         return True
 
-    def _make_table(self) -> cpu_decode.StepWeights:
-        decoder, model = self.decoder, self.decoder.model
-        head = model.lm_head.weight
-        key = (head.data_ptr(), _version(head))
-        if self._head is None or self._head[0] != key:
-            copy = cpu_decode.head_copy(head)
-            if copy is None:
-                raise RuntimeError("the output head's values are no longer all bfloat16: the C decode step cannot run")
-            self._head = (key, copy)
-        self._checks = [(module._parameters, name, module._parameters[name], module._parameters[name].data_ptr())
-                        for module, name in self._parameters()]
-        self._group_tensors = [(group, (group.exact_rows_weight(), *group.stacked())) for group in self._groups()]
-        tensors: list[torch.Tensor | None] = [decoder.base.embed_tokens.weight.detach(),
-                                              decoder.base.norm.weight.detach(), self._head[1], self.cos,
-                                              self.sin_signed]
-        groups = iter(self._group_tensors)
+    def _make_table(self) -> _Table:
+        decoder = self.decoder
+        checks = []
+        for parent, name in self._places():
+            module = parent._modules[name]
+            param = module._parameters["weight"]
+            checks.append((parent._modules, name, module, param, param.data_ptr()))
+        head = checks[2][3]
+        head_key = (head.data_ptr(), _version(head))
+        head_copy = cpu_decode.head_copy(head)
+        if head_copy is None:
+            raise RuntimeError("the output head's values are no longer all bfloat16")
+        groups = [(group, (group.exact_rows_weight(), *group.stacked())) for group in self._groups()]
+        weights = {(parent, name): param.detach() for (parent, name), (_, _, _, param, _) in
+                   zip(self._places(), checks)}
+        tensors: list[torch.Tensor | None] = [weights[decoder.base, "embed_tokens"], weights[decoder.base, "norm"],
+                                              head_copy, self.cos, self.sin_signed]
+        members = iter(groups)
         for index, block in enumerate(decoder.blocks):
             attn = block.self_attn
-            tensors += [block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach(),
-                        attn.q_norm.weight.detach() if decoder.qk_norm else None,
-                        attn.k_norm.weight.detach() if decoder.qk_norm else None]
+            tensors += [weights[block, "input_layernorm"], weights[block, "post_attention_layernorm"],
+                        weights[attn, "q_norm"] if decoder.qk_norm else None,
+                        weights[attn, "k_norm"] if decoder.qk_norm else None]
             for _ in GROUP_MEMBERS:
-                tensors += list(next(groups)[1])
+                tensors += list(next(members)[1])
             tensors += [self.kv.keys[index], self.kv.values[index]]
         first = decoder.blocks[0].self_attn.q_proj
         dims = dict(layers=len(decoder.blocks), d=int(decoder.base.norm.weight.shape[0]), heads=decoder.heads,
@@ -160,12 +187,12 @@ class CpuStep:
                     ffn=int(decoder.blocks[0].mlp.gate_proj.out_features), vocab=self.vocab,
                     slots=int(first.num_slots), rank=int(first.r_max), max_len=self.max_len,
                     qk_norm=int(decoder.qk_norm))
-        return cpu_decode.StepWeights(dims, decoder.eps, decoder.scaling, tensors)
+        return _Table(cpu_decode.StepWeights(dims, decoder.eps, decoder.scaling, tensors), head_key, checks, groups)
 
     def run(self, rows: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             logits: torch.Tensor) -> None:
         """Decode one token for each batch row in `rows` (see cpu_decode.decode_step); ids, positions, slots [W]."""
-        cpu_decode.decode_step(self._table(), rows, ids, positions, slots, logits)
+        cpu_decode.decode_step(self.table(), rows, ids, positions, slots, logits)
 
 
-__all__ = ["CpuStep"]
+__all__ = ["CpuStep", "CpuStepError"]
