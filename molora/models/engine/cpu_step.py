@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from molora.kernels import cpu_decode
+from molora.kernels.errors import MoLoRAError
 from molora.models.engine.decoder import LeanDecoder
 from molora.models.engine.kv_cache import RowKVCache
 
@@ -35,7 +36,7 @@ def _version(tensor: torch.Tensor) -> int:
         return -1
 
 
-class CpuStepError(RuntimeError):
+class CpuStepError(MoLoRAError, RuntimeError):
     """The model changed so that the C step can no longer run it (the engine goes back to torch's step)."""
 
 
