@@ -495,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="molora evaluate", description="ShapesEval: score the embedded model on held-out shape scenes.")
     ap.add_argument("--model", default=None, help="model directory (default: the embedded assets/model)")
     ap.add_argument("--n", type=int, default=200,
-                    help="prompts per category (default 200: hours on a 2-core CPU, minutes on a GPU; the progress "
+                    help="prompts per category (default 200: about an hour on a 2-core CPU, minutes on a GPU; the progress "
                          "bar estimates the time left; try --n 10 first)")
     ap.add_argument("--conditions", nargs="*", default=None, choices=CONDITIONS)
     ap.add_argument("--categories", nargs="*", default=None, choices=CATEGORIES)
