@@ -279,3 +279,25 @@ def test_bad_indices_and_tables_are_refused_before_the_c_code_runs():
                                                           *weights.tensors[2:]])
     with pytest.raises(ValueError, match="tensors for"):
         cpu_decode.StepWeights(weights.dims, 1e-6, 0.25, weights.tensors[:-1])
+
+
+def test_the_portable_build_without_avx512_gives_the_same_answers_within_rounding(monkeypatch):
+    """vec16.h's plain-loop lanes (AVX2, NEON, ...): built here with AVX-512 turned off."""
+    monkeypatch.setenv("CC", "cc -mno-avx512f")
+    cpu_bf16.library.cache_clear()
+    try:
+        if cpu_bf16.library() is None:
+            pytest.skip("this compiler does not take -mno-avx512f")
+        routed, vocab = bf16_valued_model("qwen3", seed=13)
+        slots = dict(zip(["a", "b"], routed.cache.acquire(["a", "b"])))
+        ids = torch.randint(5, vocab.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+        feeds = [(ids[0].tolist(), slots["a"]), (ids[1].tolist(), -1)]
+        together = decode(c_step(routed), feeds)
+        with torch.no_grad():
+            for row, reference in enumerate([merged(routed, "a"), routed.model]):
+                want = reference(input_ids=ids[row:row + 1]).logits[0]
+                assert torch.allclose(together[:, row], want, rtol=1e-4, atol=1e-4)
+        alone = decode(c_step(routed), [feeds[0]] * 2, rows=[0])
+        assert torch.equal(alone[:, 0], together[:, 0])
+    finally:
+        cpu_bf16.library.cache_clear()

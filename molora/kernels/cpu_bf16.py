@@ -5,11 +5,12 @@ A decode step of the embedded model on a 2-core CPU is bound by reading its floa
 C1). Its checkpoint is bfloat16, so every weight value is a bfloat16 value: a bfloat16 copy holds the same numbers
 in half the bytes, and the kernel widens them in registers and computes in float32. torch has no GEMM of float32
 activations against bfloat16 weights on the CPU (oneDNN refuses the mix; F.linear wants one dtype), so the kernel is
-ours: ~40 lines of C with AVX-512 intrinsics, compiled at first use by the machine's C compiler
+ours: ~40 lines of C (AVX-512 intrinsics where the compiler targets AVX-512F, else plain 16-lane loops it vectorises
+for the machine: vec16.h), compiled at first use by the machine's C compiler
 (`cc -O3 -march=native`, about a second with the decode step) into a temporary directory and called through ctypes
 (which releases the GIL).
 
-Where it cannot serve (no compiler, no AVX-512, a failed build or check, a weight whose values are not all bfloat16,
+Where it cannot serve (no compiler, a failed build or check, a weight whose values are not all bfloat16,
 an output size not a multiple of 16, more than one torch thread: oneDNN's GEMM uses them all), `bf16_weight` returns
 None and the caller keeps oneDNN's float32 GEMM; a failed build logs one line.
 """
@@ -20,6 +21,7 @@ import ctypes
 import functools
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -30,6 +32,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemm_bf16w.c", "decode_step.c"))
+HEADER = Path(__file__).with_name("vec16.h")  # 16-lane vectors: AVX-512F where the compiler targets it, else loops
 # outputs per block of the copy's layout (one 16-lane float32 vector)
 LANES = 16
 
@@ -38,17 +41,19 @@ LANES = 16
 def library() -> ctypes.CDLL | None:
     """The compiled kernels (SOURCES), built once per process (a build in a shared cache could meet another CPU:
     -march=native); None where they cannot be built here."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    missing = [str(source) for source in SOURCES if not source.is_file()]
-    if compiler is None or missing:
+    # $CC may carry flags ("ccache gcc", "cc -mno-avx512f")
+    compiler = shlex.split(os.environ.get("CC", "")) or [found for found in [shutil.which("cc") or shutil.which("gcc")]
+                                                         if found]
+    missing = [str(source) for source in (*SOURCES, HEADER) if not source.is_file()]
+    if not compiler or missing:
         log.info("cpu bfloat16 GEMM: %s; the engine keeps oneDNN's float32 GEMM and torch's decode step",
-                 "no C compiler here" if compiler is None else f"{missing[0]} is missing")
+                 "no C compiler here" if not compiler else f"{missing[0]} is missing")
         return None
     folder = None
     try:
         folder = tempfile.mkdtemp(prefix="molora-gemm-")
         target = os.path.join(folder, "molora_cpu.so")
-        subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", target,
+        subprocess.run([*compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", target,
                         *(str(source) for source in SOURCES), "-lm"], check=True, capture_output=True, timeout=60)
         built = ctypes.CDLL(target)
     except (OSError, subprocess.SubprocessError) as err:

@@ -20,12 +20,13 @@
        max_len, head_dim]
    The step: rows[n] (batch rows: each is also the row's cache row and its row of `logits` [*, vocab]), and per
    batch row ids, positions and LoRA slots (-1: none), all int64. Returns 0, or 1 when its scratch could not be
-   allocated (then nothing was written). Needs AVX-512F (as gemm_bf16w.c). */
-#include <immintrin.h>
+   allocated (then nothing was written). Vectors of 16 lanes: AVX-512F or portable loops (vec16.h). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "vec16.h"
 
 void molora_gemm_bf16w(const float *x, const uint16_t *w, float *y, long n, long o, long k);
 
@@ -34,54 +35,38 @@ enum { D_LAYERS, D_MODEL, D_HEADS, D_KV_HEADS, D_HEAD, D_FFN, D_VOCAB, D_SLOTS, 
        D_COUNT };
 
 static float dot(const float *a, const float *b, long n) {
-    __m512 acc = _mm512_setzero_ps();
+    v16 acc = v16_zero();
     long i = 0;
-    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    float sum = _mm512_reduce_add_ps(acc);
+    for (; i + 16 <= n; i += 16) acc = v16_fma(v16_load(a + i), v16_load(b + i), acc);
+    float sum = v16_sum(acc);
     for (; i < n; i++) sum += a[i] * b[i];
     return sum;
 }
 
 /* exp of 16 floats (Cephes' expf: n = round(x / ln 2), r = x - n ln 2 in two parts, a degree-7 polynomial in r,
    times 2^n; within ~2 ulp of expf, 0 below -104, inf above 88.7): glibc's scalar expf was a fifth of a row's step */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  /* (this order keeps a NaN) */
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* sum16 gives lane j the horizontal sum of v[SUM16_PLACE[j]] (a transposing tree of shuffles: 15 adds for 16 sums,
-   where 16 separate reductions take ~8 ops each) */
-static const int SUM16_PLACE[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-
-static inline __m512 sum16(const __m512 v[16]) {
-    __m512 w[8], x[4], y[2];
-    for (int i = 0; i < 8; i++)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
-    for (int i = 0; i < 4; i++)
-        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
-    for (int i = 0; i < 2; i++)
-        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[i], x[i + 2], 0x44), _mm512_shuffle_ps(x[i], x[i + 2], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+static inline v16 exp16(v16 x) {
+    x = v16_max(v16_set1(-104.0f), x);  /* (this order keeps a NaN) */
+    v16 n = v16_round(v16_mul(x, v16_set1(1.44269504088896341f)));
+    v16 r = v16_fnma(n, v16_set1(0.693359375f), x);
+    r = v16_fnma(n, v16_set1(-2.12194440e-4f), r);
+    v16 p = v16_set1(1.9875691500e-4f);
+    p = v16_fma(p, r, v16_set1(1.3981999507e-3f));
+    p = v16_fma(p, r, v16_set1(8.3334519073e-3f));
+    p = v16_fma(p, r, v16_set1(4.1665795894e-2f));
+    p = v16_fma(p, r, v16_set1(1.6666665459e-1f));
+    p = v16_fma(p, r, v16_set1(5.0000001201e-1f));
+    p = v16_fma(p, v16_mul(r, r), v16_add(r, v16_set1(1.0f)));
+    return v16_scale2(p, n);
 }
 
 /* out[j] = dot(rows + j * stride, x, n) for j < 16, n a multiple of 16 */
-static inline __m512 dots16(const float *rows, long stride, const float *x, long n) {
-    __m512 v[16];
+static inline v16 dots16(const float *rows, long stride, const float *x, long n) {
+    v16 v[16];
     for (int j = 0; j < 16; j++) {
         const float *row = rows + j * stride;
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_loadu_ps(x));
-        for (long i = 16; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(x + i), acc);
+        v16 acc = v16_mul(v16_load(row), v16_load(x));
+        for (long i = 16; i < n; i += 16) acc = v16_fma(v16_load(row + i), v16_load(x + i), acc);
         v[SUM16_PLACE[j]] = acc;
     }
     return sum16(v);
@@ -91,16 +76,15 @@ static inline __m512 dots16(const float *rows, long stride, const float *x, long
 static void dots(const float *rows, long stride, const float *x, long n, long count, float *out) {
     long j = 0;
     if (n % 16 == 0)
-        for (; j + 16 <= count; j += 16) _mm512_storeu_ps(out + j, dots16(rows + j * stride, stride, x, n));
+        for (; j + 16 <= count; j += 16) v16_store(out + j, dots16(rows + j * stride, stride, x, n));
     for (; j < count; j++) out[j] = dot(rows + j * stride, x, n);
 }
 
 /* y += a * x */
 static void axpy(float *y, float a, const float *x, long n) {
-    __m512 av = _mm512_set1_ps(a);
+    v16 av = v16_set1(a);
     long i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i),
-                                                                          _mm512_loadu_ps(y + i)));
+    for (; i + 16 <= n; i += 16) v16_store(y + i, v16_fma(av, v16_load(x + i), v16_load(y + i)));
     for (; i < n; i++) y[i] += a * x[i];
 }
 
@@ -150,8 +134,7 @@ static void routed_linear(const Group *g, const long *widths, const float *x, fl
                 for (; o + 16 <= widths[p]; o += 16)
                     for (long m = 0; m < count; m++) {
                         float *out = y + members[m] * g->out + first + o;
-                        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out),
-                                                            dots16(B + o * rank, rank, t + m * rank, rank)));
+                        v16_store(out, v16_add(v16_load(out), dots16(B + o * rank, rank, t + m * rank, rank)));
                     }
             for (; o < widths[p]; o++)
                 for (long m = 0; m < count; m++)
@@ -170,20 +153,20 @@ static void attend(const float *q, const float *keys, const float *values, long 
         scores[c] *= scaling;
         if (scores[c] > top) top = scores[c];
     }
-    __m512 sums = _mm512_setzero_ps(), shift = _mm512_set1_ps(top);
+    v16 sums = v16_zero(), shift = v16_set1(top);
     long c = 0;
     for (; c + 16 <= last + 1; c += 16) {
-        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + c), shift));
-        _mm512_storeu_ps(scores + c, e);
-        sums = _mm512_add_ps(sums, e);
+        v16 e = exp16(v16_sub(v16_load(scores + c), shift));
+        v16_store(scores + c, e);
+        sums = v16_add(sums, e);
     }
     if (c <= last) {
-        __mmask16 tail = (__mmask16)((1u << (last + 1 - c)) - 1);
-        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + c), shift));
-        _mm512_mask_storeu_ps(scores + c, tail, e);
-        sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(tail, e));
+        long tail = last + 1 - c;
+        v16 e = exp16(v16_sub(v16_load_first(scores + c, tail), shift));
+        v16_store_first(scores + c, tail, e);
+        sums = v16_add(sums, v16_first(tail, e));
     }
-    float total = _mm512_reduce_add_ps(sums);
+    float total = v16_sum(sums);
     memset(out, 0, sizeof(float) * dim);
     for (long c = 0; c <= last; c++) axpy(out, scores[c] / total, values + c * dim, dim);
 }
@@ -259,11 +242,9 @@ int molora_decode_step(const long *dims, const float *reals, void *const *tensor
         routed_linear(&groups[2], gu_widths, h, gu, n, slot_of, num_slots, rank);
         for (long i = 0; i < n; i++)  /* silu(gate) * up, 16 at a time (ffn is a multiple of 16) */
             for (long c = 0; c < ffn; c += 16) {
-                __m512 gate = _mm512_loadu_ps(gu + i * 2 * ffn + c), up = _mm512_loadu_ps(gu + i * 2 * ffn + ffn + c);
-                __m512 sigmoid = _mm512_div_ps(_mm512_set1_ps(1.0f),
-                                               _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(
-                                                   _mm512_setzero_ps(), gate))));
-                _mm512_storeu_ps(act + i * ffn + c, _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid), up));
+                v16 gate = v16_load(gu + i * 2 * ffn + c), up = v16_load(gu + i * 2 * ffn + ffn + c);
+                v16 sigmoid = v16_div(v16_set1(1.0f), v16_add(v16_set1(1.0f), exp16(v16_sub(v16_zero(), gate))));
+                v16_store(act + i * ffn + c, v16_mul(v16_mul(gate, sigmoid), up));
             }
         routed_linear(&groups[3], down_widths, act, proj, n, slot_of, num_slots, rank);
         for (long i = 0; i < n; i++)

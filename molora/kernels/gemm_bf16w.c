@@ -11,33 +11,26 @@
    Each output is one chain of fused multiply-adds over k in order, in its own lane of a 16-output vector: the same
    operations whatever the other rows of x are, so a row's numbers never depend on its neighbours (the engine's
    exact rows). Blocks of 4 rows x 64 outputs keep 16 accumulators in registers and read each weight once per 4 rows.
-   Needs AVX-512F: elsewhere it does not compile, and the engine keeps oneDNN's float32 GEMM. */
-#include <immintrin.h>
-#include <stdint.h>
-
-static inline __m512 load_weights(const uint16_t *w) {
-    /* 16 bfloat16 as float32: a bfloat16 is the upper half of a float32 */
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+   AVX-512F where the compiler targets it, else the same lanes as plain loops the compiler vectorises (vec16.h). */
+#include "vec16.h"
 
 /* y[i .. i+ROWS, 16 b .. 16 (b+VECS)] (ROWS, VECS constants from 1 to 4: the loops unroll) */
 static inline __attribute__((always_inline)) void block(const float *x, const uint16_t *w, float *y, long o,
                                                          long k, long i, long b, const int ROWS, const int VECS) {
-    __m512 acc[4][4];
+    v16 acc[4][4];
     for (int a = 0; a < ROWS; a++)
-        for (int v = 0; v < VECS; v++) acc[a][v] = _mm512_setzero_ps();
+        for (int v = 0; v < VECS; v++) acc[a][v] = v16_zero();
     const uint16_t *first = w + b * k * 16;
     for (long j = 0; j < k; j++) {
-        __m512 wv[4];
-        for (int v = 0; v < VECS; v++) wv[v] = load_weights(first + (v * k + j) * 16);
+        v16 wv[4];
+        for (int v = 0; v < VECS; v++) wv[v] = v16_bf16(first + (v * k + j) * 16);
         for (int a = 0; a < ROWS; a++) {
-            __m512 xv = _mm512_set1_ps(x[(i + a) * k + j]);
-            for (int v = 0; v < VECS; v++) acc[a][v] = _mm512_fmadd_ps(xv, wv[v], acc[a][v]);
+            v16 xv = v16_set1(x[(i + a) * k + j]);
+            for (int v = 0; v < VECS; v++) acc[a][v] = v16_fma(xv, wv[v], acc[a][v]);
         }
     }
     for (int a = 0; a < ROWS; a++)
-        for (int v = 0; v < VECS; v++) _mm512_storeu_ps(y + (i + a) * o + (b + v) * 16, acc[a][v]);
+        for (int v = 0; v < VECS; v++) v16_store(y + (i + a) * o + (b + v) * 16, acc[a][v]);
 }
 
 #define EVERY_ROW(VECS)                                                          \
