@@ -141,23 +141,33 @@ def test_the_engine_decodes_through_the_c_step_and_a_request_equals_its_solo_run
     torch_engine.close()
 
 
-def test_learned_rows_decode_through_torch_beside_c_rows_and_every_row_equals_its_solo_run():
+def test_learned_rows_decode_in_the_c_step_with_torchs_gates_and_every_row_equals_its_solo_run():
     routed, vocab = bf16_valued_model("llama", seed=6)
     torch.manual_seed(0)
     gates = LearnedGates.for_model(routed, ["a", "b"])
     engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=96, max_rows=8))
     prompts = [[vocab.bos_id, 9, 10, 11], [vocab.bos_id, 20, 21], [vocab.bos_id, 30]]
-    requests = [Request(prompts[0], LearnedRouter(gates, top_k=2)), Request(prompts[1], VocabRangeRouter(vocab, "a", "b")),
-                Request(prompts[2], None)]
+    requests = [Request(prompts[0], LearnedRouter(gates, top_k=2)),
+                Request(prompts[1], VocabRangeRouter(vocab, "a", "b")), Request(prompts[2], None)]
     configs = [GenerationConfig(max_new_tokens=20, seed=i, **GREEDY) for i in range(3)]
-    alone = [stream_all(engine, [r], [c])[0] for r, c in zip(requests, configs)]
+    learned_alone = stream_all(engine, [requests[0]], [configs[0]])[0]
+    alone = [learned_alone] + [stream_all(engine, [r], [c])[0] for r, c in zip(requests[1:], configs[1:])]
     engine._setup()
     served, run = [], engine.cpu_step.run
-    engine.cpu_step.run = lambda rows, *args: served.append(rows.tolist()) or run(rows, *args)
+    engine.cpu_step.run = lambda rows, *args, learned=None: served.append((rows.tolist(), learned is not None)) or \
+        run(rows, *args, learned=learned)
     assert stream_all(engine, requests, configs) == alone
-    # the learned request came first: its rows (0 and its guidance twin 1) decode through torch, the others in C
-    assert served and all(0 not in rows and 1 not in rows for rows in served) and max(map(len, served)) >= 2
+    # the steps the three shared: every live row in one C call, the gates asked at each block
+    assert any(learned and len(rows) >= 3 for rows, learned in served)
+    # and the learned tokens report their top-2 adapters with weights, as torch's step does
+    mixes = [item.mix for _, item in engine.stream([requests[0]], [configs[0]]) if hasattr(item, "mix")]
+    assert mixes and all(1 <= len(mix) <= 2 and abs(sum(w for _, w in mix) - 1) < 1e-3 for mix in mixes[1:])
+    torch_engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=96, max_rows=8, cpu_step=False))
+    torch_learned = stream_all(torch_engine, [requests[0]], [configs[0]])[0]
+    # the same greedy tokens and producing adapters as torch's step (the numbers differ by float32 rounding only)
+    assert torch_learned == learned_alone
     engine.close()
+    torch_engine.close()
 
 
 def test_models_the_c_step_cannot_run_keep_torchs_step_with_the_reason_logged(caplog):

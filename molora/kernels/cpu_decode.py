@@ -16,11 +16,12 @@ no call can make the C code read or write outside a tensor.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from molora.kernels.cpu_bf16 import LANES, bf16_weight, library
+from molora.kernels.cpu_bf16 import LANES, ROUTE_FN, bf16_weight, library
 
 DIM_NAMES = ("layers", "d", "heads", "kv_heads", "head_dim", "ffn", "vocab", "slots", "rank", "max_len", "qk_norm")
 GLOBAL_TENSORS = 5
@@ -108,11 +109,24 @@ def _within(name: str, values: torch.Tensor, low: int, high: int) -> None:
         raise ValueError(f"decode step {name} must lie in [{low}, {high}), got {values.tolist()}")
 
 
+@dataclass
+class LearnedRoute:
+    """Learned routing for one C step: before block i the step writes every batch row's block input into
+    `inputs` [W, d] (zeros for rows it does not compute) and calls `route(i)`, which leaves the rows' top-k slots
+    (-1: none) and weights in `slots` / `weights` [W, k] (contiguous int64 / float32, written in place)."""
+
+    route: Callable[[int], None]
+    inputs: torch.Tensor
+    slots: torch.Tensor
+    weights: torch.Tensor
+
+
 def decode_step(weights: StepWeights, rows: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor, logits: torch.Tensor) -> None:
+                slots: torch.Tensor, logits: torch.Tensor, learned: LearnedRoute | None = None) -> None:
     """One token for each batch row in `rows` [n]: row r feeds ids[r] at positions[r] with LoRA slot slots[r] (-1:
-    none), writes its K/V at (cache row r, positions[r]) and its logits into logits[r] (float32 [W, vocab]); the
-    other rows of `logits` are left as they are."""
+    none; or, with `learned`, the gates' top-k of each block), writes its K/V at (cache row r, positions[r]) and its
+    logits into logits[r] (float32 [W, vocab]); the other rows of `logits` are left as they are. An error raised by
+    `learned.route` stops the step (the K/V of the blocks before may be written) and is raised here."""
     built = library()
     if built is None:
         raise RuntimeError("the CPU decode step is not built on this machine (kernels/cpu_bf16.py)")
@@ -133,9 +147,38 @@ def decode_step(weights: StepWeights, rows: torch.Tensor, ids: torch.Tensor, pos
     _within("ids", ids[rows], 0, dims["vocab"])
     _within("positions", positions[rows], 0, dims["max_len"])
     _within("slots", slots[rows], -1, dims["slots"])
-    if built.molora_decode_step(weights._dims, weights._reals, weights._pointers, rows.shape[0], rows.data_ptr(),
-                                ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), logits.data_ptr()):
+    k, route, failure = 1, ROUTE_FN(), []  # (ROUTE_FN(): a NULL function pointer)
+    mix = (0, 0, 0)
+    if learned is not None:
+        k = learned.slots.shape[1] if learned.slots.dim() == 2 else 0
+        for name, tensor, dtype, shape in (("inputs", learned.inputs, torch.float32, (width, dims["d"])),
+                                           ("slots", learned.slots, torch.long, (width, k)),
+                                           ("weights", learned.weights, torch.float32, (width, k))):
+            if tensor.dtype != dtype or tensor.device.type != "cpu" or tuple(tensor.shape) != shape or \
+                    not tensor.is_contiguous() or k < 1:
+                raise ValueError(f"decode step learned {name}: expected a contiguous CPU {dtype} {shape} (k >= 1), "
+                                 f"got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
+
+        def call(layer: int) -> int:
+            try:
+                learned.route(layer)
+                return 0
+            except BaseException as err:  # raised below, once the C code has returned
+                failure.append(err)
+                return 1
+
+        route = ROUTE_FN(call)
+        mix = (learned.slots.data_ptr(), learned.weights.data_ptr(), learned.inputs.data_ptr())
+    status = built.molora_decode_step(weights._dims, weights._reals, weights._pointers, rows.shape[0],
+                                      rows.data_ptr(), ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                                      logits.data_ptr(), width, k, *mix, route)
+    if status == 1:
         raise MemoryError(f"the C decode step could not allocate its scratch for {rows.shape[0]} rows")
+    if status == 2:
+        raise failure[0]
+    if status == 3:
+        raise ValueError(f"decode step: the learned route left slots outside [-1, {dims['slots']}): "
+                         f"{learned.slots.tolist() if learned is not None else None}")
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,4 +198,4 @@ def head_copy(weight: torch.Tensor) -> torch.Tensor | None:
     return bf16_weight(padded)
 
 
-__all__ = ["StepWeights", "decode_step", "available", "rope_tables", "head_copy", "expected_shapes"]
+__all__ = ["StepWeights", "LearnedRoute", "decode_step", "available", "rope_tables", "head_copy", "expected_shapes"]

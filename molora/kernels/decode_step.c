@@ -19,8 +19,11 @@
        copy [O/16, in, 16], A [P, S, r, in], B [S, O, r], scale [P, S]; then K and V [cache rows, kv_heads,
        max_len, head_dim]
    The step: rows[n] (batch rows: each is also the row's cache row and its row of `logits` [*, vocab]), and per
-   batch row ids, positions and LoRA slots (-1: none), all int64. Returns 0, or 1 when its scratch could not be
-   allocated (then nothing was written). Vectors of 16 lanes: AVX-512F or portable loops (vec16.h). */
+   batch row ids, positions and LoRA slots (-1: none), all int64. Learned (MoLoRA) routing, when `route` is not
+   NULL: at each block the rows' inputs go to route_in [width, d] (zeros for the rows not computed), `route` runs
+   the gates (in Python) and leaves each batch row's top-k slots and weights in mix_slots / mix_weights [width, k],
+   which replace `slots` for that block. Returns 0; 1 when its scratch could not be allocated (nothing was
+   written); 2 when `route` failed, 3 when it left a slot out of range (the step stopped part-way). Vectors of 16 lanes: AVX-512F or portable loops (vec16.h). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,6 +32,10 @@
 #include "vec16.h"
 
 void molora_gemm_bf16w(const float *x, const uint16_t *w, float *y, long n, long o, long k);
+
+/* learned routing: called at each block's start with the block index, after the block inputs were written to
+   route_in; fills mix_slots / mix_weights [width, k]; nonzero stops the step */
+typedef int (*route_fn)(long layer);
 
 enum { GLOBAL_TENSORS = 5, GROUP_TENSORS = 4, GROUPS = 4, LAYER_TENSORS = 4 + GROUPS * GROUP_TENSORS + 2 };
 enum { D_LAYERS, D_MODEL, D_HEADS, D_KV_HEADS, D_HEAD, D_FFN, D_VOCAB, D_SLOTS, D_RANK, D_MAX_LEN, D_QK_NORM,
@@ -108,18 +115,20 @@ typedef struct {
     long members, in, out;
 } Group;
 
-/* y [n, out] = x [n, in] @ W^T + each row's LoRA delta: member p's outputs (widths[p] of them, in order) get
-   scale[p, s] * B[s, its outputs] @ (A[p, s] @ x) for the row's slot s (none when s < 0). The rows of one slot are
-   taken together, so each piece of A and B is read once for all of them (a row's operations stay its own). */
+/* y [n, out] = x [n, in] @ W^T + each row's LoRA delta: row i's choices c < k (slot s = choice_slot[i k + c],
+   none when s < 0, weight w = choice_weight[i k + c]) add w * scale[p, s] * B[s, member p's outputs] @ (A[p, s] @ x)
+   to member p's outputs (widths[p] of them, in order). The choices of one slot are taken together, so each piece of
+   A and B is read once for all of them; a row's own operations, and the order of its choices (by slot), stay the
+   same whatever else shares the call. */
 static void routed_linear(const Group *g, const long *widths, const float *x, float *y, long n,
-                          const long *slot_of, long slots, long rank) {
+                          const long *choice_slot, const float *choice_weight, long k, long slots, long rank) {
     molora_gemm_bf16w(x, g->weight, y, n, g->out, g->in);
-    long members[n], t_size = rank > 0 ? rank : 1;
-    float t[n * t_size];
+    long members[n * k];
+    float t[n * k * rank];
     for (long s = 0; s < slots; s++) {
         long count = 0;
-        for (long i = 0; i < n; i++)
-            if (slot_of[i] == s) members[count++] = i;
+        for (long e = 0; e < n * k; e++)
+            if (choice_slot[e] == s) members[count++] = e;
         if (count == 0) continue;
         long first = 0;
         for (long p = 0; p < g->members; p++) {
@@ -127,18 +136,20 @@ static void routed_linear(const Group *g, const long *widths, const float *x, fl
             float scale = g->scale[p * slots + s];
             for (long j = 0; j < rank; j++)
                 for (long m = 0; m < count; m++)
-                    t[m * rank + j] = scale * dot(A + j * g->in, x + members[m] * g->in, g->in);
+                    t[m * rank + j] = scale * dot(A + j * g->in, x + members[m] / k * g->in, g->in);
             const float *B = g->B + (s * g->out + first) * rank;
             long o = 0;
             if (rank % 16 == 0)
                 for (; o + 16 <= widths[p]; o += 16)
                     for (long m = 0; m < count; m++) {
-                        float *out = y + members[m] * g->out + first + o;
-                        v16_store(out, v16_add(v16_load(out), dots16(B + o * rank, rank, t + m * rank, rank)));
+                        float *out = y + members[m] / k * g->out + first + o;
+                        v16 delta = dots16(B + o * rank, rank, t + m * rank, rank);
+                        v16_store(out, v16_fma(v16_set1(choice_weight[members[m]]), delta, v16_load(out)));
                     }
             for (; o < widths[p]; o++)
                 for (long m = 0; m < count; m++)
-                    y[members[m] * g->out + first + o] += dot(B + o * rank, t + m * rank, rank);
+                    y[members[m] / k * g->out + first + o] += choice_weight[members[m]] *
+                                                              dot(B + o * rank, t + m * rank, rank);
             first += widths[p];
         }
     }
@@ -172,7 +183,8 @@ static void attend(const float *q, const float *keys, const float *values, long 
 }
 
 int molora_decode_step(const long *dims, const float *reals, void *const *tensors, long n, const long *rows,
-                        const long *ids, const long *positions, const long *slots, float *logits) {
+                       const long *ids, const long *positions, const long *slots, float *logits, long width,
+                       long k, const long *mix_slots, const float *mix_weights, float *route_in, route_fn route) {
     const long layers = dims[D_LAYERS], d = dims[D_MODEL], heads = dims[D_HEADS], kv_heads = dims[D_KV_HEADS];
     const long dim = dims[D_HEAD], ffn = dims[D_FFN], vocab = dims[D_VOCAB], num_slots = dims[D_SLOTS];
     const long rank = dims[D_RANK], max_len = dims[D_MAX_LEN];
@@ -191,10 +203,14 @@ int molora_decode_step(const long *dims, const float *reals, void *const *tensor
     if (scratch == NULL) return 1;
     float *x = scratch, *h = x + n * d, *qkv = h + n * d, *attn = qkv + n * qkv_out, *proj = attn + n * q_out;
     float *gu = proj + n * d, *act = gu + n * 2 * ffn, *out = act + n * ffn, *scores = out + n * vpad;
-    long slot_of[n];
+    /* each row's LoRA choices: its slot with weight 1 (k = 1), or the gates' top-k of each block (`route`) */
+    if (route == NULL) k = 1;
+    long choice_slot[n * k];
+    float choice_weight[n * k];
     for (long i = 0; i < n; i++) {
         long r = rows[i];
-        slot_of[i] = slots[r];
+        choice_slot[i * k] = slots[r];
+        choice_weight[i * k] = 1.0f;
         memcpy(x + i * d, embed + ids[r] * d, sizeof(float) * d);
     }
     const long qkv_widths[3] = {q_out, kv_out, kv_out}, o_widths[1] = {d}, gu_widths[2] = {ffn, ffn};
@@ -211,9 +227,27 @@ int molora_decode_step(const long *dims, const float *reals, void *const *tensor
             groups[g] = (Group){gt[0], gt[1], gt[2], gt[3], group_members[g], group_in[g], group_out[g]};
         }
         float *keys = t[4 + GROUPS * GROUP_TENSORS], *values = t[5 + GROUPS * GROUP_TENSORS];
+        if (route != NULL) {  /* the learned gates decide on the block input: every batch row's, zeros if not here */
+            memset(route_in, 0, sizeof(float) * width * d);
+            for (long i = 0; i < n; i++) memcpy(route_in + rows[i] * d, x + i * d, sizeof(float) * d);
+            if (route(layer) != 0) {
+                free(scratch);
+                return 2;
+            }
+            for (long i = 0; i < n; i++)
+                for (long c = 0; c < k; c++) {
+                    long s = mix_slots[rows[i] * k + c];
+                    if (s < -1 || s >= num_slots) {
+                        free(scratch);
+                        return 3;
+                    }
+                    choice_slot[i * k + c] = s;
+                    choice_weight[i * k + c] = mix_weights[rows[i] * k + c];
+                }
+        }
 
         for (long i = 0; i < n; i++) rms_norm(x + i * d, in_norm, h + i * d, d, eps);
-        routed_linear(&groups[0], qkv_widths, h, qkv, n, slot_of, num_slots, rank);
+        routed_linear(&groups[0], qkv_widths, h, qkv, n, choice_slot, choice_weight, k, num_slots, rank);
         for (long i = 0; i < n; i++) {
             long r = rows[i], pos = positions[r];
             float *q = qkv + i * qkv_out, *k = q + q_out, *v = k + kv_out;
@@ -234,19 +268,19 @@ int molora_decode_step(const long *dims, const float *reals, void *const *tensor
                 attend(q + a * dim, keys + base, values + base, pos, dim, scaling, scores, attn + i * q_out + a * dim);
             }
         }
-        routed_linear(&groups[1], o_widths, attn, proj, n, slot_of, num_slots, rank);
+        routed_linear(&groups[1], o_widths, attn, proj, n, choice_slot, choice_weight, k, num_slots, rank);
         for (long i = 0; i < n; i++) {
             for (long c = 0; c < d; c++) x[i * d + c] += proj[i * d + c];
             rms_norm(x + i * d, post_norm, h + i * d, d, eps);
         }
-        routed_linear(&groups[2], gu_widths, h, gu, n, slot_of, num_slots, rank);
+        routed_linear(&groups[2], gu_widths, h, gu, n, choice_slot, choice_weight, k, num_slots, rank);
         for (long i = 0; i < n; i++)  /* silu(gate) * up, 16 at a time (ffn is a multiple of 16) */
             for (long c = 0; c < ffn; c += 16) {
                 v16 gate = v16_load(gu + i * 2 * ffn + c), up = v16_load(gu + i * 2 * ffn + ffn + c);
                 v16 sigmoid = v16_div(v16_set1(1.0f), v16_add(v16_set1(1.0f), exp16(v16_sub(v16_zero(), gate))));
                 v16_store(act + i * ffn + c, v16_mul(v16_mul(gate, sigmoid), up));
             }
-        routed_linear(&groups[3], down_widths, act, proj, n, slot_of, num_slots, rank);
+        routed_linear(&groups[3], down_widths, act, proj, n, choice_slot, choice_weight, k, num_slots, rank);
         for (long i = 0; i < n; i++)
             for (long c = 0; c < d; c++) x[i * d + c] += proj[i * d + c];
     }

@@ -523,19 +523,17 @@ class RoutedModel(nn.Module):
             reset_routing(token)
         return self._output(out, input_ids, plan, torch.is_grad_enabled() if aux_losses is None else aux_losses)
 
-    def _output(self, out: Any, input_ids: torch.Tensor, plan: CallRouting | None, aux_losses: bool
-                ) -> RoutedOutput:
+    def token_routing(self, plan: CallRouting | None, input_ids: torch.Tensor) -> TokenRouting:
+        """What a forward of input_ids [B, T] under `plan` routed each token to (RoutedOutput.routing): the static
+        slots, or, for learned routing, the top-k of the routing weight averaged over blocks. Public for forwards
+        run outside `run` (the serving engine's C decode step)."""
         batch, length = input_ids.shape
         slot_names = {} if plan is None else {s: n for n, s in plan.slot_of.items()}
-        past = _past_key_values(out)
-        loss = getattr(out, "loss", None)
         if plan is None:
-            routing = TokenRouting(torch.full((batch, length), -1, dtype=torch.long, device=input_ids.device),
-                                   None, slot_names)
-            return RoutedOutput(out.logits, past, routing, loss)
+            return TokenRouting(torch.full((batch, length), -1, dtype=torch.long, device=input_ids.device), None,
+                                slot_names)
         if not plan.learned or not plan.block_slots:
-            return RoutedOutput(out.logits, past, TokenRouting(plan.slots.view(batch, length), None, slot_names), loss)
-        # learned: report the top-k of the routing weight averaged over blocks; losses averaged over blocks
+            return TokenRouting(plan.slots.view(batch, length), None, slot_names)
         with torch.no_grad():
             mass = torch.zeros(plan.num_tokens, self.cache.num_slots, device=input_ids.device)
             for slots, weights in plan.block_slots.values():
@@ -543,7 +541,16 @@ class RoutedModel(nn.Module):
             mass /= len(plan.block_slots)
             top_w, top_s = mass.topk(plan.k, dim=-1)
             top_s = torch.where(top_w > 0, top_s, torch.full_like(top_s, -1))
-        routing = TokenRouting(top_s.view(batch, length, plan.k), top_w.view(batch, length, plan.k), slot_names)
+        return TokenRouting(top_s.view(batch, length, plan.k), top_w.view(batch, length, plan.k), slot_names)
+
+    def _output(self, out: Any, input_ids: torch.Tensor, plan: CallRouting | None, aux_losses: bool
+                ) -> RoutedOutput:
+        past = _past_key_values(out)
+        loss = getattr(out, "loss", None)
+        routing = self.token_routing(plan, input_ids)
+        if plan is None or not plan.learned or not plan.block_slots:
+            return RoutedOutput(out.logits, past, routing, loss)
+        # learned: losses averaged over blocks
         decisions = {b: [d for _, d in ds] for b, ds in plan.decisions.items()}
         flat = [d for ds in decisions.values() for d in ds]
         if not aux_losses:

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from molora.kernels.cpu_decode import LearnedRoute
 from molora.kernels.graphs import capture_graph
 from molora.models.engine.cpu_step import CpuStep, CpuStepError
 from molora.models.engine.decoder import LeanDecoder
@@ -807,9 +808,8 @@ class Engine:
 
     def _c_decode(self, width: int, jobs: list[_Job], learned: tuple[_LearnedRows, ...], live: int
                   ) -> tuple[torch.Tensor, _Producing]:
-        """_decode through the C step: rows [0, live), except the rows (and twins) of learned jobs, which the torch
-        forward decodes first (their gates are torch modules; the C step then overwrites the other rows' logits and
-        K/V with its own, so every row's numbers are those of its solo run)."""
+        """_decode through the C step: rows [0, live) (the rest are padding), each on its own, so every row's numbers
+        are those of its solo run."""
         try:
             self.cpu_step.table()  # (made again where the model changed)
         except CpuStepError as err:
@@ -818,30 +818,48 @@ class Engine:
             return self._decode(width, jobs, learned, live)
         ids, positions, slots = self.states.decode_feeds(width)
         rows = self.all_rows[:live]
-        if learned:
-            needed = max(len(j.prompt) + j.emitted for j in jobs)
-            logits, producing = self._decode_body(width, learned, self._columns(needed), live=live)
-            logits = logits.contiguous()
-            torch_rows = {r for j in jobs if j.learned is not None for r in (j.row, j.twin) if r is not None}
-            rows = torch.tensor([r for r in range(live) if r not in torch_rows], dtype=torch.long)
-        else:
-            logits, producing = torch.zeros(width, self.cpu_step.vocab, device=self.device), _Producing(slots)
-        self.cpu_step.run(rows, ids, positions, slots, logits)
-        return logits, producing
+        logits = torch.zeros(width, self.cpu_step.vocab, device=self.device)
+        if not learned:
+            self.cpu_step.run(rows, ids, positions, slots, logits)
+            return logits, _Producing(slots)
+        # learned rows: at each block the C step hands the rows' inputs to the gates (CallRouting.route_block, torch
+        # modules) and computes with their top-k; the static rows keep their slot with weight 1 (the same numbers)
+        plan = self._decode_plan(width, learned, ids[:, None], slots, live)
+        cache_rows, at = self.all_rows[:width], positions[:, None]
+        self._hold_pictures(plan)
+        self._hold_states(plan, cache_rows, at)
+        inputs = torch.zeros(width, self.cpu_step.d, device=self.device)
+        mix_slots = torch.empty(width, plan.k, dtype=torch.long, device=self.device)
+        mix_weights = torch.empty(width, plan.k, device=self.device)
+
+        def route(block: int) -> None:
+            plan.route_block(block, inputs.clone().view(width, 1, -1))  # (a copy: the step rewrites `inputs`)
+            chosen, weights = plan.block_slots[block]
+            mix_slots.copy_(chosen)
+            mix_weights.copy_(weights)
+
+        self.cpu_step.run(rows, ids, positions, slots, logits,
+                          learned=LearnedRoute(route, inputs, mix_slots, mix_weights))
+        self._keep_pictures(plan, cache_rows)
+        self._keep_states(plan, cache_rows, at)
+        return logits, _producing(self.routed.token_routing(plan, ids[:, None]), slots)
+
+    def _decode_plan(self, width: int, learned: tuple[_LearnedRows, ...], ids: torch.Tensor, slots: torch.Tensor,
+                     live: int | None) -> CallRouting:
+        """A decode step's routing over rows [0, width): the static slots, and one learned group per learned router
+        covering every row and routing its member rows (fixed shapes)."""
+        groups = [group for table in learned
+                  for group in LearnedGroup.for_router(table.router, None, ids, {}, self.device,
+                                                       member=table.member[:width], expert_slots=table.expert_slots)]
+        return self.routed.make_routing(width, 1, slots, self.routed.cache.num_slots, learned=groups,
+                                        k=max((g.top_k for g in groups), default=1), exact_rows=self._exact_cpu,
+                                        live_rows=live if self._exact_cpu else None)
 
     def _decode_body(self, width: int, learned: tuple[_LearnedRows, ...] = (), length: int | None = None,
                      routed: bool = True, live: int | None = None) -> tuple[torch.Tensor, _Producing]:
         columns = self.columns if length is None else self.columns[:length]
         ids, positions, mask, slots = self.states.decode_inputs(width, columns, self.dtype)
-        plan = None
-        if routed:  # every learned group covers all rows and routes its router's member rows: fixed shapes
-            groups = [group for table in learned
-                      for group in LearnedGroup.for_router(table.router, None, ids, {}, self.device,
-                                                           member=table.member[:width],
-                                                           expert_slots=table.expert_slots)]
-            plan = self.routed.make_routing(width, 1, slots, self.routed.cache.num_slots, learned=groups,
-                                            k=max((g.top_k for g in groups), default=1), exact_rows=self._exact_cpu,
-                                            live_rows=live if self._exact_cpu else None)
+        plan = self._decode_plan(width, learned, ids, slots, live) if routed else None
         rows = self.all_rows[:width]
         self._hold_pictures(plan)
         self._hold_states(plan, rows, positions)

@@ -62,6 +62,7 @@ class CpuStep:
         self.decoder, self.kv, self.max_len = decoder, kv, max_len
         model = decoder.model
         self.vocab = int(model.lm_head.weight.shape[0])
+        self.d = int(decoder.base.norm.weight.shape[0])
         positions = torch.arange(max_len)[None]
         cos, sin = decoder.base.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
         self.cos, self.sin_signed = cpu_decode.rope_tables(cos[0], sin[0])
@@ -191,9 +192,9 @@ class CpuStep:
         return _Table(cpu_decode.StepWeights(dims, decoder.eps, decoder.scaling, tensors), head_key, checks, groups)
 
     def run(self, rows: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            logits: torch.Tensor) -> None:
+            logits: torch.Tensor, learned: cpu_decode.LearnedRoute | None = None) -> None:
         """Decode one token for each batch row in `rows` (see cpu_decode.decode_step); ids, positions, slots [W]."""
-        cpu_decode.decode_step(self.table(), rows, ids, positions, slots, logits)
+        cpu_decode.decode_step(self.table(), rows, ids, positions, slots, logits, learned)
 
 
 __all__ = ["CpuStep", "CpuStepError"]
