@@ -3,8 +3,9 @@
 The engine's eager CPU step spent most of its time on the dispatch of ~575 small torch ops (benchmarks/RESULTS.md,
 C1). Where the model allows, a decode step is one C call instead: the same forward (LeanDecoder's, with each row's
 LoRA slot from the vocabulary routing), each row computed on its own (exact rows: a request's tokens equal its solo
-run), padding rows skipped. It serves rows routed by vocabulary range, a fixed adapter or none; rows of learned
-(MoLoRA) routers decode through the torch forward, their gates being torch modules (core.py runs both in one step).
+run), padding rows skipped. It serves rows routed by vocabulary range, a fixed adapter or none, and rows of learned
+(MoLoRA) routers: at each block the C code calls back into Python, where the gates (torch modules) decide on the
+rows' block inputs (CallRouting.route_block), and then computes with their top-k slots and weights.
 
 Where it cannot serve (`CpuStep.unsupported` says why: no built C library, weights whose values are not all
 bfloat16, projection biases, an activation other than SiLU, a projection left unrouted or ungrouped, ...), the
