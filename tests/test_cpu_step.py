@@ -154,8 +154,8 @@ def test_learned_rows_decode_in_the_c_step_with_torchs_gates_and_every_row_equal
     alone = [learned_alone] + [stream_all(engine, [r], [c])[0] for r, c in zip(requests[1:], configs[1:])]
     engine._setup()
     served, run = [], engine.cpu_step.run
-    engine.cpu_step.run = lambda rows, *args, learned=None: served.append((rows.tolist(), learned is not None)) or \
-        run(rows, *args, learned=learned)
+    engine.cpu_step.run = lambda rows, *args, learned=None, **kw: \
+        served.append((rows.tolist(), learned is not None)) or run(rows, *args, learned=learned, **kw)
     assert stream_all(engine, requests, configs) == alone
     # the steps the three shared: every live row in one C call, the gates asked at each block
     assert any(learned and len(rows) >= 3 for rows, learned in served)

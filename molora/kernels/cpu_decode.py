@@ -179,6 +179,8 @@ def decode_step(weights: StepWeights, rows: torch.Tensor, ids: torch.Tensor, pos
     if status == 3:
         raise ValueError(f"decode step: the learned route left slots outside [-1, {dims['slots']}): "
                          f"{learned.slots.tolist() if learned is not None else None}")
+    if status:
+        raise RuntimeError(f"the C decode step returned an unknown status {status}")
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,8 @@
    NULL: at each block the rows' inputs go to route_in [width, d] (zeros for the rows not computed), `route` runs
    the gates (in Python) and leaves each batch row's top-k slots and weights in mix_slots / mix_weights [width, k],
    which replace `slots` for that block. Returns 0; 1 when its scratch could not be allocated (nothing was
-   written); 2 when `route` failed, 3 when it left a slot out of range (the step stopped part-way). Vectors of 16 lanes: AVX-512F or portable loops (vec16.h). */
+   written); 2 when `route` failed, 3 when it left a slot out of range (the step stopped part-way). Vectors of
+   16 lanes: AVX-512F or portable loops (vec16.h). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -119,12 +120,11 @@ typedef struct {
    none when s < 0, weight w = choice_weight[i k + c]) add w * scale[p, s] * B[s, member p's outputs] @ (A[p, s] @ x)
    to member p's outputs (widths[p] of them, in order). The choices of one slot are taken together, so each piece of
    A and B is read once for all of them; a row's own operations, and the order of its choices (by slot), stay the
-   same whatever else shares the call. */
+   same whatever else shares the call. Scratch: members [n k], t [n k rank]. */
 static void routed_linear(const Group *g, const long *widths, const float *x, float *y, long n,
-                          const long *choice_slot, const float *choice_weight, long k, long slots, long rank) {
+                          const long *choice_slot, const float *choice_weight, long k, long slots, long rank,
+                          long *members, float *t) {
     molora_gemm_bf16w(x, g->weight, y, n, g->out, g->in);
-    long members[n * k];
-    float t[n * k * rank];
     for (long s = 0; s < slots; s++) {
         long count = 0;
         for (long e = 0; e < n * k; e++)
@@ -196,17 +196,23 @@ int molora_decode_step(const long *dims, const float *reals, void *const *tensor
     const uint16_t *head = tensors[2];
     const float *cos_table = tensors[3], *sin_table = tensors[4];
 
-    /* scratch, one block: x [n, d], h [n, d], qkv [n, qkv_out], attn [n, q_out], proj [n, d], gu [n, 2 ffn],
-       act [n, ffn], out [n, vpad], scores [max_len] */
-    long floats = n * (3 * d + qkv_out + q_out + 3 * ffn + vpad) + max_len;
-    float *scratch = malloc(sizeof(float) * floats);
-    if (scratch == NULL) return 1;
-    float *x = scratch, *h = x + n * d, *qkv = h + n * d, *attn = qkv + n * qkv_out, *proj = attn + n * q_out;
-    float *gu = proj + n * d, *act = gu + n * 2 * ffn, *out = act + n * ffn, *scores = out + n * vpad;
     /* each row's LoRA choices: its slot with weight 1 (k = 1), or the gates' top-k of each block (`route`) */
     if (route == NULL) k = 1;
-    long choice_slot[n * k];
-    float choice_weight[n * k];
+    /* scratch, one block: x [n, d], h [n, d], qkv [n, qkv_out], attn [n, q_out], proj [n, d], gu [n, 2 ffn],
+       act [n, ffn], out [n, vpad], scores [max_len], choice_weight [n k], shrunk [n k rank]; and choice_slot, members
+       [n k] (longs) */
+    long floats = n * (3 * d + qkv_out + q_out + 3 * ffn + vpad) + max_len + n * k * (1 + rank);
+    float *scratch = malloc(sizeof(float) * floats);
+    long *longs = malloc(sizeof(long) * 2 * n * k);
+    if (scratch == NULL || longs == NULL) {
+        free(scratch);
+        free(longs);
+        return 1;
+    }
+    float *x = scratch, *h = x + n * d, *qkv = h + n * d, *attn = qkv + n * qkv_out, *proj = attn + n * q_out;
+    float *gu = proj + n * d, *act = gu + n * 2 * ffn, *out = act + n * ffn, *scores = out + n * vpad;
+    float *choice_weight = scores + max_len, *shrunk = choice_weight + n * k;
+    long *choice_slot = longs, *members = longs + n * k;
     for (long i = 0; i < n; i++) {
         long r = rows[i];
         choice_slot[i * k] = slots[r];
@@ -232,6 +238,7 @@ int molora_decode_step(const long *dims, const float *reals, void *const *tensor
             for (long i = 0; i < n; i++) memcpy(route_in + rows[i] * d, x + i * d, sizeof(float) * d);
             if (route(layer) != 0) {
                 free(scratch);
+                free(longs);
                 return 2;
             }
             for (long i = 0; i < n; i++)
@@ -239,6 +246,7 @@ int molora_decode_step(const long *dims, const float *reals, void *const *tensor
                     long s = mix_slots[rows[i] * k + c];
                     if (s < -1 || s >= num_slots) {
                         free(scratch);
+                        free(longs);
                         return 3;
                     }
                     choice_slot[i * k + c] = s;
@@ -247,7 +255,8 @@ int molora_decode_step(const long *dims, const float *reals, void *const *tensor
         }
 
         for (long i = 0; i < n; i++) rms_norm(x + i * d, in_norm, h + i * d, d, eps);
-        routed_linear(&groups[0], qkv_widths, h, qkv, n, choice_slot, choice_weight, k, num_slots, rank);
+        routed_linear(&groups[0], qkv_widths, h, qkv, n, choice_slot, choice_weight, k, num_slots, rank,
+                      members, shrunk);
         for (long i = 0; i < n; i++) {
             long r = rows[i], pos = positions[r];
             float *q = qkv + i * qkv_out, *k = q + q_out, *v = k + kv_out;
@@ -268,19 +277,22 @@ int molora_decode_step(const long *dims, const float *reals, void *const *tensor
                 attend(q + a * dim, keys + base, values + base, pos, dim, scaling, scores, attn + i * q_out + a * dim);
             }
         }
-        routed_linear(&groups[1], o_widths, attn, proj, n, choice_slot, choice_weight, k, num_slots, rank);
+        routed_linear(&groups[1], o_widths, attn, proj, n, choice_slot, choice_weight, k, num_slots, rank,
+                      members, shrunk);
         for (long i = 0; i < n; i++) {
             for (long c = 0; c < d; c++) x[i * d + c] += proj[i * d + c];
             rms_norm(x + i * d, post_norm, h + i * d, d, eps);
         }
-        routed_linear(&groups[2], gu_widths, h, gu, n, choice_slot, choice_weight, k, num_slots, rank);
+        routed_linear(&groups[2], gu_widths, h, gu, n, choice_slot, choice_weight, k, num_slots, rank,
+                      members, shrunk);
         for (long i = 0; i < n; i++)  /* silu(gate) * up, 16 at a time (ffn is a multiple of 16) */
             for (long c = 0; c < ffn; c += 16) {
                 v16 gate = v16_load(gu + i * 2 * ffn + c), up = v16_load(gu + i * 2 * ffn + ffn + c);
                 v16 sigmoid = v16_div(v16_set1(1.0f), v16_add(v16_set1(1.0f), exp16(v16_sub(v16_zero(), gate))));
                 v16_store(act + i * ffn + c, v16_mul(v16_mul(gate, sigmoid), up));
             }
-        routed_linear(&groups[3], down_widths, act, proj, n, choice_slot, choice_weight, k, num_slots, rank);
+        routed_linear(&groups[3], down_widths, act, proj, n, choice_slot, choice_weight, k, num_slots, rank,
+                      members, shrunk);
         for (long i = 0; i < n; i++)
             for (long c = 0; c < d; c++) x[i * d + c] += proj[i * d + c];
     }
@@ -288,5 +300,6 @@ int molora_decode_step(const long *dims, const float *reals, void *const *tensor
     molora_gemm_bf16w(h, head, out, n, vpad, d);
     for (long i = 0; i < n; i++) memcpy(logits + rows[i] * vocab, out + i * vpad, sizeof(float) * vocab);
     free(scratch);
+    free(longs);
     return 0;
 }

@@ -811,7 +811,7 @@ class Engine:
         """_decode through the C step: rows [0, live) (the rest are padding), each on its own, so every row's numbers
         are those of its solo run."""
         try:
-            self.cpu_step.table()  # (made again where the model changed)
+            table = self.cpu_step.table()  # (made again where the model changed)
         except CpuStepError as err:
             log.warning("engine: the C decode step cannot run the model any more (%s); torch's step from now on", err)
             self.cpu_step = None
@@ -820,7 +820,7 @@ class Engine:
         rows = self.all_rows[:live]
         logits = torch.zeros(width, self.cpu_step.vocab, device=self.device)
         if not learned:
-            self.cpu_step.run(rows, ids, positions, slots, logits)
+            self.cpu_step.run(rows, ids, positions, slots, logits, table=table)
             return logits, _Producing(slots)
         # learned rows: at each block the C step hands the rows' inputs to the gates (CallRouting.route_block, torch
         # modules) and computes with their top-k; the static rows keep their slot with weight 1 (the same numbers)
@@ -838,8 +838,8 @@ class Engine:
             mix_slots.copy_(chosen)
             mix_weights.copy_(weights)
 
-        self.cpu_step.run(rows, ids, positions, slots, logits,
-                          learned=LearnedRoute(route, inputs, mix_slots, mix_weights))
+        self.cpu_step.run(rows, ids, positions, slots, logits, learned=LearnedRoute(route, inputs, mix_slots, mix_weights),
+                          table=table)
         self._keep_pictures(plan, cache_rows)
         self._keep_states(plan, cache_rows, at)
         return logits, _producing(self.routed.token_routing(plan, ids[:, None]), slots)

@@ -118,8 +118,8 @@ class CpuStep:
             self._table = None
             try:
                 self._table = self._make_table()
-            except (ValueError, RuntimeError) as err:
-                raise CpuStepError(str(err)) from err
+            except Exception as err:  # (whatever the model's change broke: the engine goes back to torch's step)
+                raise CpuStepError(f"{type(err).__name__}: {err}") from err
         return self._table.weights
 
     def _places(self) -> list[tuple[nn.Module, str]]:
@@ -193,9 +193,11 @@ class CpuStep:
         return _Table(cpu_decode.StepWeights(dims, decoder.eps, decoder.scaling, tensors), head_key, checks, groups)
 
     def run(self, rows: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            logits: torch.Tensor, learned: cpu_decode.LearnedRoute | None = None) -> None:
-        """Decode one token for each batch row in `rows` (see cpu_decode.decode_step); ids, positions, slots [W]."""
-        cpu_decode.decode_step(self.table(), rows, ids, positions, slots, logits, learned)
+            logits: torch.Tensor, learned: cpu_decode.LearnedRoute | None = None,
+            table: cpu_decode.StepWeights | None = None) -> None:
+        """Decode one token for each batch row in `rows` (see cpu_decode.decode_step); ids, positions, slots [W].
+        `table`: this step's table() when the caller just asked for it."""
+        cpu_decode.decode_step(table or self.table(), rows, ids, positions, slots, logits, learned)
 
 
 __all__ = ["CpuStep", "CpuStepError"]
