@@ -136,7 +136,7 @@ class ProjectionGroup:
         when there is one."""
         weight = self.weight
         self.packed = pack_exact_rows(weight) if weight is not None else None
-        self._packed_from = (weight.data_ptr(), _version(weight)) if weight is not None else None
+        self._packed_from = (weight.data_ptr(), tensor_version(weight)) if weight is not None else None
         return self.packed is not None
 
     def exact_rows_weight(self) -> torch.Tensor | None:
@@ -145,7 +145,7 @@ class ProjectionGroup:
         if self._packed_from is None:
             return None
         weight = self.weight
-        if weight is None or self._packed_from != (weight.data_ptr(), _version(weight)):
+        if weight is None or self._packed_from != (weight.data_ptr(), tensor_version(weight)):
             self.pack_exact_rows()
         return self.packed
 
@@ -155,7 +155,7 @@ class ProjectionGroup:
         when the hot set writes A or the scales: their version counters), then each member's B[s]^T [r, width_p]
         (views). Call after stacked()."""
         A, scale = self.A, self.scale
-        key = (_version(A), _version(scale))
+        key = (tensor_version(A), tensor_version(scale))
         if self._slot_form_of != key or -1 in key:  # (inference tensors: no counter, made every call)
             p_count, num_slots, r, d_in = A.shape
             shrink = (A * scale[:, :, None, None]).permute(1, 3, 0, 2).reshape(num_slots, d_in, p_count * r)
@@ -243,7 +243,7 @@ class ProjectionGroup:
         return _with_bias(members, ys, lead)
 
 
-def _version(tensor: torch.Tensor) -> int:
+def tensor_version(tensor: torch.Tensor) -> int:
     """The tensor's version counter (bumped by every in-place write); -1 for an inference tensor, which has none."""
     return -1 if tensor.is_inference() else tensor._version
 

@@ -24,17 +24,11 @@ from molora.kernels import cpu_decode
 from molora.kernels.errors import MoLoRAError
 from molora.models.engine.decoder import LeanDecoder
 from molora.models.engine.kv_cache import RowKVCache
+from molora.routing.lora import tensor_version
 
 # each block's projection groups, as the C step reads them (kernels/decode_step.c), and their members in order
 GROUP_MEMBERS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
                  ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
-
-
-def _version(tensor: torch.Tensor) -> int:
-    try:
-        return tensor._version
-    except RuntimeError:  # an inference tensor has no version counter
-        return -1
 
 
 class CpuStepError(MoLoRAError, RuntimeError):
@@ -149,7 +143,7 @@ class CpuStep:
                     param.data_ptr() != address:
                 return False
         head = table.checks[2][3]
-        if table.head_key != (head.data_ptr(), _version(head)):
+        if table.head_key != (head.data_ptr(), tensor_version(head)):
             return False
         for group, (packed, A, B, scale) in table.groups:
             stacked = group.stacked()
@@ -166,7 +160,7 @@ class CpuStep:
             param = module._parameters["weight"]
             checks.append((parent._modules, name, module, param, param.data_ptr()))
         head = checks[2][3]
-        head_key = (head.data_ptr(), _version(head))
+        head_key = (head.data_ptr(), tensor_version(head))
         head_copy = cpu_decode.head_copy(head)
         if head_copy is None:
             raise RuntimeError("the output head's values are no longer all bfloat16")
