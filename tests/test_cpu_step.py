@@ -28,15 +28,15 @@ GREEDY = dict(text=SamplingConfig(0.0), image=SamplingConfig(0.0))
 MAX_LEN = 48
 
 
-def bf16_valued_model(architecture: str, seed: int = 0):
+def bf16_valued_model(architecture: str, seed: int = 0, **shape):
     """A tiny random model whose weights are all bfloat16 values (as the embedded checkpoint's), routed on all
-    projections, adapters "a" and "b" in its pool."""
+    projections, adapters "a" and "b" in its pool; `shape` overrides SHAPES["tiny"]."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
                                  "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[architecture]
-    model = model_class(config_class(**SHAPES["tiny"], attn_implementation="sdpa")).eval()
+    model = model_class(config_class(**{**SHAPES["tiny"], **shape}, attn_implementation="sdpa")).eval()
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.copy_(parameter.bfloat16().float())
@@ -80,9 +80,10 @@ def decode(step, feeds: list[tuple[list[int], int]], rows: list[int] | None = No
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
-def test_the_c_step_gives_transformers_logits_with_each_rows_adapter_merged(architecture):
-    routed, vocab = bf16_valued_model(architecture)
+# head_dim: one vector of 16; not a multiple of 16 (attention's plain loop); 9 vectors (two passes over the values)
+@pytest.mark.parametrize("architecture,head_dim", [("llama", 16), ("qwen3", 16), ("llama", 24), ("qwen3", 144)])
+def test_the_c_step_gives_transformers_logits_with_each_rows_adapter_merged(architecture, head_dim):
+    routed, vocab = bf16_valued_model(architecture, head_dim=head_dim)
     step = c_step(routed)
     slots = dict(zip(["a", "b"], routed.cache.acquire(["a", "b"])))
     ids = torch.randint(5, vocab.vocab_size, (3, 20), generator=torch.Generator().manual_seed(1))

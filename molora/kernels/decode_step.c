@@ -155,6 +155,19 @@ static void routed_linear(const Group *g, const long *widths, const float *x, fl
     }
 }
 
+/* out[16 v ..] = sum over c <= last of (scores[c] / total) values[c, 16 v ..] for v < VECS (a constant from 1 to 8:
+   the accumulators stay in registers), in the order and with the operations of axpy on a zeroed out */
+static inline __attribute__((always_inline)) void weigh(const float *scores, float total, const float *values,
+                                                        long last, long dim, float *out, const int VECS) {
+    v16 acc[8];
+    for (int v = 0; v < VECS; v++) acc[v] = v16_zero();
+    for (long c = 0; c <= last; c++) {
+        v16 a = v16_set1(scores[c] / total);
+        for (int v = 0; v < VECS; v++) acc[v] = v16_fma(a, v16_load(values + c * dim + v * 16), acc[v]);
+    }
+    for (int v = 0; v < VECS; v++) v16_store(out + v * 16, acc[v]);
+}
+
 /* one query head's attention over columns 0..last of its KV head: out [dim] */
 static void attend(const float *q, const float *keys, const float *values, long last, long dim, float scaling,
                    float *scores, float *out) {
@@ -178,8 +191,25 @@ static void attend(const float *q, const float *keys, const float *values, long 
         sums = v16_add(sums, v16_first(tail, e));
     }
     float total = v16_sum(sums);
-    memset(out, 0, sizeof(float) * dim);
-    for (long c = 0; c <= last; c++) axpy(out, scores[c] / total, values + c * dim, dim);
+    if (dim % 16 != 0) {
+        memset(out, 0, sizeof(float) * dim);
+        for (long c = 0; c <= last; c++) axpy(out, scores[c] / total, values + c * dim, dim);
+        return;
+    }
+    for (long first = 0; first < dim; first += 128) {  /* up to 8 vectors of the head at a time */
+        const float *part = values + first;
+        float *into = out + first;
+        switch ((dim - first) / 16 < 8 ? (dim - first) / 16 : 8) {
+            case 1: weigh(scores, total, part, last, dim, into, 1); break;
+            case 2: weigh(scores, total, part, last, dim, into, 2); break;
+            case 3: weigh(scores, total, part, last, dim, into, 3); break;
+            case 4: weigh(scores, total, part, last, dim, into, 4); break;
+            case 5: weigh(scores, total, part, last, dim, into, 5); break;
+            case 6: weigh(scores, total, part, last, dim, into, 6); break;
+            case 7: weigh(scores, total, part, last, dim, into, 7); break;
+            default: weigh(scores, total, part, last, dim, into, 8); break;
+        }
+    }
 }
 
 int molora_decode_step(const long *dims, const float *reals, void *const *tensors, long n, const long *rows,
