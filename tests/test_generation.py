@@ -128,6 +128,17 @@ def test_filter_logits_keeps_top_k_and_nucleus():
     assert torch.isfinite(out[1]).sum() == 1 and torch.isfinite(out[1, 1])
 
 
+def test_rows_with_both_filters_off_sample_as_without_filters_bit_for_bit():
+    """RowStates.choose skips filter_logits on the CPU when no row of the step filters: the same tokens."""
+    torch.manual_seed(0)
+    logits = torch.randn(16, 300).masked_fill(torch.rand(16, 300) < 0.2, float("-inf"))
+    temperature = torch.rand(16) * 2
+    noise = torch.empty(16, 300).exponential_()
+    off = sample(logits, temperature, torch.zeros(16, dtype=torch.long), torch.ones(16), noise=noise)
+    assert torch.equal(off, sample(logits, temperature, None, None, noise=noise))
+    assert torch.equal(filter_logits(logits, torch.zeros(16, dtype=torch.long), torch.ones(16)), logits)
+
+
 def test_sample_greedy_rows_take_argmax_and_respect_masks():
     torch.manual_seed(0)
     logits = torch.randn(64, 50)

@@ -133,6 +133,11 @@ class RowStates:
         temperature = self.temperature[rows].gather(1, mode).squeeze(1)
         top_k = self.top_k[rows].gather(1, mode).squeeze(1) if filters else None
         top_p = self.top_p[rows].gather(1, mode).squeeze(1) if filters else None
+        if top_k is not None and top_p is not None and self.device.type == "cpu" and \
+                not bool(((top_k > 0) | (top_p < 1.0)).any()):
+            # no row filters in this step's phases (say, text with top_p and every row drawing a picture without):
+            # skip filter_logits' sort, which leaves such rows as they are. (The CPU only: this reads the device.)
+            top_k = top_p = None
         return sample(scores, temperature, top_k, top_p, noise=noise)
 
     def advance(self, rows: torch.Tensor, tokens: torch.Tensor, twin_of: torch.Tensor | None,
