@@ -6,13 +6,17 @@ Workload: one request with vocabulary routing (pirate text LoRA + outline image 
 
 Rows, interleaved round by round so a busy or slow machine moves them together (CPU VMs differ by 3x):
     engine (C step)                the default: each decode step one C call (models/engine/cpu_step.py)
+    engine (C step), learned routing    the same request routed by the shipped learned gates (assets/router/:
+                                   text gates with a routing state, image gates per picture), decided inside the C call
     engine (lean decoder, torch's step)   EngineConfig(cpu_step=False): the engine's own forward in torch ops
-                                   (models/engine/decoder.py)
+                                   (models/engine/decoder.py); and its learned-routing row (torch's gates)
     engine (transformers forward)  EngineConfig(lean_decoder=False)
     transformers generate, eager   the same LM weights (assets/model/lm, no adapters, one row, greedy) writing the
                                    same number of new tokens with its own KV cache: the ratio C1 is measured against
 
     python benchmarks/cpu_speed.py [--threads 1] [--runs 5]      (one thread: the app's default)
+
+The engine's rows also give the median of their decode steps' wall times (Engine.step_ms).
 
 --unpacked-too adds torch's step with its exact-row GEMMs in the other forms: oneDNN's float32 GEMM on packed
 weights (when the engine packed bfloat16 copies for our kernel, kernels/cpu_bf16.py) and MKL's chunked form on the
@@ -41,10 +45,13 @@ from molora.models.engine.runtime import configure_cpu_threads  # noqa: E402
 TEXT_TOKENS = 83  # ~64 words at this tokenizer's 1.15 ids per word (+ <eos>)
 
 
-def engine_run(pipe: InterleavedPipeline, seed: int, new_tokens: int) -> tuple[float, int, int]:
+def engine_run(pipe: InterleavedPipeline, seed: int, new_tokens: int, routing: str = "vocab"
+               ) -> tuple[float, int, int]:
+    """One request: vocabulary routing (pirate text, outline pictures) or the shipped learned gates."""
+    adapters = {"text_adapter": "pirate", "image_adapter": "outline"} if routing == "vocab" else {}
     start = time.perf_counter()
-    doc = pipe.generate("", text_adapter="pirate", image_adapter="outline", routing="vocab", seed=seed,
-                        start_image=True, max_images=1, min_new_tokens=new_tokens, max_new_tokens=new_tokens)
+    doc = pipe.generate("", routing=routing, seed=seed, start_image=True, max_images=1, min_new_tokens=new_tokens,
+                        max_new_tokens=new_tokens, **adapters)
     seconds = time.perf_counter() - start
     words = sum(len(p.split()) for p in doc.parts if isinstance(p, str))
     images = sum(1 for p in doc.parts if not isinstance(p, str))
@@ -96,10 +103,10 @@ def main() -> None:
     lean = engine._setup() or engine.decoder
     c_step = engine.cpu_step
 
-    def with_forward(decoder, step=None):
+    def with_forward(decoder, step=None, routing: str = "vocab"):
         def run(seed: int) -> tuple[float, int, int]:
             engine.decoder, engine.cpu_step = decoder, step
-            return engine_run(pipe, seed, new_tokens)
+            return engine_run(pipe, seed, new_tokens, routing)
         return run
 
     groups = pipe.routed.projection_groups()
@@ -119,6 +126,8 @@ def main() -> None:
         return timed
 
     rows = {"engine (C step)": with_forward(lean, c_step)} if c_step is not None else {}
+    if c_step is not None and pipe.gates is not None:
+        rows["engine (C step), learned routing"] = with_forward(lean, c_step, "learned")
     rows |= {"engine (lean decoder, torch's step)": with_forward(lean), "engine (transformers forward)": with_forward(None),
             "transformers generate, eager (no adapters)": lambda seed: (transformers_run(lm, pipe.vocab.bos_id,
                                                                                        new_tokens), 0, 0)}
@@ -140,26 +149,33 @@ def main() -> None:
             for form, label in (("packed", "as packed"), ("oneDNN float32", "oneDNN's float32 GEMMs"),
                                 ("MKL", "MKL's GEMMs, unpacked")):
                 rows[f"engine (torch's step, {label}), {n} requests at once"] = gemms(form, at_once(None))
+    if pipe.gates is not None:
+        rows["engine (lean decoder, torch's step), learned routing"] = with_forward(lean, None, "learned")
     bf16 = sum(w is not None and w.dtype == torch.bfloat16 for w, _ in packed)
     print(f"exact-row GEMMs: {bf16} of {len(groups)} routed groups on bfloat16 copies (kernels/cpu_bf16.py), "
           f"{sum(w is not None for w, _ in packed) - bf16} oneDNN-packed")
     for run in rows.values():  # warm-up
         run(1000)
     times: dict[str, list[float]] = {name: [] for name in rows}
+    steps: dict[str, list[float]] = {name: [] for name in rows}  # the engine's decode steps, ms
     shapes: dict[str, tuple[int, int]] = {}
     for seed in range(args.runs):
         for name, run in rows.items():
+            engine.step_ms = []
             seconds, images, words = run(seed)
             times[name].append(seconds)
+            steps[name] += engine.step_ms
             shapes[name] = (images, words)
+    engine.step_ms = None
     engine.decoder, engine.cpu_step = lean, c_step
     set_packing(groups, packed)
     print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; {new_tokens} new tokens per run, {args.runs} interleaved rounds")
-    print("| row | median s | runs (s) |\n|---|---|---|")
+    print("| row | median s | median step ms | runs (s) |\n|---|---|---|---|")
     medians = {name: statistics.median(t) for name, t in times.items()}
     for name, t in times.items():
-        print(f"| {name} | {medians[name]:.2f} | {', '.join(f'{s:.2f}' for s in t)} |")
+        step = f"{statistics.median(steps[name]):.2f}" if steps[name] else "-"
+        print(f"| {name} | {medians[name]:.2f} | {step} | {', '.join(f'{s:.2f}' for s in t)} |")
     reference = medians["transformers generate, eager (no adapters)"]
     default = "engine (C step)" if c_step is not None else "engine (lean decoder, torch's step)"
     images, words = shapes[default]

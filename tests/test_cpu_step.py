@@ -1,7 +1,8 @@
 """The CPU engine's C decode step (kernels/decode_step.c, kernels/cpu_decode.py, models/engine/cpu_step.py):
 against transformers' own forward of the same weights with each adapter merged in, on random tiny Llama and Qwen3
 models; a row's numbers whatever rows share the step; the engine's requests equal to their solo runs, learned rows
-beside C rows included; the checks that keep bad indices and tables out of the C code; the fallbacks."""
+beside C rows included; the learned decisions the C step makes against torch's gates, block by block; the checks that
+keep bad indices and tables out of the C code; the fallbacks."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from molora.models.engine.kv_cache import RowKVCache
 from molora.models.engine.sampling import SamplingConfig
 from molora.models.engine.synthetic import SHAPES, id_range_vocab, random_adapters
 from molora.routing import LearnedGates, LearnedRouter, SequenceRouter, VocabRangeRouter, attach_routed_lora
+from tests.test_engine import learned_batch, routed_tokens
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler with AVX-512 here")]
@@ -28,9 +30,9 @@ GREEDY = dict(text=SamplingConfig(0.0), image=SamplingConfig(0.0))
 MAX_LEN = 48
 
 
-def bf16_valued_model(architecture: str, seed: int = 0, **shape):
+def bf16_valued_model(architecture: str, seed: int = 0, adapters: tuple[str, ...] = ("a", "b"), **shape):
     """A tiny random model whose weights are all bfloat16 values (as the embedded checkpoint's), routed on all
-    projections, adapters "a" and "b" in its pool; `shape` overrides SHAPES["tiny"]."""
+    projections, `adapters` in its pool (one hot-set slot each, and one more); `shape` overrides SHAPES["tiny"]."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
@@ -42,8 +44,8 @@ def bf16_valued_model(architecture: str, seed: int = 0, **shape):
             parameter.copy_(parameter.bfloat16().float())
         for norm in [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]:
             norm.weight.copy_((1 + 0.1 * torch.randn_like(norm.weight)).bfloat16().float())
-    routed = attach_routed_lora(model, num_slots=3, r_max=8)
-    for adapter in random_adapters(routed, ["a", "b"], rank=8, std=0.2):
+    routed = attach_routed_lora(model, num_slots=len(adapters) + 1, r_max=8)
+    for adapter in random_adapters(routed, list(adapters), rank=8, std=0.2):
         routed.add_adapter(adapter)
     vocab = id_range_vocab(model.config.vocab_size, image_size=64)
     return routed, vocab
@@ -158,7 +160,7 @@ def test_learned_rows_decode_in_the_c_step_with_torchs_gates_and_every_row_equal
     engine.cpu_step.run = lambda rows, *args, learned=None, **kw: \
         served.append((rows.tolist(), learned is not None)) or run(rows, *args, learned=learned, **kw)
     assert stream_all(engine, requests, configs) == alone
-    # the steps the three shared: every live row in one C call, the gates asked at each block
+    # the steps the three shared: every live row in one C call, the learned decision made in it
     assert any(learned and len(rows) >= 3 for rows, learned in served)
     # and the learned tokens report their top-2 adapters with weights, as torch's step does
     mixes = [item.mix for _, item in engine.stream([requests[0]], [configs[0]]) if hasattr(item, "mix")]
@@ -167,6 +169,93 @@ def test_learned_rows_decode_in_the_c_step_with_torchs_gates_and_every_row_equal
     torch_learned = stream_all(torch_engine, [requests[0]], [configs[0]])[0]
     # the same greedy tokens and producing adapters as torch's step (the numbers differ by float32 rounding only)
     assert torch_learned == learned_alone
+    engine.close()
+    torch_engine.close()
+
+
+def four_adapter_engines():
+    """A bfloat16-valued model with adapters a-d, an engine on the C step and one on torch's step."""
+    routed, vocab = bf16_valued_model("llama", seed=14, adapters=("a", "b", "c", "d"))
+    config = dict(max_len=128, max_rows=8)
+    return routed, vocab, Engine(routed, vocab, device="cpu", config=EngineConfig(**config)), \
+        Engine(routed, vocab, device="cpu", config=EngineConfig(**config, cpu_step=False))
+
+
+def recorded_decisions(engine) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], bool]]:
+    """Every forward's learned decisions ([rows, blocks, k] slots and weights), routing states after it (as the
+    engine keeps them: its _keep_pictures / _keep_states read them) and whether a row took a picture's held
+    decision, recorded as the engine runs."""
+    recorded, keep = [], engine._keep_pictures
+
+    def record(plan, cache_rows):
+        if plan is not None and plan.block_slots:
+            slots, weights = (torch.stack([pair[i] for pair in plan.block_slots.values()], 1).clone() for i in (0, 1))
+            states = [g.state_out.clone() for g in plan.learned if g.gates.context_decays]
+            held = any(bool(g.held[2].any()) for g in plan.learned if g.held is not None)
+            recorded.append((slots, weights, states, held))
+        keep(plan, cache_rows)
+
+    engine._keep_pictures = record
+    return recorded
+
+
+def test_the_c_steps_learned_decisions_equal_torchs_gates_block_by_block():
+    """Text gates with a routing state (top-2), per-picture image gates with held decisions (top-1), a guided
+    twin and a second router's plain top-1 gates: every decode step's decisions made in C are torch's
+    (LearnedGroup.decide on torch's block inputs): the same slots in every block, the weights and routing states
+    within float32 rounding. (One request at a time: both engines then run the same forwards.)"""
+    routed, vocab, engine, torch_engine = four_adapter_engines()
+    requests, configs = learned_batch(routed, vocab)
+    got, want = recorded_decisions(engine), recorded_decisions(torch_engine)
+    for request, config in zip(requests[:3], configs[:3]):  # the learned ones
+        before = len(got)
+        assert routed_tokens(engine, [request], [config]) == routed_tokens(torch_engine, [request], [config])
+        assert len(got) == len(want) > before
+    for (slots, weights, states, held), (want_slots, want_weights, want_states, want_held) in zip(got, want):
+        assert torch.equal(slots, want_slots) and held == want_held
+        torch.testing.assert_close(weights, want_weights, atol=1e-5, rtol=0)
+        for state, want_state in zip(states, want_states, strict=True):
+            torch.testing.assert_close(state, want_state, atol=1e-5, rtol=1e-5)
+    # the decisions vary: several adapters chosen, both columns of the top-2 used, pictures' decisions held
+    first = torch.cat([slots[..., 0].reshape(-1) for slots, _, _, _ in got])
+    assert len(got) > 60 and len(set(first.tolist()) - {-1}) >= 3
+    assert any((slots[..., 1] >= 0).any() for slots, _, _, _ in got if slots.shape[-1] == 2)
+    assert any(held for _, _, _, held in got)
+    engine.close()
+    torch_engine.close()
+
+
+def test_learned_requests_in_the_c_step_equal_their_solo_runs_and_torchs_greedy_tokens():
+    routed, vocab, engine, torch_engine = four_adapter_engines()
+    requests, configs = learned_batch(routed, vocab)
+    engine._setup()
+    decided = []
+    run = engine.cpu_step.run
+    engine.cpu_step.run = lambda *args, learned=None, **kw: \
+        decided.append(learned is not None) or run(*args, learned=learned, **kw)
+    alone = [routed_tokens(engine, [r], [c])[0] for r, c in zip(requests, configs)]
+    together = routed_tokens(engine, requests, configs)
+    assert together == alone  # tokens, adapters and top-k mixes
+    assert any(decided) and {a for row in alone[:3] for _, a, _ in row} >= {"a", "b", "c"}
+    assert any(len(mix) == 2 for _, _, mix in alone[0])  # the top-2 rows report both adapters they mix
+    # torch's step: the same greedy tokens and producing adapters (the mixes' weights may differ by rounding)
+    assert [[(t, a) for t, a, _ in row] for row in together] == \
+        [[(t, a) for t, a, _ in row] for row in routed_tokens(torch_engine, requests, configs)]
+    engine.close()
+    torch_engine.close()
+
+
+def test_gates_the_c_step_cannot_decide_take_torchs_step_with_the_reason_logged_once(caplog):
+    routed, vocab, engine, torch_engine = four_adapter_engines()
+    requests, configs = learned_batch(routed, vocab)
+    requests[2].router.gates.to(torch.float64)  # the second router's gates: not float32
+    with caplog.at_level(logging.INFO, logger="molora.models.engine.cpu_step"):
+        got = routed_tokens(engine, requests, configs)
+    lines = [r.getMessage() for r in caplog.records if "cannot make a learned router's decisions" in r.getMessage()]
+    assert len(lines) == 1 and "float32 on the CPU" in lines[0]
+    assert engine.cpu_step is not None  # the other steps keep the C step
+    assert [[(t, a) for t, a, _ in row] for row in got] == \
+        [[(t, a) for t, a, _ in row] for row in routed_tokens(torch_engine, requests, configs)]
     engine.close()
     torch_engine.close()
 
@@ -284,12 +373,52 @@ def test_bad_indices_and_tables_are_refused_before_the_c_code_runs():
         with pytest.raises(ValueError, match=message):
             step.run(**{**ok, field: value})
         assert all(torch.equal(a, b) for a, b in zip(before, step.kv.keys))  # nothing was written
+    learned_tables_are_checked(step, ok, routed)
     weights = step.table()
     with pytest.raises(ValueError, match="tensor 1: expected a contiguous CPU torch.float32"):
         cpu_decode.StepWeights(weights.dims, 1e-6, 0.25, [weights.tensors[0], weights.tensors[1][:-1],
                                                           *weights.tensors[2:]])
     with pytest.raises(ValueError, match="tensors for"):
         cpu_decode.StepWeights(weights.dims, 1e-6, 0.25, weights.tensors[:-1])
+
+
+def learned_tables_are_checked(step, ok, routed):
+    """Each table of a LearnedStep is checked (dtype, shape, values) before the C code runs: nothing is written."""
+    width, blocks, d = 2, len(step.decoder.blocks), step.d
+    gates = LearnedGates.for_model(routed, ["a", "b"], context_decays=(0.5,))
+
+    def gate_set(**changes):
+        fields = dict(top_k=2, expert_slots=torch.tensor([0, 1]), weights=[g.weight for g in gates.gates],
+                      gated=torch.ones(width, dtype=torch.bool), decays=(0.5,),
+                      updates=torch.ones(width, dtype=torch.bool), state_in=torch.zeros(width, 1, d),
+                      state_out=torch.zeros(width, 1, d),
+                      held=(torch.zeros(width, blocks, 2, dtype=torch.long), torch.zeros(width, blocks, 2),
+                            torch.zeros(width, dtype=torch.bool)))
+        return cpu_decode.GateSet(**{**fields, **changes})
+
+    def learned(sets, k=2, slots=None):
+        return cpu_decode.LearnedStep(sets, torch.full((width, blocks, k), -1) if slots is None else slots,
+                                      torch.zeros(width, blocks, k))
+
+    step.run(**ok, learned=learned([gate_set()]))
+    for bad, message in ((learned([gate_set(expert_slots=torch.tensor([0, 4]))]), "expert_slots must lie in"),
+                         (learned([gate_set(top_k=3)]), "top_k 3 must lie in"),
+                         (learned([gate_set()], k=1), "top_k 2 must lie in"),
+                         (learned([gate_set(weights=[g.weight for g in gates.gates][1:])]), "gate weights for"),
+                         (learned([gate_set(weights=[g.weight.double() for g in gates.gates])]), "weight 0"),
+                         (learned([gate_set(weights=[g.weight[:, :d] for g in gates.gates])]), "weight 0"),
+                         (learned([gate_set(gated=torch.ones(width + 1, dtype=torch.bool))]), "gated"),
+                         (learned([gate_set(state_in=None)]), "state_in"),
+                         (learned([gate_set(state_out=torch.zeros(width, 2, d))]), "state_out"),
+                         (learned([gate_set(held=(torch.full((width, blocks, 2), 5), torch.zeros(width, blocks, 2),
+                                                  torch.zeros(width, dtype=torch.bool)))]), "held slots must lie in"),
+                         (learned([]), "one gate set or more"),
+                         (learned([gate_set()], slots=torch.full((width, blocks, 2), -1, dtype=torch.int32)),
+                          "learned slots")):
+        before = [k.clone() for k in step.kv.keys]
+        with pytest.raises(ValueError, match=message):
+            step.run(**ok, learned=bad)
+        assert all(torch.equal(a, b) for a, b in zip(before, step.kv.keys))
 
 
 def test_the_portable_build_without_avx512_gives_the_same_answers_within_rounding(monkeypatch):

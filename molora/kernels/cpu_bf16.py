@@ -35,8 +35,6 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemm_bf16w.c", "dec
 HEADER = Path(__file__).with_name("vec16.h")  # 16-lane vectors: AVX-512F where the compiler targets it, else loops
 # outputs per block of the copy's layout (one 16-lane float32 vector)
 LANES = 16
-# the decode step's learned-routing callback: int route(long block) (kernels/cpu_decode.py)
-ROUTE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_long)
 
 
 @functools.lru_cache(maxsize=1)
@@ -73,7 +71,7 @@ def library() -> ctypes.CDLL | None:
     function.restype = None
     step = built.molora_decode_step
     step.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 5 + [ctypes.c_long] * 2 + \
-        [ctypes.c_void_p] * 3 + [ROUTE_FN]  # (..., width, k, mix_slots, mix_weights, route_in, route)
+        [ctypes.c_void_p] * 3  # (..., k, gate sets, their GateSet array, decided slots, decided weights)
     step.restype = ctypes.c_int
     return built
 

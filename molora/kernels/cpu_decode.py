@@ -7,6 +7,10 @@ chain, so a row's numbers never depend on its neighbours), the rest loops over o
 
     weights = StepWeights(dims, eps, scaling, tensors)     # once; the tensors' layout: decode_step.c's header
     decode_step(weights, rows, ids, positions, slots, logits)
+    decode_step(weights, rows, ids, positions, slots, logits, LearnedStep(gate_sets, decided_slots, decided_weights))
+
+With a LearnedStep the C step also makes learned (MoLoRA) routing's decision at every block, from the block input,
+as LearnedGroup.decide does at one position per row (GateSet), and keeps it for the caller ([W, layers, k]).
 
 The engine's glue (models/engine/cpu_step.py) knows the model and builds the tensor list; this module knows only
 tensors: it checks every one against `dims` when the table is made, and each call's indices against the table, so
@@ -16,12 +20,13 @@ no call can make the C code read or write outside a tensor.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from molora.kernels.cpu_bf16 import LANES, ROUTE_FN, bf16_weight, library
+from molora.kernels.cpu_bf16 import LANES, bf16_weight, library
 
 DIM_NAMES = ("layers", "d", "heads", "kv_heads", "head_dim", "ffn", "vocab", "slots", "rank", "max_len", "qk_norm")
 GLOBAL_TENSORS = 5
@@ -110,23 +115,117 @@ def _within(name: str, values: torch.Tensor, low: int, high: int) -> None:
 
 
 @dataclass
-class LearnedRoute:
-    """Learned routing for one C step: before block i the step writes every batch row's block input into
-    `inputs` [W, d] (zeros for rows it does not compute) and calls `route(i)`, which leaves the rows' top-k slots
-    (-1: none) and weights in `slots` / `weights` [W, k] (contiguous int64 / float32, written in place)."""
+class GateSet:
+    """One learned gate set's tables for a C step over W batch rows (decode_step.c's GateSet says what the step does
+    with them): its top_k, expert -> slot map `expert_slots` [E] (int64, -1: the base model), one gate weight per
+    block (float32 [E, (1 + S) d]), the rows it gates (`gated` [W] bool); with S context `decays`, which rows update
+    the routing state (`updates` [W] bool), the states before this step (`state_in` [W, S, d] float32) and where the
+    step writes the states after it (`state_out`, same); and `held`: (slots [W, layers, top_k] int64, weights
+    float32, use [W] bool), the decisions kept for pictures begun earlier, which the rows marked in `use` take."""
 
-    route: Callable[[int], None]
-    inputs: torch.Tensor
+    top_k: int
+    expert_slots: torch.Tensor
+    weights: Sequence[torch.Tensor]
+    gated: torch.Tensor
+    decays: Sequence[float] = ()
+    updates: torch.Tensor | None = None
+    state_in: torch.Tensor | None = None
+    state_out: torch.Tensor | None = None
+    held: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class LearnedStep:
+    """Learned routing for one C step: its gate sets, applied in order (a later one's decision replaces an earlier
+    one's on the rows it gates), and where the step writes each row's decision of every block: `slots` / `weights`
+    [W, layers, k] (int64 / float32; the rows it computes)."""
+
+    sets: Sequence[GateSet]
     slots: torch.Tensor
     weights: torch.Tensor
 
 
+class _GateSetC(ctypes.Structure):
+    """decode_step.c's GateSet (every pointer as void *: the same layout)."""
+
+    _fields_ = [("experts", ctypes.c_long), ("top_k", ctypes.c_long), ("decays", ctypes.c_long),
+                *((name, ctypes.c_void_p) for name in ("expert_slots", "weights", "gated", "updates", "held", "keep",
+                                                       "fresh", "state_in", "state_out", "held_slots", "held_weights"))]
+
+
+def _tensor(name: str, tensor: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """tensor's address, after checking that it is a contiguous CPU tensor of this dtype and shape."""
+    if tensor is None or tensor.dtype != dtype or tensor.device.type != "cpu" or tuple(tensor.shape) != shape or \
+            not tensor.is_contiguous():
+        got = "None" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
+        raise ValueError(f"decode step learned {name}: expected a contiguous CPU {dtype} {shape}, got {got}")
+    return tensor.data_ptr()
+
+
+@functools.lru_cache(maxsize=64)
+def _decay_factors(decays: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (keep, fresh) [S] of a routing state's decays: exp(log lambda) with log lambda in float32, and
+    1 - lambda, as decision.state_update applies them (made once per decays: ~9 us a step otherwise)."""
+    keep = torch.log(torch.tensor(decays, dtype=torch.float32)).exp()
+    return keep, torch.tensor([1 - lam for lam in decays], dtype=torch.float32)
+
+
+def _gate_set(index: int, gates: GateSet, dims: dict[str, int], width: int, k: int) -> tuple[_GateSetC, list]:
+    """The C struct of one gate set, after checking every table it points at (and what must stay alive with it)."""
+    name = f"gate set {index}"
+    experts = gates.expert_slots.shape[0] if gates.expert_slots.dim() == 1 else 0
+    decays, d, layers = len(gates.decays), dims["d"], dims["layers"]
+    if experts < 1 or not 1 <= gates.top_k <= min(experts, k):
+        raise ValueError(f"decode step learned {name}: top_k {gates.top_k} must lie in [1, min(experts, k = {k})] "
+                         f"with experts {tuple(gates.expert_slots.shape)}")
+    _tensor(f"{name} expert_slots", gates.expert_slots, torch.long, (experts,))
+    _within(f"learned {name} expert_slots", gates.expert_slots, -1, dims["slots"])
+    if len(gates.weights) != layers:
+        raise ValueError(f"decode step learned {name}: {len(gates.weights)} gate weights for {layers} blocks")
+    weights = (ctypes.c_void_p * layers)(*(_tensor(f"{name} weight {block}", weight, torch.float32,
+                                                   (experts, (1 + decays) * d))
+                                           for block, weight in enumerate(gates.weights)))
+    struct = _GateSetC(experts, gates.top_k, decays, gates.expert_slots.data_ptr(), ctypes.addressof(weights),
+                       _tensor(f"{name} gated", gates.gated, torch.bool, (width,)))
+    alive: list = [weights]
+    if decays:
+        keep, fresh = _decay_factors(tuple(gates.decays))
+        struct.updates = _tensor(f"{name} updates", gates.updates, torch.bool, (width,))
+        struct.state_in = _tensor(f"{name} state_in", gates.state_in, torch.float32, (width, decays, d))
+        struct.state_out = _tensor(f"{name} state_out", gates.state_out, torch.float32, (width, decays, d))
+        struct.keep, struct.fresh = keep.data_ptr(), fresh.data_ptr()
+        alive += [keep, fresh]
+    if gates.held is not None:
+        slots, held_weights, use = gates.held
+        struct.held_slots = _tensor(f"{name} held slots", slots, torch.long, (width, layers, gates.top_k))
+        _within(f"learned {name} held slots", slots, -1, dims["slots"])
+        struct.held_weights = _tensor(f"{name} held weights", held_weights, torch.float32, (width, layers, gates.top_k))
+        struct.held = _tensor(f"{name} held use", use, torch.bool, (width,))
+    return struct, alive
+
+
+def _learned_args(learned: LearnedStep | None, dims: dict[str, int], width: int) -> tuple[tuple, list]:
+    """(k, gate sets, their GateSet array, decided slots, decided weights) for the C call, every table checked, and
+    what must stay alive during it."""
+    if learned is None:
+        return (1, 0, None, None, None), []
+    k = learned.slots.shape[-1] if learned.slots.dim() == 3 else 0
+    shape = (width, dims["layers"], k)
+    if k < 1 or not learned.sets:
+        raise ValueError(f"decode step learned: expected one gate set or more and decisions [W, layers, k >= 1], "
+                         f"got {len(learned.sets)} sets and {tuple(learned.slots.shape)}")
+    outputs = (_tensor("slots", learned.slots, torch.long, shape), _tensor("weights", learned.weights, torch.float32,
+                                                                           shape))
+    made = [_gate_set(index, gates, dims, width, k) for index, gates in enumerate(learned.sets)]
+    structs = (_GateSetC * len(made))(*(struct for struct, _ in made))
+    return (k, len(made), ctypes.addressof(structs), *outputs), [structs, made]
+
+
 def decode_step(weights: StepWeights, rows: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor, logits: torch.Tensor, learned: LearnedRoute | None = None) -> None:
+                slots: torch.Tensor, logits: torch.Tensor, learned: LearnedStep | None = None) -> None:
     """One token for each batch row in `rows` [n]: row r feeds ids[r] at positions[r] with LoRA slot slots[r] (-1:
-    none; or, with `learned`, the gates' top-k of each block), writes its K/V at (cache row r, positions[r]) and its
-    logits into logits[r] (float32 [W, vocab]); the other rows of `logits` are left as they are. An error raised by
-    `learned.route` stops the step (the K/V of the blocks before may be written) and is raised here."""
+    none; or, with `learned`, its gates' top-k of each block), writes its K/V at (cache row r, positions[r]) and its
+    logits into logits[r] (float32 [W, vocab]); the other rows of `logits` are left as they are."""
     built = library()
     if built is None:
         raise RuntimeError("the CPU decode step is not built on this machine (kernels/cpu_bf16.py)")
@@ -147,38 +246,12 @@ def decode_step(weights: StepWeights, rows: torch.Tensor, ids: torch.Tensor, pos
     _within("ids", ids[rows], 0, dims["vocab"])
     _within("positions", positions[rows], 0, dims["max_len"])
     _within("slots", slots[rows], -1, dims["slots"])
-    k, route, failure = 1, ROUTE_FN(), []  # (ROUTE_FN(): a NULL function pointer)
-    mix = (0, 0, 0)
-    if learned is not None:
-        k = learned.slots.shape[1] if learned.slots.dim() == 2 else 0
-        for name, tensor, dtype, shape in (("inputs", learned.inputs, torch.float32, (width, dims["d"])),
-                                           ("slots", learned.slots, torch.long, (width, k)),
-                                           ("weights", learned.weights, torch.float32, (width, k))):
-            if tensor.dtype != dtype or tensor.device.type != "cpu" or tuple(tensor.shape) != shape or \
-                    not tensor.is_contiguous() or k < 1:
-                raise ValueError(f"decode step learned {name}: expected a contiguous CPU {dtype} {shape} (k >= 1), "
-                                 f"got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
-
-        def call(layer: int) -> int:
-            try:
-                learned.route(layer)
-                return 0
-            except BaseException as err:  # raised below, once the C code has returned
-                failure.append(err)
-                return 1
-
-        route = ROUTE_FN(call)
-        mix = (learned.slots.data_ptr(), learned.weights.data_ptr(), learned.inputs.data_ptr())
+    args, _alive = _learned_args(learned, dims, width)  # (the tables it points at live until the call returned)
     status = built.molora_decode_step(weights._dims, weights._reals, weights._pointers, rows.shape[0],
                                       rows.data_ptr(), ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                                      logits.data_ptr(), width, k, *mix, route)
+                                      logits.data_ptr(), *args)
     if status == 1:
         raise MemoryError(f"the C decode step could not allocate its scratch for {rows.shape[0]} rows")
-    if status == 2:
-        raise failure[0]
-    if status == 3:
-        raise ValueError(f"decode step: the learned route left slots outside [-1, {dims['slots']}): "
-                         f"{learned.slots.tolist() if learned is not None else None}")
     if status:
         raise RuntimeError(f"the C decode step returned an unknown status {status}")
 
@@ -200,4 +273,4 @@ def head_copy(weight: torch.Tensor) -> torch.Tensor | None:
     return bf16_weight(padded)
 
 
-__all__ = ["StepWeights", "LearnedRoute", "decode_step", "available", "rope_tables", "head_copy", "expected_shapes"]
+__all__ = ["StepWeights", "GateSet", "LearnedStep", "decode_step", "available", "rope_tables", "head_copy", "expected_shapes"]

@@ -19,12 +19,13 @@
        copy [O/16, in, 16], A [P, S, r, in], B [S, O, r], scale [P, S]; then K and V [cache rows, kv_heads,
        max_len, head_dim]
    The step: rows[n] (batch rows: each is also the row's cache row and its row of `logits` [*, vocab]), and per
-   batch row ids, positions and LoRA slots (-1: none), all int64. Learned (MoLoRA) routing, when `route` is not
-   NULL: at each block the rows' inputs go to route_in [width, d] (zeros for the rows not computed), `route` runs
-   the gates (in Python) and leaves each batch row's top-k slots and weights in mix_slots / mix_weights [width, k],
-   which replace `slots` for that block. Returns 0; 1 when its scratch could not be allocated (nothing was
-   written); 2 when `route` failed, 3 when it left a slot out of range (the step stopped part-way). Vectors of
-   16 lanes: AVX-512F or portable loops (vec16.h). */
+   batch row ids, positions and LoRA slots (-1: none), all int64. Learned (MoLoRA) routing, with gate_sets > 0:
+   each row's LoRA choices at each block are its gates' decision (`decide`), made here from the block input (see
+   GateSet; deciding in Python at each block was half a learned step: 4.1 against 1.4 ms for vocabulary routing,
+   benchmarks/cpu_speed.py). The decisions go to decided_slots / decided_weights [width, layers, k] (rows not computed: untouched);
+   a row no gate set routes keeps its slot in column 0 with weight 1 (0 for -1), -1 / 0 in the other columns.
+   Returns 0; 1 when its scratch could not be allocated (nothing was written). Vectors of 16 lanes: AVX-512F or
+   portable loops (vec16.h). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -34,9 +35,30 @@
 
 void molora_gemm_bf16w(const float *x, const uint16_t *w, float *y, long n, long o, long k);
 
-/* learned routing: called at each block's start with the block index, after the block inputs were written to
-   route_in; fills mix_slots / mix_weights [width, k]; nonzero stops the step */
-typedef int (*route_fn)(long layer);
+/* One learned gate set (routing/routers.py LearnedGates, as LearnedGroup.decide applies it at one position per
+   row), in the order the sets apply: a later set's decision replaces an earlier one's on the rows it gates. Per
+   batch row r (all arrays [width, ...] are indexed by r; bools are bytes):
+     gated[r]         the set decides this row (its positions' modality, and the row a member of the router)
+     held[r]          take the decision kept for the row's picture, held_slots / held_weights [r, layer, top_k],
+                      instead of the gates' (held NULL: none kept)
+     the gates' decision at a block: logits = weights[layer] [experts, (1 + decays) d] @ the block input (with
+     decays: the input and the row's `decays` routing states, each RMS-normalised without a weight,
+     concatenated), its top_k logits (largest first, equal ones by lowest expert as decision.top_k_first; the
+     eager decide's torch.topk may order exact ties otherwise), their softmax, and each expert's slot
+     expert_slots[e] (-1: the base model)
+     routing state (decays > 0): made at block 0 from the embedding e, per decay j,
+                      state_out[r, j] = fresh[j] e + keep[j] state_in[r, j] where updates[r], else state_in[r, j]
+                      (fresh = 1 - lambda, keep = exp(log lambda): decision.state_update at one position) */
+typedef struct {
+    long experts, top_k, decays;
+    const long *expert_slots;
+    const float *const *weights;
+    const uint8_t *gated, *updates, *held;
+    const float *keep, *fresh, *state_in;
+    float *state_out;
+    const long *held_slots;
+    const float *held_weights;
+} GateSet;
 
 enum { GLOBAL_TENSORS = 5, GROUP_TENSORS = 4, GROUPS = 4, LAYER_TENSORS = 4 + GROUPS * GROUP_TENSORS + 2 };
 enum { D_LAYERS, D_MODEL, D_HEADS, D_KV_HEADS, D_HEAD, D_FFN, D_VOCAB, D_SLOTS, D_RANK, D_MAX_LEN, D_QK_NORM,
@@ -100,6 +122,90 @@ static void axpy(float *y, float a, const float *x, long n) {
 static void rms_norm(const float *x, const float *weight, float *out, long n, float eps) {
     float scale = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
     for (long i = 0; i < n; i++) out[i] = x[i] * scale * weight[i];
+}
+
+/* out = part [d] * rsqrt(mean(part^2) + 1e-6): one piece of a gate's input (decision.gate_logits) */
+static void gate_norm(const float *part, long d, float *out) {
+    float scale = 1.0f / sqrtf(dot(part, part, d) / (float)d + 1e-6f);
+    for (long c = 0; c < d; c++) out[c] = part[c] * scale;
+}
+
+/* row r's routing states under set g from its embedding e [d] (GateSet) */
+static void step_state(const GateSet *g, long r, const float *e, long d) {
+    for (long j = 0; j < g->decays; j++) {
+        const float *in = g->state_in + (r * g->decays + j) * d;
+        float *out = g->state_out + (r * g->decays + j) * d;
+        if (!g->updates[r]) {
+            memcpy(out, in, sizeof(float) * d);
+            continue;
+        }
+        for (long c = 0; c < d; c++) out[c] = g->fresh[j] * e[c] + g->keep[j] * in[c];
+    }
+}
+
+/* set g's gates on row r's input x [d] at block `layer`: slot / weight [top_k]. Scratch: input [(1 + decays) d],
+   logits [experts] */
+static void gate_top_k(const GateSet *g, long layer, long r, const float *x, long d, float *input, float *logits,
+                       long *slot, float *weight) {
+    long width = (1 + g->decays) * d;
+    const float *gate_in = x;
+    if (g->decays > 0) {
+        gate_norm(x, d, input);
+        for (long j = 0; j < g->decays; j++) gate_norm(g->state_out + (r * g->decays + j) * d, d, input + (1 + j) * d);
+        gate_in = input;
+    }
+    dots(g->weights[layer], width, gate_in, width, g->experts, logits);
+    long chosen[g->top_k];
+    float total = 0.0f;
+    for (long c = 0; c < g->top_k; c++) {  /* k rounds of argmax: equal logits by lowest expert (decision.top_k_first) */
+        long best = -1;
+        for (long e = 0; e < g->experts; e++) {
+            int taken = 0;
+            for (long prior = 0; prior < c; prior++) taken |= chosen[prior] == e;
+            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+        }
+        chosen[c] = best;
+        slot[c] = g->expert_slots[best];
+        weight[c] = expf(logits[best] - logits[chosen[0]]);
+        total += weight[c];
+    }
+    for (long c = 0; c < g->top_k; c++) weight[c] /= total;
+}
+
+/* A step's learned decisions: its gate sets, where the decisions go ([width, layers, k]) and the gates' scratch. */
+typedef struct {
+    const GateSet *sets;
+    long count, layers, k;
+    long *slots;
+    float *weights, *input, *logits;
+} Decisions;
+
+/* row r's LoRA choices at block `layer` from its block input x [d]: its static slot (column 0, weight 1; -1 / 0
+   for the other columns), replaced by each gate set that gates the row; into slot / weight [k] and the decisions */
+static void decide(const Decisions *dec, long layer, long r, long static_slot, const float *x, long d, long *slot,
+                   float *weight) {
+    for (long c = 0; c < dec->k; c++) {
+        slot[c] = c == 0 ? static_slot : -1;
+        weight[c] = c == 0 && static_slot >= 0 ? 1.0f : 0.0f;
+    }
+    for (long s = 0; s < dec->count; s++) {
+        const GateSet *g = dec->sets + s;
+        if (!g->gated[r]) continue;
+        if (g->held != NULL && g->held[r]) {
+            long at = (r * dec->layers + layer) * g->top_k;
+            memcpy(slot, g->held_slots + at, sizeof(long) * g->top_k);
+            memcpy(weight, g->held_weights + at, sizeof(float) * g->top_k);
+        } else {
+            gate_top_k(g, layer, r, x, d, dec->input, dec->logits, slot, weight);
+        }
+        for (long c = g->top_k; c < dec->k; c++) {
+            slot[c] = -1;
+            weight[c] = 0.0f;
+        }
+    }
+    long at = (r * dec->layers + layer) * dec->k;
+    memcpy(dec->slots + at, slot, sizeof(long) * dec->k);
+    memcpy(dec->weights + at, weight, sizeof(float) * dec->k);
 }
 
 /* x * cos + rotate_half(x) * sin == x * cos + roll(x, D/2) * sin_signed */
@@ -213,8 +319,8 @@ static void attend(const float *q, const float *keys, const float *values, long 
 }
 
 int molora_decode_step(const long *dims, const float *reals, void *const *tensors, long n, const long *rows,
-                       const long *ids, const long *positions, const long *slots, float *logits, long width,
-                       long k, const long *mix_slots, const float *mix_weights, float *route_in, route_fn route) {
+                       const long *ids, const long *positions, const long *slots, float *logits, long k,
+                       long gate_sets, const GateSet *sets, long *decided_slots, float *decided_weights) {
     const long layers = dims[D_LAYERS], d = dims[D_MODEL], heads = dims[D_HEADS], kv_heads = dims[D_KV_HEADS];
     const long dim = dims[D_HEAD], ffn = dims[D_FFN], vocab = dims[D_VOCAB], num_slots = dims[D_SLOTS];
     const long rank = dims[D_RANK], max_len = dims[D_MAX_LEN];
@@ -226,12 +332,17 @@ int molora_decode_step(const long *dims, const float *reals, void *const *tensor
     const uint16_t *head = tensors[2];
     const float *cos_table = tensors[3], *sin_table = tensors[4];
 
-    /* each row's LoRA choices: its slot with weight 1 (k = 1), or the gates' top-k of each block (`route`) */
-    if (route == NULL) k = 1;
+    /* each row's LoRA choices: its slot with weight 1 (k = 1), or its gates' top-k at each block */
+    if (gate_sets == 0) k = 1;
+    long gate_in = 0, experts = 0;
+    for (long s = 0; s < gate_sets; s++) {
+        if ((1 + sets[s].decays) * d > gate_in) gate_in = (1 + sets[s].decays) * d;
+        if (sets[s].experts > experts) experts = sets[s].experts;
+    }
     /* scratch, one block: x [n, d], h [n, d], qkv [n, qkv_out], attn [n, q_out], proj [n, d], gu [n, 2 ffn],
-       act [n, ffn], out [n, vpad], scores [max_len], choice_weight [n k], shrunk [n k rank]; and choice_slot, members
-       [n k] (longs) */
-    long floats = n * (3 * d + qkv_out + q_out + 3 * ffn + vpad) + max_len + n * k * (1 + rank);
+       act [n, ffn], out [n, vpad], scores [max_len], choice_weight [n k], shrunk [n k rank], the gates' input
+       [gate_in] and logits [experts]; and choice_slot, members [n k] (longs) */
+    long floats = n * (3 * d + qkv_out + q_out + 3 * ffn + vpad) + max_len + n * k * (1 + rank) + gate_in + experts;
     float *scratch = malloc(sizeof(float) * floats);
     long *longs = malloc(sizeof(long) * 2 * n * k);
     if (scratch == NULL || longs == NULL) {
@@ -243,11 +354,14 @@ int molora_decode_step(const long *dims, const float *reals, void *const *tensor
     float *gu = proj + n * d, *act = gu + n * 2 * ffn, *out = act + n * ffn, *scores = out + n * vpad;
     float *choice_weight = scores + max_len, *shrunk = choice_weight + n * k;
     long *choice_slot = longs, *members = longs + n * k;
+    const Decisions decisions = {sets, gate_sets, layers, k, decided_slots, decided_weights, shrunk + n * k * rank,
+                                 shrunk + n * k * rank + gate_in};
     for (long i = 0; i < n; i++) {
         long r = rows[i];
         choice_slot[i * k] = slots[r];
         choice_weight[i * k] = 1.0f;
         memcpy(x + i * d, embed + ids[r] * d, sizeof(float) * d);
+        for (long s = 0; s < gate_sets; s++) step_state(sets + s, r, x + i * d, d);
     }
     const long qkv_widths[3] = {q_out, kv_out, kv_out}, o_widths[1] = {d}, gu_widths[2] = {ffn, ffn};
     const long down_widths[1] = {d};
@@ -263,26 +377,10 @@ int molora_decode_step(const long *dims, const float *reals, void *const *tensor
             groups[g] = (Group){gt[0], gt[1], gt[2], gt[3], group_members[g], group_in[g], group_out[g]};
         }
         float *keys = t[4 + GROUPS * GROUP_TENSORS], *values = t[5 + GROUPS * GROUP_TENSORS];
-        if (route != NULL) {  /* the learned gates decide on the block input: every batch row's, zeros if not here */
-            memset(route_in, 0, sizeof(float) * width * d);
-            for (long i = 0; i < n; i++) memcpy(route_in + rows[i] * d, x + i * d, sizeof(float) * d);
-            if (route(layer) != 0) {
-                free(scratch);
-                free(longs);
-                return 2;
-            }
+        if (gate_sets > 0)  /* the learned gates decide on the block input */
             for (long i = 0; i < n; i++)
-                for (long c = 0; c < k; c++) {
-                    long s = mix_slots[rows[i] * k + c];
-                    if (s < -1 || s >= num_slots) {
-                        free(scratch);
-                        free(longs);
-                        return 3;
-                    }
-                    choice_slot[i * k + c] = s;
-                    choice_weight[i * k + c] = mix_weights[rows[i] * k + c];
-                }
-        }
+                decide(&decisions, layer, rows[i], slots[rows[i]], x + i * d, d, choice_slot + i * k,
+                       choice_weight + i * k);
 
         for (long i = 0; i < n; i++) rms_norm(x + i * d, in_norm, h + i * d, d, eps);
         routed_linear(&groups[0], qkv_widths, h, qkv, n, choice_slot, choice_weight, k, num_slots, rank,

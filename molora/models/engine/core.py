@@ -49,9 +49,8 @@ from typing import Any
 
 import torch
 
-from molora.kernels.cpu_decode import LearnedRoute
 from molora.kernels.graphs import capture_graph
-from molora.models.engine.cpu_step import CpuStep, CpuStepError
+from molora.models.engine.cpu_step import CpuStep, CpuStepError, learned_step
 from molora.models.engine.decoder import LeanDecoder
 from molora.models.engine.generation import GenerationConfig, Request, open_image_span
 from molora.models.engine.kv_cache import RowKVCache
@@ -816,33 +815,26 @@ class Engine:
             log.warning("engine: the C decode step cannot run the model any more (%s); torch's step from now on", err)
             self.cpu_step = None
             return self._decode(width, jobs, learned, live)
+        if not all(self.cpu_step.decides(t.router) for t in learned):  # (logged once): torch's step, routed
+            return self._decode_body(width, learned, self._columns(max(len(j.prompt) + j.emitted for j in jobs)),
+                                     live=live)
         ids, positions, slots = self.states.decode_feeds(width)
         rows = self.all_rows[:live]
         logits = torch.zeros(width, self.cpu_step.vocab, device=self.device)
         if not learned:
             self.cpu_step.run(rows, ids, positions, slots, logits, table=table)
             return logits, _Producing(slots)
-        # learned rows: at each block the C step hands the rows' inputs to the gates (CallRouting.route_block, torch
-        # modules) and computes with their top-k; the static rows keep their slot with weight 1 (the same numbers)
+        # learned rows: the C step makes each block's decision itself and writes it, and the routing states, into
+        # the plan (cpu_step.learned_step); the static rows keep their slot with weight 1 (the same numbers)
         plan = self._decode_plan(width, learned, ids[:, None], slots, live)
         cache_rows, at = self.all_rows[:width], positions[:, None]
         self._hold_pictures(plan)
         self._hold_states(plan, cache_rows, at)
-        inputs = torch.zeros(width, self.cpu_step.d, device=self.device)
-        mix_slots = torch.empty(width, plan.k, dtype=torch.long, device=self.device)
-        mix_weights = torch.empty(width, plan.k, device=self.device)
-
-        def route(block: int) -> None:
-            plan.route_block(block, inputs.clone().view(width, 1, -1))  # (a copy: the step rewrites `inputs`)
-            chosen, weights = plan.block_slots[block]
-            mix_slots.copy_(chosen)
-            mix_weights.copy_(weights)
-
-        self.cpu_step.run(rows, ids, positions, slots, logits, learned=LearnedRoute(route, inputs, mix_slots, mix_weights),
-                          table=table)
+        step = learned_step(plan)
+        self.cpu_step.run(rows, ids, positions, slots, logits, learned=step, table=table)
         self._keep_pictures(plan, cache_rows)
         self._keep_states(plan, cache_rows, at)
-        return logits, _producing(self.routed.token_routing(plan, ids[:, None]), slots)
+        return logits, _averaged_over_blocks(step.slots, step.weights, self.routed.cache.num_slots)
 
     def _decode_plan(self, width: int, learned: tuple[_LearnedRows, ...], ids: torch.Tensor, slots: torch.Tensor,
                      live: int | None) -> CallRouting:
@@ -1094,6 +1086,20 @@ def _producing(routing: Any, slots: torch.Tensor) -> _Producing:
     top_slots, top_weights = routing.slots[:, -1], routing.weights[:, -1]
     best = top_weights.argmax(dim=-1, keepdim=True)
     return _Producing(top_slots.gather(1, best).squeeze(1), top_slots, top_weights)
+
+
+def _averaged_over_blocks(slots: torch.Tensor, weights: torch.Tensor, num_slots: int) -> _Producing:
+    """_producing of learned decisions [W, blocks, k] (a C step's): each row's top-k of its routing weight averaged
+    over blocks, as RoutedModel.token_routing makes it, all blocks in one scatter (the same sums, in block order)."""
+    width, blocks, k = slots.shape
+    flat_slots, flat_weights = slots.view(width, -1), weights.view(width, -1)
+    mass = torch.zeros(width, num_slots, device=slots.device)
+    mass.scatter_add_(1, flat_slots.clamp(min=0), flat_weights * (flat_slots >= 0))
+    mass /= blocks
+    top_w, top_s = mass.topk(k, dim=-1)
+    top_s = torch.where(top_w > 0, top_s, torch.full_like(top_s, -1))
+    best = top_w.argmax(dim=-1, keepdim=True)
+    return _Producing(top_s.gather(1, best).squeeze(1), top_s, top_w)
 
 
 __all__ = ["Engine", "EngineConfig", "Token", "Done", "RequestHandle", "TEXT", "IMAGE"]

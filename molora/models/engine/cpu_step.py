@@ -4,8 +4,9 @@ The engine's eager CPU step spent most of its time on the dispatch of ~575 small
 C1). Where the model allows, a decode step is one C call instead: the same forward (LeanDecoder's, with each row's
 LoRA slot from the vocabulary routing), each row computed on its own (exact rows: a request's tokens equal its solo
 run), padding rows skipped. It serves rows routed by vocabulary range, a fixed adapter or none, and rows of learned
-(MoLoRA) routers: at each block the C code calls back into Python, where the gates (torch modules) decide on the
-rows' block inputs (CallRouting.route_block), and then computes with their top-k slots and weights.
+(MoLoRA) routers, whose decision the C code makes at each block itself (LearnedGroup.decide's math, row by row:
+`learned_step` hands it a decode step's routing tables); where a router's gates are not float32 on the CPU
+(`CpuStep.decides`), the engine takes torch's step for the steps that router's rows share.
 
 Where it cannot serve (`CpuStep.unsupported` says why: no built C library, weights whose values are not all
 bfloat16, projection biases, an activation other than SiLU, a projection left unrouted or ungrouped, ...), the
@@ -14,6 +15,7 @@ engine keeps the torch step and logs the reason once.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +26,11 @@ from molora.kernels import cpu_decode
 from molora.kernels.errors import MoLoRAError
 from molora.models.engine.decoder import LeanDecoder
 from molora.models.engine.kv_cache import RowKVCache
+from molora.routing.context import CallRouting
 from molora.routing.lora import tensor_version
+from molora.routing.routers import LearnedRouter
+
+log = logging.getLogger(__name__)
 
 # each block's projection groups, as the C step reads them (kernels/decode_step.c), and their members in order
 GROUP_MEMBERS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
@@ -62,6 +68,7 @@ class CpuStep:
         cos, sin = decoder.base.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
         self.cos, self.sin_signed = cpu_decode.rope_tables(cos[0], sin[0])
         self._table: _Table | None = None
+        self._refused: set[tuple[int, str]] = set()  # (router, reason) pairs logged
 
     @staticmethod
     def unsupported(decoder: LeanDecoder | None, kv: RowKVCache) -> str | None:
@@ -186,12 +193,56 @@ class CpuStep:
                     qk_norm=int(decoder.qk_norm))
         return _Table(cpu_decode.StepWeights(dims, decoder.eps, decoder.scaling, tensors), head_key, checks, groups)
 
+    def decides(self, router: LearnedRouter) -> bool:
+        """Can the C step make this router's decisions (every gate weight a contiguous float32 tensor on the CPU,
+        sized for this model)? Logs why not, once per router and reason."""
+        layers = len(self.decoder.blocks)
+        for gates in [router.gates] + ([router.image_gates] if router.image_gates is not None else []):
+            if gates.d_model != self.d or gates.num_blocks != layers:
+                reason = f"gates sized for d={gates.d_model} and {gates.num_blocks} blocks"
+            elif any(gate.weight.dtype != torch.float32 or gate.weight.device.type != "cpu" or
+                     not gate.weight.is_contiguous() for gate in gates.gates):
+                reason = "gate weights that are not contiguous float32 on the CPU (the C step decides in float32)"
+            else:
+                continue
+            if (id(router), reason) not in self._refused:
+                self._refused.add((id(router), reason))
+                log.info("engine: the C decode step cannot make a learned router's decisions (%s); its steps take "
+                         "torch's step", reason)
+            return False
+        return True
+
     def run(self, rows: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            logits: torch.Tensor, learned: cpu_decode.LearnedRoute | None = None,
+            logits: torch.Tensor, learned: cpu_decode.LearnedStep | None = None,
             table: cpu_decode.StepWeights | None = None) -> None:
         """Decode one token for each batch row in `rows` (see cpu_decode.decode_step); ids, positions, slots [W].
         `table`: this step's table() when the caller just asked for it."""
         cpu_decode.decode_step(table or self.table(), rows, ids, positions, slots, logits, learned)
 
 
-__all__ = ["CpuStep", "CpuStepError"]
+def learned_step(plan: CallRouting) -> cpu_decode.LearnedStep:
+    """The C step's learned routing for a decode step's `plan` over W rows (the engine's: each group covers every
+    row, one position each, with its held picture decisions and routing states in): one GateSet per group, in order.
+    The plan then reads what the step writes, as if torch's gates had routed its blocks: each block's decision
+    (plan.block_slots: views of the step's [W, blocks, k] tables; rows the step skips: -1 / 0) and each group's
+    state after the step (`state_out`; rows the step skips keep `state_in`)."""
+    width, blocks = plan.batch, plan.learned[0].gates.num_blocks
+    step = cpu_decode.LearnedStep([], torch.full((width, blocks, plan.k), -1, dtype=torch.long),
+                                  torch.zeros(width, blocks, plan.k))
+    for group in plan.learned:
+        gates, decays = group.gates, group.gates.context_decays
+        gate_set = cpu_decode.GateSet(group.top_k, group.expert_slots, [gate.weight for gate in gates.gates],
+                                      group.gated.reshape(width), decays)
+        if decays:
+            group.state_out = group.state_in.clone()
+            gate_set.updates, gate_set.state_in = group.updates.reshape(width), group.state_in
+            gate_set.state_out = group.state_out
+        if group.held is not None:
+            held_slots, held_weights, use = group.held
+            gate_set.held = (held_slots, held_weights, use.reshape(width))
+        step.sets.append(gate_set)
+    plan.block_slots = {block: (step.slots[:, block], step.weights[:, block]) for block in range(blocks)}
+    return step
+
+
+__all__ = ["CpuStep", "CpuStepError", "learned_step"]
