@@ -137,8 +137,11 @@ def main(argv: list[str] | None = None) -> dict:
         rows[kind] = {name: run_row(pipe, items, batch, *settings[name], args.sample_seed) for name in args.rows}
         for name, r in rows[kind].items():
             log.info("%s / %s: %s", kind, name, {k: v for k, v in r.items() if k not in ("ci95", "style_hits")})
-    config_path = (args.model or Path(__file__).resolve().parents[1] / "assets") / "router" / "config.json"
-    section = json.loads(config_path.read_text()).get("image_gates", {}) if config_path.is_file() else {}
+    # the router beside the model (--model an assets folder, or its model folder: the loader's <model>/../router)
+    root = args.model or Path(__file__).resolve().parents[1] / "assets"
+    config_path = next((p for p in (root / "router" / "config.json", root.parent / "router" / "config.json")
+                        if p.is_file()), None)
+    section = json.loads(config_path.read_text()).get("image_gates", {}) if config_path is not None else {}
     results = {"rows": rows, "setup": {"n": args.n, "seeds": seeds, "held_out": held_out,
                                        "sample_seed": args.sample_seed, "split": "heldout",
                                        "image_gates_context_decays": list(pipe.image_gates.context_decays),
