@@ -403,7 +403,8 @@ class LearnedGroup:
             updates = ((~mask if image else mask) & real) if gates.context_decays else None
             if member is not None:
                 mask = mask & member[:, None]
-            anchor = picture_anchor(mask) if image else None
+            # (one position per row, a decode step: every position is its own anchor, so none is needed)
+            anchor = picture_anchor(mask) if image and mask.shape[1] > 1 else None
             slots = expert_slots[gates] if expert_slots is not None else gates.expert_slots(slot_of, device)
             groups.append(cls(router, rows, slots, mask, gates, k, anchor, updates=updates, member=member))
         return groups
