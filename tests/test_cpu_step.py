@@ -439,5 +439,14 @@ def test_the_portable_build_without_avx512_gives_the_same_answers_within_roundin
                 assert torch.allclose(together[:, row], want, rtol=1e-4, atol=1e-4)
         alone = decode(c_step(routed), [feeds[0]] * 2, rows=[0])
         assert torch.equal(alone[:, 0], together[:, 0])
+        # learned rows decided by the portable build: torch's gates' tokens and adapters
+        routed, vocab, engine, torch_engine = four_adapter_engines()
+        requests, configs = learned_batch(routed, vocab)
+        tokens = routed_tokens(engine, requests[:2], configs[:2])
+        assert engine.cpu_step is not None
+        assert [[(t, a) for t, a, _ in row] for row in tokens] == \
+            [[(t, a) for t, a, _ in row] for row in routed_tokens(torch_engine, requests[:2], configs[:2])]
+        engine.close()
+        torch_engine.close()
     finally:
         cpu_bf16.library.cache_clear()
