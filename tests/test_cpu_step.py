@@ -245,6 +245,28 @@ def test_learned_requests_in_the_c_step_equal_their_solo_runs_and_torchs_greedy_
     torch_engine.close()
 
 
+def test_exactly_equal_gate_logits_pick_the_same_adapters_in_the_c_step_and_torchs_step():
+    """Zero gate rows tie exactly (as an adapter added to trained gates starts): both steps take the lowest expert
+    (decision.top_k_first), so they mix the same adapters."""
+    routed, vocab, engine, torch_engine = four_adapter_engines()
+    torch.manual_seed(3)
+    gates = LearnedGates.for_model(routed, ["a", "b", "c"], base_expert=True, context_decays=(0.5,), init_std=1.0)
+    with torch.no_grad():
+        for gate in gates.gates:
+            gate.weight[:2] = 0.0  # a and b: logit 0 at every position; c and the base expert random
+    router = LearnedRouter(gates, top_k=2, vocab=vocab)
+    requests = [Request([vocab.bos_id, 20 + i, 30 + i], router) for i in range(3)]
+    configs = [GenerationConfig(max_new_tokens=16, seed=0, cfg_scale=1.0, **GREEDY)] * 3
+    got = routed_tokens(engine, requests, configs)
+    assert engine.cpu_step is not None
+    assert any(mix and mix[0][0] == "a" for row in got for _, _, mix in row)  # the tie decided
+    want = routed_tokens(torch_engine, requests, configs)
+    assert [[(t, a, [n for n, _ in mix]) for t, a, mix in row] for row in got] == \
+        [[(t, a, [n for n, _ in mix]) for t, a, mix in row] for row in want]
+    engine.close()
+    torch_engine.close()
+
+
 def test_gates_the_c_step_cannot_decide_take_torchs_step_with_the_reason_logged_once(caplog):
     routed, vocab, engine, torch_engine = four_adapter_engines()
     requests, configs = learned_batch(routed, vocab)

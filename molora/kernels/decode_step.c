@@ -43,8 +43,8 @@ void molora_gemm_bf16w(const float *x, const uint16_t *w, float *y, long n, long
                       instead of the gates' (held NULL: none kept)
      the gates' decision at a block: logits = weights[layer] [experts, (1 + decays) d] @ the block input (with
      decays: the input and the row's `decays` routing states, each RMS-normalised without a weight,
-     concatenated), its top_k logits (largest first, equal ones by lowest expert as decision.top_k_first; the
-     eager decide's torch.topk may order exact ties otherwise), their softmax, and each expert's slot
+     concatenated), its top_k logits (largest first, equal ones by lowest expert: decision.top_k_first, as the
+     eager and compiled decide), their softmax, and each expert's slot
      expert_slots[e] (-1: the base model)
      routing state (decays > 0): made at block 0 from the embedding e, per decay j,
                       state_out[r, j] = fresh[j] e + keep[j] state_in[r, j] where updates[r], else state_in[r, j]

@@ -16,9 +16,11 @@ exact (a row's numbers never depend on the batch), prefill and training too. A c
 eager decide for the rest of the process.
 
 The top-k here is k rounds of argmax (a reduction inductor fuses; aten.topk would stay a separate kernel, fed by
-a separate cast): equal logits go to the lowest expert index. torch.topk leaves the order of equal values to the
-implementation (the CPU returns [2, 4] for topk(zeros(5), 2)), so exact ties are the one place the two can
-differ; every other decision is the same top-k, and the weights the same softmax up to float rounding.
+a separate cast): equal logits go to the lowest expert index. The eager decide and the CPU's C step
+(kernels/decode_step.c) take the same rule: torch.topk leaves equal values to the implementation (the CPU returns
+[2, 4] for topk(zeros(5), 2)), and exact ties happen (an adapter added to trained gates starts with a zero gate
+row), so with topk the paths could pick different adapters. Every decision is the same top-k, and the weights the
+same softmax up to float rounding.
 """
 
 from __future__ import annotations

@@ -441,7 +441,7 @@ class LearnedGroup:
         else:
             logits = self.gates.logits(block, h.reshape(b * t, -1))
         k = self.top_k
-        top_val, top_idx = logits.topk(k, dim=-1)
+        top_val, top_idx = fused.top_k_first(logits, k)  # equal logits by lowest expert, as every decide path
         w = torch.softmax(top_val, dim=-1)
         s = self.expert_slots[top_idx]
         if self.anchor is not None:
