@@ -423,6 +423,12 @@ def learned_tables_are_checked(step, ok, routed):
                                       torch.zeros(width, blocks, k))
 
     step.run(**ok, learned=learned([gate_set()]))
+    # a row the step does not compute (padding): its decisions and routing state are left as they are
+    skipped = gate_set(state_out=torch.full((width, 1, d), 5.0))
+    decided = learned([skipped], slots=torch.full((width, blocks, 2), -7))
+    step.run(**{**ok, "rows": torch.tensor([0])}, learned=decided)
+    assert (decided.slots[1] == -7).all() and (decided.slots[0] != -7).all()
+    assert (skipped.state_out[1] == 5.0).all() and not (skipped.state_out[0] == 5.0).all()
     for bad, message in ((learned([gate_set(expert_slots=torch.tensor([0, 4]))]), "expert_slots must lie in"),
                          (learned([gate_set(top_k=3)]), "top_k 3 must lie in"),
                          (learned([gate_set()], k=1), "top_k 2 must lie in"),
@@ -434,6 +440,13 @@ def learned_tables_are_checked(step, ok, routed):
                          (learned([gate_set(state_out=torch.zeros(width, 2, d))]), "state_out"),
                          (learned([gate_set(held=(torch.full((width, blocks, 2), 5), torch.zeros(width, blocks, 2),
                                                   torch.zeros(width, dtype=torch.bool)))]), "held slots must lie in"),
+                         (learned([gate_set(updates=torch.ones(width + 1, dtype=torch.bool))]), "updates"),
+                         (learned([gate_set(held=(torch.zeros(width, blocks, 2, dtype=torch.long),
+                                                  torch.zeros(width, blocks, 2).double(),
+                                                  torch.zeros(width, dtype=torch.bool)))]), "held weights"),
+                         (learned([gate_set(held=(torch.zeros(width, blocks, 2, dtype=torch.long),
+                                                  torch.zeros(width, blocks, 2),
+                                                  torch.zeros(width + 1, dtype=torch.bool)))]), "held use"),
                          (learned([]), "one gate set or more"),
                          (learned([gate_set()], slots=torch.full((width, blocks, 2), -1, dtype=torch.int32)),
                           "learned slots")):
