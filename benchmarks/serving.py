@@ -115,26 +115,32 @@ def hf_generate(model, batch: int, prompt_len: int, new: int, device: str, vocab
     return batch * new / (time.perf_counter() - started)
 
 
-def profile_step(engine: Engine, width: int, label: str, top: int = 10) -> dict:
-    """Kernels of one eager decode step of `width` rows (the same kernels the captured step replays): count, GPU
-    time, and the largest by GPU time. Runs on the idle engine's tables (free rows write only junk)."""
+def kernel_profile(run, repeats: int, label: str, top: int = 10) -> dict:
+    """Kernels of `run()` (called `repeats` times after one warm-up call): count and GPU time per call, and the
+    largest by GPU time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with torch.no_grad():
-        engine._decode_body(width, [])
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            run()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                engine._decode_body(width, [])
-            torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    total_us = sum(e.self_device_time_total for e in kernels) / 3
-    count = sum(e.count for e in kernels) / 3
-    print(f"profile {label}: {count:.0f} kernels, {total_us / 1000:.3f} ms of GPU time per step; largest:")
+    total_us = sum(e.self_device_time_total for e in kernels) / repeats
+    count = sum(e.count for e in kernels) / repeats
+    print(f"profile {label}: {count:.0f} kernels, {total_us / 1000:.3f} ms of GPU time per call; largest:")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
-        print(f"   {e.self_device_time_total / 3:8.1f} us  x{e.count / 3:5.0f}  {e.key[:90]}")
+        print(f"   {e.self_device_time_total / repeats:8.1f} us  x{e.count / repeats:5.0f}  {e.key[:100]}")
     return {"kernels": count, "gpu_ms": total_us / 1000}
+
+
+def profile_step(engine: Engine, width: int, label: str, top: int = 10) -> dict:
+    """Kernels of one eager decode step of `width` rows (the same kernels the captured step replays): count, GPU
+    time, and the largest by GPU time. Runs on the idle engine's tables (free rows write only junk)."""
+    with torch.no_grad():
+        return kernel_profile(lambda: engine._decode_body(width, []), 3, label, top)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -24,9 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's molora
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving.py's helpers
-from serving import GREEDY, graph_ms, prompt_ids, run_engine  # noqa: E402
-from torch.autograd import DeviceType  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from serving import GREEDY, graph_ms, kernel_profile, prompt_ids, run_engine  # noqa: E402
 
 import molora.kernels.dispatch as dispatch  # noqa: E402
 from molora.models.engine.core import Engine, EngineConfig  # noqa: E402
@@ -35,19 +33,6 @@ from molora.models.engine.synthetic import SHAPES, random_adapters, random_route
 from molora.routing import VocabRangeRouter  # noqa: E402
 
 WIDTHS = (1, 32)
-
-
-def kernel_table(graph, label, top=40):
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
-    ks = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    total = sum(e.self_device_time_total for e in ks) / 5
-    count = sum(e.count for e in ks) / 5
-    print(f"== {label}: {count:.0f} kernels, {total:.1f} us GPU (profiled)")
-    for e in sorted(ks, key=lambda e: -e.self_device_time_total)[:top]:
-        print(f"   {e.self_device_time_total / 5:8.1f} us  x{e.count / 5:5.0f}  {e.key[:110]}")
 
 
 def gemv_bench():
@@ -85,16 +70,11 @@ def engine_for(routed, vocab, label, rng, table=False):
     for w, (g, _) in sorted(engine._graphs.items()):
         print(f"{label} width {w}: replay {graph_ms(g):.3f} ms")
         if table:
-            kernel_table(g, f"{label} width {w}")
-    if table:  # the loop at batch 1: kernels outside the graph, host vs GPU
+            kernel_profile(g.replay, 5, f"{label} width {w}, a replay", top=40)
+    if table:  # the loop at batch 1: kernels outside the graph too
         reqs = [Request(prompt_ids(vocab, 32, rng), router)]
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            run_engine(engine, reqs, [config])
-            torch.cuda.synchronize()
-        ks = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-        print("== loop at batch 1 (64 tokens): kernels by total GPU time")
-        for e in sorted(ks, key=lambda e: -e.self_device_time_total)[:25]:
-            print(f"   {e.self_device_time_total / 64:8.1f} us/tok  x{e.count / 64:6.1f}/tok  {e.key[:100]}")
+        kernel_profile(lambda: run_engine(engine, reqs, [config]), 1, "loop at batch 1, one request of 64 tokens",
+                       top=25)
     engine.close()
     gc.collect()
 
