@@ -799,6 +799,11 @@ class Engine:
             return self._replay(width, learned)
         if self.cpu_step is not None:
             return self._c_decode(width, jobs, learned, live)
+        return self._eager_decode(width, jobs, learned, live)
+
+    def _eager_decode(self, width: int, jobs: list[_Job], learned: tuple[_LearnedRows, ...], live: int
+                      ) -> tuple[torch.Tensor, _Producing]:
+        """_decode through the engine's torch forward, over the columns the longest running request has written."""
         needed = max(len(j.prompt) + j.emitted for j in jobs)
         # exact rows on the CPU: every step is routed, adapters or not, so every row takes the base GEMMs of a routed
         # call with exact rows (kernels/torch_ops.py cpu_linear), whatever its neighbours hold
@@ -815,9 +820,8 @@ class Engine:
             log.warning("engine: the C decode step cannot run the model any more (%s); torch's step from now on", err)
             self.cpu_step = None
             return self._decode(width, jobs, learned, live)
-        if not all(self.cpu_step.decides(t.router) for t in learned):  # (logged once): torch's step, routed
-            return self._decode_body(width, learned, self._columns(max(len(j.prompt) + j.emitted for j in jobs)),
-                                     live=live)
+        if not all(self.cpu_step.decides(t.router) for t in learned):  # (logged once): torch's step
+            return self._eager_decode(width, jobs, learned, live)
         ids, positions, slots = self.states.decode_feeds(width)
         rows = self.all_rows[:live]
         logits = torch.zeros(width, self.cpu_step.vocab, device=self.device)
@@ -834,7 +838,7 @@ class Engine:
         self.cpu_step.run(rows, ids, positions, slots, logits, learned=step, table=table)
         self._keep_pictures(plan, cache_rows)
         self._keep_states(plan, cache_rows, at)
-        return logits, _averaged_over_blocks(step.slots, step.weights, self.routed.cache.num_slots)
+        return logits, _producing(self.routed.token_routing(plan, ids[:, None]), slots)
 
     def _decode_plan(self, width: int, learned: tuple[_LearnedRows, ...], ids: torch.Tensor, slots: torch.Tensor,
                      live: int | None) -> CallRouting:
@@ -1086,20 +1090,6 @@ def _producing(routing: Any, slots: torch.Tensor) -> _Producing:
     top_slots, top_weights = routing.slots[:, -1], routing.weights[:, -1]
     best = top_weights.argmax(dim=-1, keepdim=True)
     return _Producing(top_slots.gather(1, best).squeeze(1), top_slots, top_weights)
-
-
-def _averaged_over_blocks(slots: torch.Tensor, weights: torch.Tensor, num_slots: int) -> _Producing:
-    """_producing of learned decisions [W, blocks, k] (a C step's): each row's top-k of its routing weight averaged
-    over blocks, as RoutedModel.token_routing makes it, all blocks in one scatter (the same sums, in block order)."""
-    width, blocks, k = slots.shape
-    flat_slots, flat_weights = slots.view(width, -1), weights.view(width, -1)
-    mass = torch.zeros(width, num_slots, device=slots.device)
-    mass.scatter_add_(1, flat_slots.clamp(min=0), flat_weights * (flat_slots >= 0))
-    mass /= blocks
-    top_w, top_s = mass.topk(k, dim=-1)
-    top_s = torch.where(top_w > 0, top_s, torch.full_like(top_s, -1))
-    best = top_w.argmax(dim=-1, keepdim=True)
-    return _Producing(top_s.gather(1, best).squeeze(1), top_s, top_w)
 
 
 __all__ = ["Engine", "EngineConfig", "Token", "Done", "RequestHandle", "TEXT", "IMAGE"]
