@@ -91,10 +91,7 @@ class StepWeights:
                 if tensor is not None:
                     raise ValueError(f"decode step tensor {index}: none expected (dims qk_norm=0), got one")
                 continue
-            if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype or \
-                    tensor.device.type != "cpu" or not tensor.is_contiguous():
-                got = "None" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
-                raise ValueError(f"decode step tensor {index}: expected a contiguous CPU {dtype} {shape}, got {got}")
+            _tensor(f"tensor {index}", tensor, dtype, shape)
         self.kv_rows = kv_rows
         self._dims = (ctypes.c_long * len(DIM_NAMES))(*(dims[name] for name in DIM_NAMES))
         self._reals = (ctypes.c_float * 2)(self.eps, self.scaling)
@@ -158,7 +155,7 @@ def _tensor(name: str, tensor: torch.Tensor | None, dtype: torch.dtype, shape: t
     if tensor is None or tensor.dtype != dtype or tensor.device.type != "cpu" or tuple(tensor.shape) != shape or \
             not tensor.is_contiguous():
         got = "None" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
-        raise ValueError(f"decode step learned {name}: expected a contiguous CPU {dtype} {shape}, got {got}")
+        raise ValueError(f"decode step {name}: expected a contiguous CPU {dtype} {shape}, got {got}")
     return tensor.data_ptr()
 
 
@@ -172,16 +169,16 @@ def _decay_factors(decays: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tenso
 
 def _gate_set(index: int, gates: GateSet, dims: dict[str, int], width: int, k: int) -> tuple[_GateSetC, list]:
     """The C struct of one gate set, after checking every table it points at (and what must stay alive with it)."""
-    name = f"gate set {index}"
+    name = f"learned gate set {index}"
     experts = gates.expert_slots.shape[0] if gates.expert_slots.dim() == 1 else 0
     decays, d, layers = len(gates.decays), dims["d"], dims["layers"]
     if experts < 1 or not 1 <= gates.top_k <= min(experts, k):
-        raise ValueError(f"decode step learned {name}: top_k {gates.top_k} must lie in [1, min(experts, k = {k})] "
+        raise ValueError(f"decode step {name}: top_k {gates.top_k} must lie in [1, min(experts, k = {k})] "
                          f"with experts {tuple(gates.expert_slots.shape)}")
     _tensor(f"{name} expert_slots", gates.expert_slots, torch.long, (experts,))
-    _within(f"learned {name} expert_slots", gates.expert_slots, -1, dims["slots"])
+    _within(f"{name} expert_slots", gates.expert_slots, -1, dims["slots"])
     if len(gates.weights) != layers:
-        raise ValueError(f"decode step learned {name}: {len(gates.weights)} gate weights for {layers} blocks")
+        raise ValueError(f"decode step {name}: {len(gates.weights)} gate weights for {layers} blocks")
     weights = (ctypes.c_void_p * layers)(*(_tensor(f"{name} weight {block}", weight, torch.float32,
                                                    (experts, (1 + decays) * d))
                                            for block, weight in enumerate(gates.weights)))
@@ -198,7 +195,7 @@ def _gate_set(index: int, gates: GateSet, dims: dict[str, int], width: int, k: i
     if gates.held is not None:
         slots, held_weights, use = gates.held
         struct.held_slots = _tensor(f"{name} held slots", slots, torch.long, (width, layers, gates.top_k))
-        _within(f"learned {name} held slots", slots, -1, dims["slots"])
+        _within(f"{name} held slots", slots, -1, dims["slots"])
         struct.held_weights = _tensor(f"{name} held weights", held_weights, torch.float32, (width, layers, gates.top_k))
         struct.held = _tensor(f"{name} held use", use, torch.bool, (width,))
     return struct, alive
@@ -214,8 +211,8 @@ def _learned_args(learned: LearnedStep | None, dims: dict[str, int], width: int)
     if k < 1 or not learned.sets:
         raise ValueError(f"decode step learned: expected one gate set or more and decisions [W, layers, k >= 1], "
                          f"got {len(learned.sets)} sets and {tuple(learned.slots.shape)}")
-    outputs = (_tensor("slots", learned.slots, torch.long, shape), _tensor("weights", learned.weights, torch.float32,
-                                                                           shape))
+    outputs = (_tensor("learned slots", learned.slots, torch.long, shape),
+               _tensor("learned weights", learned.weights, torch.float32, shape))
     made = [_gate_set(index, gates, dims, width, k) for index, gates in enumerate(learned.sets)]
     structs = (_GateSetC * len(made))(*(struct for struct, _ in made))
     return (k, len(made), ctypes.addressof(structs), *outputs), [structs, made]
