@@ -118,16 +118,14 @@ static void axpy(float *y, float a, const float *x, long n) {
     for (; i < n; i++) y[i] += a * x[i];
 }
 
-/* out = x * rsqrt(mean(x^2) + eps) * weight, as transformers' RMSNorm in float32 */
+/* out = x * rsqrt(mean(x^2) + eps) * weight, as transformers' RMSNorm in float32; weight NULL: none (a piece of a
+   gate's input, decision.gate_logits) */
 static void rms_norm(const float *x, const float *weight, float *out, long n, float eps) {
     float scale = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
-    for (long i = 0; i < n; i++) out[i] = x[i] * scale * weight[i];
-}
-
-/* out = part [d] * rsqrt(mean(part^2) + 1e-6): one piece of a gate's input (decision.gate_logits) */
-static void gate_norm(const float *part, long d, float *out) {
-    float scale = 1.0f / sqrtf(dot(part, part, d) / (float)d + 1e-6f);
-    for (long c = 0; c < d; c++) out[c] = part[c] * scale;
+    if (weight == NULL)
+        for (long i = 0; i < n; i++) out[i] = x[i] * scale;
+    else
+        for (long i = 0; i < n; i++) out[i] = x[i] * scale * weight[i];
 }
 
 /* row r's routing states under set g from its embedding e [d] (GateSet) */
@@ -150,8 +148,9 @@ static void gate_top_k(const GateSet *g, long layer, long r, const float *x, lon
     long width = (1 + g->decays) * d;
     const float *gate_in = x;
     if (g->decays > 0) {
-        gate_norm(x, d, input);
-        for (long j = 0; j < g->decays; j++) gate_norm(g->state_out + (r * g->decays + j) * d, d, input + (1 + j) * d);
+        rms_norm(x, NULL, input, d, 1e-6f);
+        for (long j = 0; j < g->decays; j++)
+            rms_norm(g->state_out + (r * g->decays + j) * d, NULL, input + (1 + j) * d, d, 1e-6f);
         gate_in = input;
     }
     dots(g->weights[layer], width, gate_in, width, g->experts, logits);
