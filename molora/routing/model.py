@@ -42,6 +42,7 @@ from molora.routing.context import (
     reset_routing,
     set_routing,
 )
+from molora.routing.decision import top_k_first
 from molora.routing.errors import AdapterError, RoutingError
 from molora.routing.lora import PlacedRoutedLoRALinear, ProjectionGroup, RoutedLoRALinear, group_projections
 from molora.routing.routers import LearnedGroup, LearnedRouter, Router, load_balance_loss, router_z_loss
@@ -539,7 +540,7 @@ class RoutedModel(nn.Module):
             for slots, weights in plan.block_slots.values():
                 mass.scatter_add_(1, slots.clamp(min=0), weights.float() * (slots >= 0))
             mass /= len(plan.block_slots)
-            top_w, top_s = mass.topk(plan.k, dim=-1)
+            top_w, top_s = top_k_first(mass, plan.k)  # equal masses (two blocks each way) by lowest slot
             top_s = torch.where(top_w > 0, top_s, torch.full_like(top_s, -1))
         return TokenRouting(top_s.view(batch, length, plan.k), top_w.view(batch, length, plan.k), slot_names)
 
