@@ -13,7 +13,9 @@ k=1, N >= 256); sweep32 (grouped tiles at N = 32, r = 32..128); k1 (K1/K2); k3 (
 and q/k/v sharing one group call as the routed layers make it, by path, with the delta on a side stream, and each
 kernel's GPU time); pdl (programmatic dependent launch off vs on for the two-phase calls, and K2 against one copy
 of x); linear (the routed linear as one GEMM, kernels/triton_linear.py, against the base GEMMs and the
-group call: a tile sweep, or with --no-tune the dispatcher's range and the Qwen3-1.7B shapes); dense (GPU time of
+group call: a tile sweep, or with --no-tune the dispatcher's range and the Qwen3-1.7B shapes); decode (the routed
+linear at N = 1, 2, 16 for every projection of a Qwen3-1.7B and an Emu3-8B block: decode tiles swept against the
+captured step's path today and the base GEMMs); dense (GPU time of
 the dense torch form vs the Triton paths at decode sizes); eager (host cost per op call, per routed layer, and per
 decode step of 1.7B-shaped blocks). --sweep-ranks / --sweep-n pick the ranks section's points.
 
@@ -71,7 +73,7 @@ def parse_args() -> argparse.Namespace:
                    "1, 32, 128, 256, 2048, 8192)")
     p.add_argument("--profile", action="store_true", help="eager: cProfile the routed 1.7B-shaped step (top 25)")
     p.add_argument("--only", default="", help="comma-separated sections to run (default: all): correct, group, "
-                   "topk, ranks, k3, linear, k1, pdl, dense, eager, tune, narrow, sweep, setsweep, sweep32")
+                   "topk, ranks, k3, linear, decode, k1, pdl, dense, eager, tune, narrow, sweep, setsweep, sweep32")
     return p.parse_args()
 
 
@@ -102,6 +104,7 @@ N_K1 = 40 if ARGS.dry_run else 2048
 SWEEP = [1, 8, 40] if ARGS.dry_run else [int(v) for v in ARGS.sweep_n.split(",")] if ARGS.sweep_n else SWEEP_N
 SWEEP_RANKS = [8, 16] if ARGS.dry_run else [int(v) for v in ARGS.sweep_ranks.split(",")] if ARGS.sweep_ranks else RANKS
 RESULTS: dict = {"rows": {}}
+BANDWIDTH: list[float] = []  # the copy bandwidth measured in this run (bytes/s), once known
 QKV = ["q_proj", "k_proj", "v_proj"]
 
 
@@ -968,6 +971,75 @@ def run_linear() -> None:
     RESULTS["linear"] = res
 
 
+# Decode tiles: one row tile of 16 (a decode step has 1-16 tokens) and narrow column tiles, so a GEMV's weight is
+# read by enough programs to keep every SM streaming (the table's 64-column tiles give the 1.7B q/k/v 64 programs)
+DECODE_GRID = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256], "num_warps": [4, 8], "num_stages": [3, 4]}
+# (name, input width, output widths): every routed projection of a Qwen3-1.7B and an Emu3-8B block
+DECODE_SHAPES = [("1.7B q/k/v", 2048, (2048, 1024, 1024)), ("1.7B gate/up", 2048, (6144, 6144)),
+                 ("1.7B o", 2048, (2048,)), ("1.7B down", 6144, (2048,)),
+                 ("8B q/k/v", 4096, (4096, 1024, 1024)), ("8B gate/up", 4096, (14336, 14336)),
+                 ("8B o", 4096, (4096,)), ("8B down", 14336, (4096,))]
+
+
+def run_decode_linear() -> None:
+    """The routed linear (kernels/triton_linear.py) at decode sizes, N = 1, 2 and 16, for every projection of a
+    Qwen3-1.7B and an Emu3-8B block (r = 16, 4 slots, k = 1): decode tiles (BLOCK_M 16, DECODE_GRID swept) against
+    what a captured step runs today (the dispatcher's path: the one-GEMM linear for q/k/v, cuBLAS onto the group
+    call's deltas for the others) and the base GEMMs alone; the best tiles checked against kernels/reference.py."""
+    print(f"\n== the routed linear at decode sizes (r={R}, {S} slots, k=1, bf16, median us; tiles "
+          f"{'/'.join(DECODE_GRID)}) ==")
+    res = {}
+    shapes = [("tiny", 64, (64, 32))] if ARGS.dry_run else DECODE_SHAPES
+    grid = {key: [vals[0]] for key, vals in DECODE_GRID.items()} if ARGS.dry_run else DECODE_GRID
+    for label, d_in, outs in shapes:
+        for n in ((1,) if ARGS.dry_run else (1, 2, 16)):
+            x, A, B, scale, slots, _, bounds = group_inputs(n, outs, seed=41, d_in=d_in)
+            Ws = [torch.randn(o, d_in, device=DEV, dtype=torch.bfloat16) / d_in ** 0.5 for o in outs]
+            ys = [torch.empty(n, o, device=DEV, dtype=torch.bfloat16) for o in outs]
+            meta = build_routing_meta(slots, S)
+            meta_auto = meta if dispatch.reads_meta(x, 1, A) else None
+
+            def today():  # the captured step's call (graph mode: capture_graph sets it)
+                if dispatch.fuses_base(x, S, R, len(outs)):
+                    return linear_mod.stacked_linear_group(x, Ws, A, B, slots, None, scale, bounds)
+                deltas = dispatch.routed_lora_group_forward(x, A, B, slots, None, scale, bounds, meta_auto)
+                return [d.addmm_(x, W.t()) for d, W in zip(deltas, Ws)]
+
+            def linear(cfg):
+                return linear_mod.stacked_linear_group(x, Ws, A, B, slots, None, scale, bounds, cfg)
+
+            name = f"{label} N{n}"
+            row = {"bases": bench_us(lambda: [torch.mm(x, W.t(), out=y) for W, y in zip(Ws, ys)]),
+                   "today": bench_us(today)}
+            configs = {combo: {"BLOCK_M": 16, "GROUP_M": 1, **dict(zip(grid, combo))}
+                       for combo in itertools.product(*grid.values())}
+            tune: dict = {}
+            line, best = time_configs(tune, name, configs, linear)
+            row["sweep"] = tune
+            if best[1] is None:
+                print(f"  {name}: every configuration failed")
+                res[name] = row
+                continue
+            cfg = configs[best[1]]
+            row["best_cfg"], row["best"] = cfg, best[0]
+            errs = []
+            refs = routed_lora_group_reference(x, A, B, slots, None, scale, bounds)
+            for got, W, delta in zip(dispatch.flat_blocks(linear(cfg), n, bounds), Ws, refs):
+                ref = x.float() @ W.float().t() + delta.float()
+                errs.append(((got.float() - ref).abs().max() / ref.abs().max()).item())
+            row["err"] = max(errs)
+            floor = sum(o * d_in for o in outs) * 2 / BANDWIDTH[0] * 1e6 if BANDWIDTH else float("nan")
+            row["weights_floor_us"] = floor
+            print(f"  {name}: bases {row['bases']:.2f}  today {row['today']:.2f}  decode tiles best {best[0]:.2f} "
+                  f"{best[1]} ({best[0] / row['today']:.3f}x today, {best[0] / row['bases']:.3f}x bases; weights at "
+                  f"copy bandwidth {floor:.2f})  err {row['err']:.1e} {'ok' if row['err'] <= 2.5e-2 else 'FAIL'}")
+            print(f"    {line}")
+            res[name] = row
+            RESULTS["decode_linear"] = res
+            write_outputs()
+    RESULTS["decode_linear"] = res
+
+
 def record_kernel_times(row: dict, name: str, fns: dict) -> None:
     """kernel_times of each labelled function into row["kernels <label>"], printed a line each."""
     for label, fn in fns.items():
@@ -1246,8 +1318,9 @@ def main() -> None:
     if not ok:
         print("!! correctness FAILED: timings below are of wrong kernels")
     bw = copy_bandwidth()
+    BANDWIDTH.append(bw)
     print(f"\ncopy bandwidth (read + write): {bw / 1e12:.2f} TB/s   [{time.perf_counter() - t0:.0f} s]")
-    sections = {"k3": run_k3, "linear": run_linear, "ranks": lambda: run_rank_sweep(bw), "topk": run_topk, "sweep": run_sweep,
+    sections = {"k3": run_k3, "linear": run_linear, "decode": run_decode_linear, "ranks": lambda: run_rank_sweep(bw), "topk": run_topk, "sweep": run_sweep,
                 "setsweep": run_set_sweep, "narrow": run_narrow_tuning, "sweep32": run_small_sweep,
                 "k1": lambda: run_k1_k2(bw), "pdl": run_pdl, "dense": run_dense_gpu, "eager": run_eager}
     sweeps = {"sweep", "setsweep", "narrow", "sweep32"}

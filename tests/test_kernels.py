@@ -458,7 +458,8 @@ def test_mixing_matrix_is_each_tokens_weight_per_slot():
 
 def test_routed_linear_takes_q_k_v_between_decode_and_prefill_sizes_on_narrow_hot_sets(monkeypatch):
     """fuses_base: three or more projections, up to 256 tokens (eager decode calls keep the one-launch delta kernel,
-    graph mode takes the one GEMM from one token), stacked width <= STACKED_MAX_WIDTH, 16-bit activations on CUDA."""
+    graph mode takes the one GEMM from one token, and at decode sizes for any number of projections), stacked
+    width <= STACKED_MAX_WIDTH, 16-bit activations on CUDA."""
     from types import SimpleNamespace
 
     from molora.kernels.graphs import graph_paths
@@ -478,7 +479,10 @@ def test_routed_linear_takes_q_k_v_between_decode_and_prefill_sizes_on_narrow_ho
     assert not dispatch.fuses_base(cuda_x(1), 4, 16, 3) and not dispatch.fuses_base(cuda_x(eager), 4, 16, 3)
     with graph_paths():
         assert dispatch.fuses_base(cuda_x(1), 4, 16, 3) and dispatch.fuses_base(cuda_x(eager), 4, 16, 3)
-        assert not dispatch.fuses_base(cuda_x(hi + 1), 4, 16, 3) and not dispatch.fuses_base(cuda_x(1), 4, 16, 2)
+        assert not dispatch.fuses_base(cuda_x(hi + 1), 4, 16, 3)
+        decode = dispatch.DECODE_MAX_TOKENS  # a decode step: o, down and gate/up too, with the decode tiles
+        assert all(dispatch.fuses_base(cuda_x(n), 4, 16, p) for n in (1, decode) for p in (1, 2))
+        assert not dispatch.fuses_base(cuda_x(decode + 1), 4, 16, 2) and not dispatch.fuses_base(cuda_x(1), 4, 32, 1)
 
 
 def test_routed_linear_refuses_bad_inputs_by_name():

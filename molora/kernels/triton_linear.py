@@ -116,6 +116,16 @@ if HAS_TRITON:
 SMALL_TILES = (64, 64, 64, 32, 4, 4)
 LARGE_TILES = (128, 256, 64, 32, 8, 4)
 WIDE_MIN_PROGRAMS = 64
+# Decode steps (up to DECODE_MAX_TOKENS tokens: one row tile of 16) read each weight once, so what counts is how
+# many programs stream it: narrow column tiles, long K steps. (BLOCK_N, BLOCK_K, num_warps, num_stages) by the
+# number of projections (4 takes 3's). H200, 2026-12-05 (`python benchmarks/lora_kernels.py --only decode`: every
+# projection of a Qwen3-1.7B and an Emu3-8B block at N = 1, 2, 16, BLOCK_N 16/32/64 x BLOCK_K 128/256 x 4/8 warps x
+# 3/4 stages), median us at N = 1, the small tiles before -> these (cuBLAS alone, no delta):
+#   1.7B q/k/v 22.2 -> 15.8 (36.0); gate/up (P = 2, before: cuBLAS onto the group call's deltas) 31.5 -> 26.0 (26.1);
+#   o 14.6 -> 12.8 (10.1); down 21.7 -> 20.9 (17.2); 8B q/k/v 39.3 -> 26.2 (36.6), gate/up 77.6 -> 71.6 (71.7),
+#   o 23.6 -> 20.6 (19.4), down 47.7 -> 44.7 (42.4); each within 4% of the best tiles of its shape at N = 1, 2, 16
+DECODE_MAX_TOKENS = 16
+DECODE_TILES = {1: (32, 256, 4, 4), 2: (64, 256, 4, 3), 3: (64, 256, 4, 4)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -123,10 +133,18 @@ def linear_config(n: int, widths: tuple[int, ...]) -> dict:
     """GEMM tiles for N tokens and the projections' output widths (the shrink takes stacked_config's)."""
     if interpreting():  # tiny tiles so interpreter tests walk row groups, column tiles, K steps and masks
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)
+    if n <= DECODE_MAX_TOKENS:
+        return decode_config(len(widths))
     bm, bn = LARGE_TILES[:2]
     large = cdiv(n, bm) * sum(cdiv(w, bn) for w in widths) >= WIDE_MIN_PROGRAMS
     bm, bn, bk, gm, warps, stages = LARGE_TILES if large else SMALL_TILES
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
+
+
+def decode_config(projections: int) -> dict:
+    """The decode tiles of a call of `projections` projections (one row tile of 16 tokens)."""
+    bn, bk, warps, stages = DECODE_TILES[min(projections, 3)]
+    return dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=warps, num_stages=stages)
 
 
 def _check(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.Tensor, B: torch.Tensor,
