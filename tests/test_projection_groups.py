@@ -294,6 +294,52 @@ def test_cuda_eager_group_outputs_match_base_plus_reference_and_capture(n, k, mo
         torch.cuda.synchronize()
         assert errors(captured) == []
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("names", [("o_proj",), ("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj")])
+def test_cuda_captured_decode_calls_run_every_group_as_one_gemm_with_the_decode_tiles(names, monkeypatch):
+    """A captured decode step (graph mode, 1..16 tokens) runs every routed group, one projection, two or three, as
+    one GEMM with the deltas inside at the decode tiles (kernels/triton_linear.py DECODE_TILES); each member's
+    output equals its base linear plus the reference delta, replayed with new slot values."""
+    from molora.kernels.graphs import capture_graph
+
+    linear_calls = []
+    real_linear = lora_mod.stacked_linear_group
+    monkeypatch.setattr(lora_mod, "stacked_linear_group", lambda *a, **kw: linear_calls.append(1) or real_linear(*a, **kw))
+    gen = torch.Generator().manual_seed(len(names))
+    widths = {"o_proj": 320, "gate_proj": 512, "up_proj": 512, "q_proj": 256, "k_proj": 64, "v_proj": 64}
+    layers = [RoutedLoRALinear(torch.nn.Linear(384, widths[nm], bias=False), 4, 16, name=f"blk.{nm}", block=0)
+              for nm in names]
+    group_projections(layers)
+    with torch.no_grad():
+        for layer in layers:
+            layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=gen) / 16)
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen))
+            layer.lora_scale.copy_(torch.rand(4, generator=gen) + 0.5)
+            layer.to("cuda", torch.bfloat16)
+    for n in (1, 2, 16):
+        x = torch.randn(1, n, 384, generator=gen).to("cuda", torch.bfloat16)
+        slots = torch.randint(-1, 4, (n, 1), generator=gen).cuda()
+
+        def forward(n=n, x=x, slots=slots):
+            token = set_routing(CallRouting(1, n, slots[:, 0], 4))
+            try:
+                return [layer(x) for layer in layers]
+            finally:
+                reset_routing(token)
+        linear_calls.clear()
+        with torch.no_grad():
+            graph, outputs = capture_graph(forward, warmup=2)
+            slots.copy_(torch.randint(-1, 4, slots.shape, generator=gen).cuda())
+            graph.replay()
+            torch.cuda.synchronize()
+        assert len(linear_calls) == 3  # two warm-up calls and the capture, one GEMM each
+        for layer, y in zip(layers, outputs):
+            want = F.linear(x, layer.weight).double().reshape(n, -1) + routed_lora_reference(
+                x.view(n, 384), layer.lora_A, layer.lora_B, slots[:, 0], layer.lora_scale).double()
+            err = ((y.double().reshape(n, -1) - want).abs().max() / want.abs().max()).item()
+            assert y.shape == (1, n, layer.out_features) and err <= 2e-2, (layer.name, n, err)
+
+
 def _group_errors(layers, xs, slots, dtype, tol, grad=False) -> list[str]:
     """Run the layers on inputs xs under one static routing (slots for 2x3 tokens); their outputs' problems."""
     ys = _run_layers(layers, xs, CallRouting(2, 3, slots, 3), grad)
