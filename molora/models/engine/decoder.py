@@ -8,7 +8,8 @@ routed layers (RoutedLoRALinear, their q/k/v and gate/up group calls) and does t
 
     fused RMSNorm (F.rms_norm, in float32 as transformers does, then cast and scale)
     rotary embedding: cos/sin once per forward for all blocks; q*cos + roll(q, D/2)*(sign*sin) (= rotate_half)
-    the KV write straight from the [n, T, H, D] layout into the engine's RowKVCache (no transposes)
+    the KV write straight from the [n, T, H, D] layout into the engine's RowKVCache (no transposes), in the same
+    compiled piece as the rotary embedding
     GQA without copies: the G query heads of one KV head fold into the query axis ([n, Hkv, G*T, D])
     a decode step on CUDA: split-K decode attention (kernels/triton_attention.py) reading each row's columns up to
     its position, where sdpa walks the cache's whole length with a handful of programs
@@ -29,6 +30,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from molora.kernels.triton_attention import decode_attention, decode_attention_runs_on
+from molora.models.engine.kv_cache import write_rows
 from molora.routing.context import current_routing
 
 log = logging.getLogger(__name__)
@@ -102,7 +104,7 @@ class LeanDecoder:
         compiled = device.type == "cuda" and self.compile
         wrap = (lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)) if compiled else (lambda fn: fn)
         self.norm, self.add_norm = wrap(_norm), wrap(_add_norm)
-        self.qk_rope, self.gated = wrap(_qk_rope), wrap(_gated)
+        self.attention_inputs, self.gated = wrap(_attention_inputs), wrap(_gated)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -154,9 +156,10 @@ class LeanDecoder:
             q = attn.q_proj(h).view(n, T, H, D)
             k = attn.k_proj(h).view(n, T, Hkv, D)
             v = attn.v_proj(h).view(n, T, Hkv, D)
-            q, k = self.qk_rope(q, k, attn.q_norm.weight if self.qk_norm else None,
-                                attn.k_norm.weight if self.qk_norm else None, eps, cos, sin_signed)
-            keys, values = cache.store(i, k, v)  # the rows' whole buffers [n, Hkv, L, D]
+            q = self.attention_inputs(q, k, v, attn.q_norm.weight if self.qk_norm else None,
+                                      attn.k_norm.weight if self.qk_norm else None, eps, cos, sin_signed,
+                                      *cache.write_places(i))
+            keys, values = cache.rows_of(i)  # the rows' whole buffers [n, Hkv, L, D]
             # [n, T, H, D] -> [n, Hkv, G*T, D]: query heads h = j*G + g read KV head j (transformers' repeat_kv)
             q = q.view(n, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(n, Hkv, G * T, D)
             if lengths is not None:
@@ -198,12 +201,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
-def _qk_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-             eps: float, cos: torch.Tensor, sin_signed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's per-head q/k RMSNorm (when it has one), then the rotary embedding of both."""
+def _attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                      k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin_signed: torch.Tensor,
+                      keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
+                      ) -> torch.Tensor:
+    """Qwen3's per-head q/k RMSNorm (when it has one), the rotary embedding of both, and the new keys and values
+    written into the cache (RowKVCache.write_places): compiled, the writes join the rotary's kernel, where they were
+    two index_put kernels a block. Returns the rotated queries."""
     if q_weight is not None:
         q, k = _norm(q, q_weight, eps), _norm(k, k_weight, eps)
-    return _rotate(q, cos, sin_signed), _rotate(k, cos, sin_signed)
+    write_rows(keys, values, rows, positions, _rotate(k, cos, sin_signed), v)
+    return _rotate(q, cos, sin_signed)
 
 
 def _gated(gate: torch.Tensor, up: torch.Tensor, act: Any) -> torch.Tensor:

@@ -37,7 +37,7 @@ class RowKVCache(Cache):
         self.max_rows, self.max_len = max_rows, max_len
         self._rows: torch.Tensor | None = None  # [n] long: the cache row of each batch row
         self._positions: torch.Tensor | None = None  # [n, T] long: where each new token is written
-        self._index: tuple[Any, ...] = ()  # store's index of those places, made once a forward
+        self._row_column: torch.Tensor | None = None  # [n, 1]: _rows as the writes' index, made once a forward
         self._leading = 0  # > 0: the call covers rows [0, leading) in order, so reads need no gather
         self._length = max_len  # columns attention reads (every written position of the call's rows is below)
         self.live_rows: int | None = None  # a decode call's rows from here on are padding (None: none are)
@@ -88,7 +88,7 @@ class RowKVCache(Cache):
         `causal` promises the mask is exactly "column <= the row's position" (a decode step), so attention may read
         each row's columns up to its position and skip the mask (`causal_rows`)."""
         self._rows, self._positions, self._leading = rows, positions, leading
-        self._index = (rows[:, None], slice(None), positions)  # store's: advanced dims first, [n, T, H, D]
+        self._row_column = rows[:, None]  # the writes' index (rows, :, positions): advanced dims first, [n, T, H, D]
         self._length = length or self.max_len
         self.live_rows = live
         self.causal_rows = causal
@@ -100,13 +100,22 @@ class RowKVCache(Cache):
 
     def store(self, layer_idx: int, keys_nthd: torch.Tensor, values_nthd: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`update` for keys/values laid out [n, T, H, D] (the projections' own layout: no transposes), as the
-        engine's LeanDecoder writes them; returns the rows' whole buffers [n, H, L, D]."""
+        """`update` for keys/values laid out [n, T, H, D] (the projections' own layout: no transposes); returns the
+        rows' whole buffers [n, H, L, D]."""
+        keys, values, rows, positions = self.write_places(layer_idx)
+        write_rows(keys, values, rows, positions, keys_nthd, values_nthd)
+        return self.rows_of(layer_idx)
+
+    def write_places(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, rows [n, 1], positions [n, T]) of the next forward's writes into layer `layer_idx`, for a
+        caller that writes them itself (write_rows; the engine's LeanDecoder, inside its compiled rotary piece)."""
         if self._rows is None:
             raise RuntimeError("RowKVCache.address(rows, positions) must be called before each forward")
+        return self.keys[layer_idx], self.values[layer_idx], self._row_column, self._positions
+
+    def rows_of(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call's rows' whole buffers [n, H, L, D] of layer `layer_idx` (after its writes)."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[self._index] = keys_nthd if keys_nthd.dtype == keys.dtype else keys_nthd.to(keys.dtype)
-        values[self._index] = values_nthd if values_nthd.dtype == values.dtype else values_nthd.to(values.dtype)
         if self._leading:
             return keys[:self._leading, :, :self._length], values[:self._leading, :, :self._length]
         return keys[self._rows, :, :self._length], values[self._rows, :, :self._length]
@@ -124,6 +133,14 @@ class RowKVCache(Cache):
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+def write_rows(keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+               keys_nthd: torch.Tensor, values_nthd: torch.Tensor) -> None:
+    """keys[rows[i], :, positions[i, t]] = keys_nthd[i, t] (and the values): one index_put_ each, a fixed-shape
+    device op (RowKVCache.write_places gives the places)."""
+    keys[rows, :, positions] = keys_nthd.to(keys.dtype)
+    values[rows, :, positions] = values_nthd.to(values.dtype)
 
 
 class PlacedRowKVCache(RowKVCache):
