@@ -184,7 +184,7 @@ CPU_DENSE_MAX_MACS = 24_000_000
 #   no steady gain, so two projections keep the group call; one projection at d=4096, N=256: 24.4 / 35.9 / 42.6
 # Decode steps (N <= triton_linear.DECODE_MAX_TOKENS, graph mode) take it for every projection count: with the
 # decode tiles it beat cuBLAS onto the group call's deltas for one projection (o, down) and two (gate/up) at every
-# Qwen3-1.7B and Emu3-8B shape, N = 1, 2, 16 (H200, 2026-12-05; triton_linear.py, DECODE_TILES): 0.69-0.96x.
+# Qwen3-1.7B and Emu3-8B shape, N = 1, 2, 16 (H200, 2026-12-05; triton_linear.py, DECODE_TILES): 0.71-0.96x the time.
 LINEAR_MIN_PROJECTIONS = 3
 LINEAR_MIN_TOKENS = 1
 LINEAR_MAX_TOKENS = 256
