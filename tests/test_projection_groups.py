@@ -239,12 +239,9 @@ def test_cuda_eager_group_outputs_match_base_plus_reference_and_capture(n, k, mo
     layers = [RoutedLoRALinear(torch.nn.Linear(256, o, bias=bias), 4, 16, name=f"blk.{nm}", block=0)
               for nm, o, bias in (("q_proj", 256, True), ("k_proj", 64, False), ("v_proj", 64, True))]
     group = group_projections(layers)[0]
-    with torch.no_grad():
-        for layer in layers:
-            layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=gen) / 16)
-            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen))
-            layer.lora_scale.copy_(torch.rand(4, generator=gen) + 0.5)
-            layer.to("cuda", torch.bfloat16)
+    _fill_slots(layers, gen, 16)
+    for layer in layers:
+        layer.to("cuda", torch.bfloat16)
     x = torch.randn(1, n, 256, generator=gen).to("cuda", torch.bfloat16)
     slots = torch.randint(-1, 4, (n, max(k, 1)), generator=gen).cuda()
     weights = torch.rand(n, max(k, 1), generator=gen).cuda()
@@ -310,12 +307,9 @@ def test_cuda_captured_decode_calls_run_every_group_as_one_gemm_with_the_decode_
     layers = [RoutedLoRALinear(torch.nn.Linear(384, widths[nm], bias=False), 4, 16, name=f"blk.{nm}", block=0)
               for nm in names]
     group_projections(layers)
-    with torch.no_grad():
-        for layer in layers:
-            layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=gen) / 16)
-            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen))
-            layer.lora_scale.copy_(torch.rand(4, generator=gen) + 0.5)
-            layer.to("cuda", torch.bfloat16)
+    _fill_slots(layers, gen, 16)
+    for layer in layers:
+        layer.to("cuda", torch.bfloat16)
     for n in (1, 2, 16):
         x = torch.randn(1, n, 384, generator=gen).to("cuda", torch.bfloat16)
         slots = torch.randint(-1, 4, (n, 1), generator=gen).cuda()
@@ -338,6 +332,15 @@ def test_cuda_captured_decode_calls_run_every_group_as_one_gemm_with_the_decode_
                 x.view(n, 384), layer.lora_A, layer.lora_B, slots[:, 0], layer.lora_scale).double()
             err = ((y.double().reshape(n, -1) - want).abs().max() / want.abs().max()).item()
             assert y.shape == (1, n, layer.out_features) and err <= 2e-2, (layer.name, n, err)
+
+
+def _fill_slots(layers, gen, a_div: float) -> None:
+    """Random adapters in every slot of the layers: A ~ N(0, 1) / a_div, B ~ N(0, 1), scales in [0.5, 1.5)."""
+    with torch.no_grad():
+        for layer in layers:
+            layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=gen) / a_div)
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen))
+            layer.lora_scale.copy_(torch.rand(layer.num_slots, generator=gen) + 0.5)
 
 
 def _group_errors(layers, xs, slots, dtype, tol, grad=False) -> list[str]:
@@ -406,11 +409,7 @@ def _linear_group_interpreter_checks() -> list[str]:
         layers = [RoutedLoRALinear(torch.nn.Linear(24, o, bias=bias).to(dtype), 3, 8, name=f"blk.{n}", block=0)
                   for n, o, bias in (("q_proj", 40, True), ("k_proj", 12, False), ("v_proj", 12, True))]
         group_projections(layers)
-        with torch.no_grad():
-            for layer in layers:
-                layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=gen) / 5)
-                layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen))
-                layer.lora_scale.copy_(torch.rand(3, generator=gen) + 0.5)
+        _fill_slots(layers, gen, 5)
         slots = torch.tensor([0, 2, -1, 1, 1, 0])
         x = torch.randn(2, 3, 24, generator=gen).to(dtype)
         calls.clear()
