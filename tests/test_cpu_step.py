@@ -18,7 +18,7 @@ from molora.models.engine.cpu_step import CpuStep, CpuStepError
 from molora.models.engine.decoder import LeanDecoder
 from molora.models.engine.generation import GenerationConfig, Request
 from molora.models.engine.kv_cache import RowKVCache
-from molora.models.engine.sampling import SamplingConfig
+from molora.models.engine.sampling import GenerationError, SamplingConfig
 from molora.models.engine.synthetic import SHAPES, id_range_vocab, random_adapters
 from molora.routing import LearnedGates, LearnedRouter, SequenceRouter, VocabRangeRouter, attach_routed_lora
 from tests.test_engine import learned_batch, routed_tokens
@@ -109,6 +109,30 @@ def test_a_rows_numbers_do_not_depend_on_the_rows_beside_it():
     for row in range(4):
         alone = decode(c_step(routed), [feeds[row]] * 4, rows=[row])  # in its own place, the other rows idle
         assert torch.equal(alone[:, 0], together[:, row])
+
+
+def test_a_step_split_over_threads_gives_every_row_the_same_numbers(monkeypatch):
+    """cpu_step_threads: a step's rows go in parts, one thread each; every row's logits and K/V are those of the
+    whole step in one thread (bit for bit), with 2 or 3 parts, and a row given twice is refused. (Parts of one row
+    and up here; the engine's are PART_MIN_ROWS rows or more.)"""
+    monkeypatch.setattr(cpu_decode, "PART_MIN_ROWS", 1)
+    routed, vocab = bf16_valued_model("qwen3", seed=5)
+    slots = routed.cache.acquire(["a", "b"])
+    feeds = [(torch.randint(5, vocab.vocab_size, (10,), generator=torch.Generator().manual_seed(i)).tolist(),
+              [slots[0], slots[1], -1, slots[0]][i]) for i in range(4)]
+    steps = {}
+    for threads in (1, 2, 3):
+        step = c_step(routed)
+        step.threads = threads
+        steps[threads] = (decode(step, feeds), [t.clone() for t in step.kv.keys + step.kv.values])
+    for threads in (2, 3):
+        assert torch.equal(steps[threads][0], steps[1][0])
+        assert all(torch.equal(a, b) for a, b in zip(steps[threads][1], steps[1][1]))
+    step = c_step(routed)
+    step.threads = 2
+    with pytest.raises(ValueError, match="appears twice"):
+        step.run(torch.tensor([0, 0]), torch.full((4,), 7), torch.zeros(4, dtype=torch.long),
+                 torch.full((4,), -1), torch.zeros(4, step.vocab))
 
 
 def stream_all(engine, requests, configs):
@@ -243,6 +267,30 @@ def test_learned_requests_in_the_c_step_equal_their_solo_runs_and_torchs_greedy_
         [[(t, a) for t, a, _ in row] for row in routed_tokens(torch_engine, requests, configs)]
     engine.close()
     torch_engine.close()
+
+
+def test_learned_and_static_rows_give_the_same_tokens_and_mixes_whatever_the_threads(monkeypatch):
+    """Learned rows (text gates with a routing state, image gates holding a picture's decision, a guided twin)
+    beside static ones, their steps in up to three parts: every request's tokens, adapters and top-k mixes are
+    those of the step in one thread."""
+    monkeypatch.setattr(cpu_decode, "PART_MIN_ROWS", 1)
+    calls = []
+    real_pool = cpu_decode._pool
+    monkeypatch.setattr(cpu_decode, "_pool", lambda workers: calls.append(workers) or real_pool(workers))
+    routed, vocab, *engines = four_adapter_engines()
+    for engine in engines:
+        engine.close()
+    requests, configs = learned_batch(routed, vocab)
+    runs = []
+    for threads in (1, 3):
+        engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128, max_rows=8,
+                                                                         cpu_step_threads=threads))
+        runs.append(routed_tokens(engine, requests, configs))
+        engine.close()
+    assert 2 in calls  # steps in three parts
+    assert runs[0] == runs[1] and all(len(tokens) > 5 for tokens in runs[0])
+    with pytest.raises(GenerationError, match="cpu_step_threads"):
+        Engine(routed, vocab, device="cpu", config=EngineConfig(cpu_step_threads=0))
 
 
 def test_exactly_equal_gate_logits_pick_the_same_adapters_in_the_c_step_and_torchs_step():

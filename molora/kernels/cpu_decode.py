@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -218,11 +219,23 @@ def _learned_args(learned: LearnedStep | None, dims: dict[str, int], width: int)
     return (k, len(made), ctypes.addressof(structs), *outputs), [structs, made]
 
 
+# A step splits its rows over threads only in parts of at least this many rows. The embedded model on the 2-core
+# VM (2026-12-05, the C step alone, 150 positions, both cores free): 16 rows 6.0 -> 3.7 ms a step in two parts,
+# 8 rows 3.2 -> 2.1, 4 rows 1.7 -> 1.1, 2 rows 1.1 -> 0.8. But in the app (benchmarks/app_load.py), where the
+# server's and its visitors' threads want the other core too, a visitor alone (two rows with guidance) was served
+# in 0.96-1.00 s against 0.70-0.79 in two runs of three when its two rows went in parts; with parts of 4 rows or
+# more, eight visitors at once took 3.0 / 3.6 / 3.8 s against 3.9 / 4.2 / 4.1 in one thread (alternating runs)
+PART_MIN_ROWS = 4
+
+
 def decode_step(weights: StepWeights, rows: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor, logits: torch.Tensor, learned: LearnedStep | None = None) -> None:
-    """One token for each batch row in `rows` [n]: row r feeds ids[r] at positions[r] with LoRA slot slots[r] (-1:
-    none; or, with `learned`, its gates' top-k of each block), writes its K/V at (cache row r, positions[r]) and its
-    logits into logits[r] (float32 [W, vocab]); the other rows of `logits` are left as they are."""
+                slots: torch.Tensor, logits: torch.Tensor, learned: LearnedStep | None = None,
+                threads: int = 1) -> None:
+    """One token for each batch row in `rows` [n] (distinct): row r feeds ids[r] at positions[r] with LoRA slot
+    slots[r] (-1: none; or, with `learned`, its gates' top-k of each block), writes its K/V at (cache row r,
+    positions[r]) and its logits into logits[r] (float32 [W, vocab]); the other rows of `logits` are left as they
+    are. `threads` > 1: the rows go in up to that many parts of PART_MIN_ROWS or more, side by side (the same
+    numbers)."""
     built = library()
     if built is None:
         raise RuntimeError("the CPU decode step is not built on this machine (kernels/cpu_bf16.py)")
@@ -244,13 +257,33 @@ def decode_step(weights: StepWeights, rows: torch.Tensor, ids: torch.Tensor, pos
     _within("positions", positions[rows], 0, dims["max_len"])
     _within("slots", slots[rows], -1, dims["slots"])
     args, _alive = _learned_args(learned, dims, width)  # (the tables it points at live until the call returned)
-    status = built.molora_decode_step(weights._dims, weights._reals, weights._pointers, rows.shape[0],
-                                      rows.data_ptr(), ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                                      logits.data_ptr(), *args)
+
+    def call(part: torch.Tensor) -> int:  # (ctypes lets go of the GIL for the call: parts run side by side)
+        return built.molora_decode_step(weights._dims, weights._reals, weights._pointers, part.shape[0],
+                                        part.data_ptr(), ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                                        logits.data_ptr(), *args)
+    count = min(threads, rows.shape[0] // PART_MIN_ROWS)
+    if count > 1:
+        # each row's numbers come from its own operations whatever the other rows are, and every write of a row
+        # (its K/V, logits, decisions, routing state) is its own: the rows can go in parts, one thread each
+        if rows.unique().numel() != rows.numel():
+            raise ValueError("decode step rows: a row appears twice (each batch row decodes once a step)")
+        parts = rows.tensor_split(count)
+        others = [_pool(count - 1).submit(call, part) for part in parts[1:]]
+        statuses = [call(parts[0])] + [other.result() for other in others]
+        status = max(statuses)
+    else:
+        status = call(rows)
     if status == 1:
         raise MemoryError(f"the C decode step could not allocate its scratch for {rows.shape[0]} rows")
     if status:
         raise RuntimeError(f"the C decode step returned an unknown status {status}")
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """Threads for the parts of a step beyond the caller's own (made once, kept for the process)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="molora-cpu-step")
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,7 +55,7 @@ from molora.models.engine.decoder import LeanDecoder
 from molora.models.engine.generation import GenerationConfig, Request, open_image_span
 from molora.models.engine.kv_cache import RowKVCache
 from molora.models.engine.row_states import RowStates
-from molora.models.engine.runtime import available_memory
+from molora.models.engine.runtime import available_cpus, available_memory
 from molora.models.engine.sampling import MAX_SEED, GenerationError
 from molora.models.engine.vocab import IMAGE, TEXT, UnifiedVocab
 from molora.routing import CacheFullError, LearnedRouter, MoLoRAError, SequenceRouter, VocabRangeRouter
@@ -121,7 +121,8 @@ class EngineConfig:
     queue_timeout_s: how long a request may wait for room.  batch_prefill:
     prefill requests admitted at the same step boundary in one forward.  cpu_step: on the CPU with exact rows,
     decode through the C step (models/engine/cpu_step.py) where the model allows it: one call a step, only the live
-    rows, each on its own (False: torch's eager step).  exact_rows=False (torch's step) lets the CPU decode as few
+    rows, each on its own (False: torch's eager step); cpu_step_threads: how many threads share a step's rows
+    (each row's numbers are the same whatever the split; default: the CPUs this process may use).  exact_rows=False (torch's step) lets the CPU decode as few
     rows as are live, and a row's numbers may then differ slightly with the batch it shares."""
 
     max_rows: int | None = None
@@ -133,6 +134,7 @@ class EngineConfig:
     lean_decoder: bool = True  # Llama-family models run the engine's own forward (engine/decoder.py)
     overlap_steps: bool = True  # CUDA: launch step t+1 before reading step t's tokens
     cpu_step: bool = True  # CPU: one C call per decode step where the model allows (engine/cpu_step.py)
+    cpu_step_threads: int | None = None  # CPU: threads a C step splits its rows over (None: the CPUs it may use)
 
 
 @dataclass
@@ -278,6 +280,10 @@ class Engine:
         if self.max_rows < 1 or self.max_len < 2:
             raise GenerationError(f"an engine needs max_rows >= 1 and max_len >= 2, got {self.max_rows}, "
                                   f"{self.max_len}")
+        threads = self.config.cpu_step_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise GenerationError(f"EngineConfig.cpu_step_threads must be a whole number >= 1 (None: the CPUs this "
+                                  f"process may use), got {threads!r}")
         # a model dispatched over devices (accelerate's device_map): each attention layer's KV on its block's device
         placement = getattr(routed, "placement", None)
         num_layers = int(routed.model.config.get_text_config().num_hidden_layers)
@@ -508,7 +514,8 @@ class Engine:
         if self._exact_cpu and self.config.cpu_step:
             reason = CpuStep.unsupported(self.decoder, self.kv)
             if reason is None:
-                self.cpu_step = CpuStep(self.decoder, self.kv, self.max_len)
+                threads = self.config.cpu_step_threads or available_cpus()
+                self.cpu_step = CpuStep(self.decoder, self.kv, self.max_len, threads=threads)
                 try:
                     self.cpu_step.table()
                 except CpuStepError as err:

@@ -56,11 +56,12 @@ class _Table:
 class CpuStep:
     """The C decode step over one engine's model and KV cache (see the module docstring)."""
 
-    def __init__(self, decoder: LeanDecoder, kv: RowKVCache, max_len: int) -> None:
+    def __init__(self, decoder: LeanDecoder, kv: RowKVCache, max_len: int, threads: int = 1) -> None:
+        """`threads`: how many threads share a step's rows (cpu_decode.decode_step)."""
         reason = self.unsupported(decoder, kv)
         if reason is not None:
             raise ValueError(f"the C decode step cannot run this model: {reason}")
-        self.decoder, self.kv, self.max_len = decoder, kv, max_len
+        self.decoder, self.kv, self.max_len, self.threads = decoder, kv, max_len, threads
         model = decoder.model
         self.vocab = int(model.lm_head.weight.shape[0])
         self.d = int(decoder.base.norm.weight.shape[0])
@@ -217,7 +218,7 @@ class CpuStep:
             table: cpu_decode.StepWeights | None = None) -> None:
         """Decode one token for each batch row in `rows` (see cpu_decode.decode_step); ids, positions, slots [W].
         `table`: this step's table() when the caller just asked for it."""
-        cpu_decode.decode_step(table or self.table(), rows, ids, positions, slots, logits, learned)
+        cpu_decode.decode_step(table or self.table(), rows, ids, positions, slots, logits, learned, self.threads)
 
 
 def learned_step(plan: CallRouting) -> cpu_decode.LearnedStep:

@@ -64,6 +64,14 @@ def configure_cpu_threads(requested: int | None = None) -> int:
     return torch.get_num_threads()
 
 
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity masks on this OS)
+        return os.cpu_count() or 1
+
+
 def available_memory(device: str | torch.device) -> int | None:
     """Bytes that can still be allocated on `device` (free GPU memory; the CPU's MemAvailable), None if unknown."""
     device = torch.device(device)
@@ -85,5 +93,5 @@ def device_name(device: str | torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-__all__ = ["DEFAULT_CPU_THREADS", "THREADS_ENV", "available_memory", "configure_cpu_threads", "cpu_threads",
+__all__ = ["DEFAULT_CPU_THREADS", "THREADS_ENV", "available_cpus", "available_memory", "configure_cpu_threads", "cpu_threads",
            "device_name"]
