@@ -276,7 +276,7 @@ def test_learned_and_static_rows_give_the_same_tokens_and_mixes_whatever_the_thr
     monkeypatch.setattr(cpu_decode, "PART_MIN_ROWS", 1)
     calls = []
     real_pool = cpu_decode._pool
-    monkeypatch.setattr(cpu_decode, "_pool", lambda workers: calls.append(workers) or real_pool(workers))
+    monkeypatch.setattr(cpu_decode, "_pool", lambda workers, pid: calls.append(workers) or real_pool(workers, pid))
     routed, vocab, *engines = four_adapter_engines()
     for engine in engines:
         engine.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -269,7 +270,7 @@ def decode_step(weights: StepWeights, rows: torch.Tensor, ids: torch.Tensor, pos
         if rows.unique().numel() != rows.numel():
             raise ValueError("decode step rows: a row appears twice (each batch row decodes once a step)")
         parts = rows.tensor_split(count)
-        others = [_pool(count - 1).submit(call, part) for part in parts[1:]]
+        others = [_pool(count - 1, os.getpid()).submit(call, part) for part in parts[1:]]
         statuses = [call(parts[0])] + [other.result() for other in others]
         status = max(statuses)
     else:
@@ -281,8 +282,9 @@ def decode_step(weights: StepWeights, rows: torch.Tensor, ids: torch.Tensor, pos
 
 
 @functools.cache
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """Threads for the parts of a step beyond the caller's own (made once, kept for the process)."""
+def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
+    """Threads for the parts of a step beyond the caller's own, made once per process (`pid`: a forked child's
+    copy of its parent's pool has no threads)."""
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="molora-cpu-step")
 
 
