@@ -70,3 +70,23 @@ def test_the_app_and_the_cli_take_a_threads_flag():
 
     assert app_args(["--threads", "2"]).threads == 2 and app_args([]).threads is None
     assert cli_args(["x", "--threads", "2"]).threads == 2 and cli_args(["x"]).threads is None
+
+
+@pytest.mark.parametrize("v2,v1,want", [
+    ("150000 100000\n", None, 2),    # cgroup v2: 1.5 CPUs of quota -> 2 threads
+    ("max 100000\n", None, 8),       # no limit: the affinity mask
+    (None, ("100000", "100000"), 1),  # cgroup v1: one CPU
+    (None, ("-1", "100000"), 8),     # v1 without a quota
+    (None, None, 8),                 # no cgroup files
+    ("400000 x\n", None, 8),         # unreadable: ignored
+])
+def test_available_cpus_is_the_affinity_mask_within_the_containers_cpu_quota(tmp_path, monkeypatch, v2, v1, want):
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(runtime, "CGROUP_CPU_MAX", str(tmp_path / "cpu.max"))
+    monkeypatch.setattr(runtime, "CGROUP_V1_QUOTA", (str(tmp_path / "quota"), str(tmp_path / "period")))
+    if v2 is not None:
+        (tmp_path / "cpu.max").write_text(v2)
+    if v1 is not None:
+        (tmp_path / "quota").write_text(v1[0])
+        (tmp_path / "period").write_text(v1[1])
+    assert runtime.available_cpus() == want

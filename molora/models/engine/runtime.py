@@ -1,4 +1,5 @@
-"""Process-wide runtime settings shared by the app, the Python API and the CLI: the CPU thread count.
+"""Process-wide runtime settings shared by the app, the Python API and the CLI: the CPU thread count (and the CPUs a
+process may use, which the C decode step splits its rows over: `available_cpus`).
 
 Decode steps of the embedded model are small (a 256-wide, 6-layer LM, batch 1-2): splitting each matmul over cores costs
 more in synchronisation than it saves, and when another process busy-waits on one of the cores every step waits
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -64,12 +66,36 @@ def configure_cpu_threads(requested: int | None = None) -> int:
     return torch.get_num_threads()
 
 
+# cgroup v2's CPU limit ("<quota> <period>" or "max <period>") and v1's quota and period, in microseconds
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+CGROUP_V1_QUOTA = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+
+
 def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    """CPUs this process may use: its affinity mask (where the OS has one), within its container's CPU quota (a
+    container may see every CPU of its host and be allowed two: more busy threads than the quota get throttled)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # (no affinity masks on this OS)
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_quota()
+    return max(1, min(cpus, -(-quota[0] // quota[1]))) if quota else cpus
+
+
+def _cgroup_quota() -> tuple[int, int] | None:
+    """(quota, period) of this process's cgroup CPU limit, None when there is none or it cannot be read."""
+    try:
+        fields = Path(CGROUP_CPU_MAX).read_text().split()
+    except OSError:
+        try:
+            fields = [Path(path).read_text().strip() for path in CGROUP_V1_QUOTA]
+        except OSError:
+            return None
+    try:
+        quota, period = int(fields[0]), int(fields[1])
+    except (ValueError, IndexError):  # "max": no limit
+        return None
+    return (quota, period) if quota > 0 and period > 0 else None
 
 
 def available_memory(device: str | torch.device) -> int | None:
