@@ -520,7 +520,8 @@ class Engine:
                     self.cpu_step.table()
                 except CpuStepError as err:
                     self.cpu_step, reason = None, str(err)
-            log.info("engine: decode steps through %s", "the C step (models/engine/cpu_step.py)" if reason is None
+            log.info("engine: decode steps through %s", f"the C step (models/engine/cpu_step.py), a step's rows over "
+                     f"up to {self.cpu_step.threads} thread(s)" if reason is None
                      else f"torch's forward; the C step cannot run this model: {reason}")
         # learned image gates decide once per picture: each row's decision per block, kept across decode steps
         self._pictures: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # top-k -> (slots, weights) [rows+1, blocks, k]
