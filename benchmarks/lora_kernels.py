@@ -104,7 +104,6 @@ N_K1 = 40 if ARGS.dry_run else 2048
 SWEEP = [1, 8, 40] if ARGS.dry_run else [int(v) for v in ARGS.sweep_n.split(",")] if ARGS.sweep_n else SWEEP_N
 SWEEP_RANKS = [8, 16] if ARGS.dry_run else [int(v) for v in ARGS.sweep_ranks.split(",")] if ARGS.sweep_ranks else RANKS
 RESULTS: dict = {"rows": {}}
-BANDWIDTH: list[float] = []  # the copy bandwidth measured in this run (bytes/s), once known
 QKV = ["q_proj", "k_proj", "v_proj"]
 
 
@@ -981,7 +980,7 @@ DECODE_SHAPES = [("1.7B q/k/v", 2048, (2048, 1024, 1024)), ("1.7B gate/up", 2048
                  ("8B o", 4096, (4096,)), ("8B down", 14336, (4096,))]
 
 
-def run_decode_linear() -> None:
+def run_decode_linear(bw: float) -> None:
     """The routed linear (kernels/triton_linear.py) at decode sizes, N = 1, 2 and 16, for every projection of a
     Qwen3-1.7B and an Emu3-8B block (r = 16, 4 slots, k = 1): decode tiles (BLOCK_M 16, DECODE_GRID swept) against
     what a captured step runs today (the dispatcher's path: the one-GEMM linear for q/k/v, cuBLAS onto the group
@@ -1028,7 +1027,7 @@ def run_decode_linear() -> None:
                 ref = x.float() @ W.float().t() + delta.float()
                 errs.append(((got.float() - ref).abs().max() / ref.abs().max()).item())
             row["err"] = max(errs)
-            floor = sum(o * d_in for o in outs) * 2 / BANDWIDTH[0] * 1e6 if BANDWIDTH else float("nan")
+            floor = sum(o * d_in for o in outs) * 2 / bw * 1e6  # the weights' bytes at the copy bandwidth
             row["weights_floor_us"] = floor
             print(f"  {name}: bases {row['bases']:.2f}  today {row['today']:.2f}  decode tiles best {best[0]:.2f} "
                   f"{best[1]} ({best[0] / row['today']:.3f}x today, {best[0] / row['bases']:.3f}x bases; weights at "
@@ -1318,9 +1317,8 @@ def main() -> None:
     if not ok:
         print("!! correctness FAILED: timings below are of wrong kernels")
     bw = copy_bandwidth()
-    BANDWIDTH.append(bw)
     print(f"\ncopy bandwidth (read + write): {bw / 1e12:.2f} TB/s   [{time.perf_counter() - t0:.0f} s]")
-    sections = {"k3": run_k3, "linear": run_linear, "decode": run_decode_linear, "ranks": lambda: run_rank_sweep(bw), "topk": run_topk, "sweep": run_sweep,
+    sections = {"k3": run_k3, "linear": run_linear, "decode": lambda: run_decode_linear(bw), "ranks": lambda: run_rank_sweep(bw), "topk": run_topk, "sweep": run_sweep,
                 "setsweep": run_set_sweep, "narrow": run_narrow_tuning, "sweep32": run_small_sweep,
                 "k1": lambda: run_k1_k2(bw), "pdl": run_pdl, "dense": run_dense_gpu, "eager": run_eager}
     sweeps = {"sweep", "setsweep", "narrow", "sweep32"}

@@ -122,8 +122,9 @@ class EngineConfig:
     prefill requests admitted at the same step boundary in one forward.  cpu_step: on the CPU with exact rows,
     decode through the C step (models/engine/cpu_step.py) where the model allows it: one call a step, only the live
     rows, each on its own (False: torch's eager step); cpu_step_threads: how many threads share a step's rows
-    (each row's numbers are the same whatever the split; default: the CPUs this process may use).  exact_rows=False (torch's step) lets the CPU decode as few
-    rows as are live, and a row's numbers may then differ slightly with the batch it shares."""
+    (each row's numbers are the same whatever the split; default: the CPUs this process may use).
+    exact_rows=False (torch's step) lets the CPU decode as few rows as are live, and a row's numbers may then
+    differ slightly with the batch it shares."""
 
     max_rows: int | None = None
     max_len: int | None = None

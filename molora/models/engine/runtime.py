@@ -119,5 +119,5 @@ def device_name(device: str | torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-__all__ = ["DEFAULT_CPU_THREADS", "THREADS_ENV", "available_cpus", "available_memory", "configure_cpu_threads", "cpu_threads",
-           "device_name"]
+__all__ = ["DEFAULT_CPU_THREADS", "THREADS_ENV", "available_cpus", "available_memory", "configure_cpu_threads",
+           "cpu_threads", "device_name"]
