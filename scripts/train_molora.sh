@@ -3,7 +3,7 @@
 # one GPU; each trains alone on its own domain) and then the MoLoRA router over them.
 #
 #   scripts/train_molora.sh [OUT]        # OUT defaults to runs/molora: OUT/adapters/<domain>, OUT/router
-#   DEVICE=cpu AD_ARGS="--steps 3 --n-train 64 --n-val 16" ROUTER_ARGS="--steps 3 --n-per-domain 32 --n-val 8" \
+#   DEVICE=cpu AD_ARGS="--steps 3 --n-train 64 --n-val 16 --batch-size 8" ROUTER_ARGS="--steps 3 --n-per-domain 32 --n-val 8" \
 #     AD_MINUTES=0 ROUTER_MINUTES=0 scripts/train_molora.sh /tmp/molora     # a CPU smoke run
 #
 # Both stages are time-bounded (AD_MINUTES per adapter, ROUTER_MINUTES): the learning rate anneals over the
@@ -20,7 +20,7 @@ echo "=== adapters ($(date -u +%H:%M:%S))"
 pids=()
 for d in "${DOMAINS[@]}"; do
   $PY scripts/train_domain_adapters.py --out "$OUT/parts/$d" --domains "$d" --device "$DEVICE" --threads 2 \
-    --steps 6000 --n-train 60000 --lr 3e-3 --max-minutes "${AD_MINUTES:-3.5}" ${AD_ARGS:-} \
+    --steps 6000 --n-train 120000 --batch-size 128 --lr 3e-3 --max-minutes "${AD_MINUTES:-7}" ${AD_ARGS:-} \
     >"$OUT/parts/$d.log" 2>&1 &
   pids+=($!)
 done

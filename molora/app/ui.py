@@ -92,8 +92,8 @@ LEARNED_EXAMPLES: list[tuple[str, int]] = [
     ('A small red star at the bottom, a large red star on the right, a small green triangle at the bottom right '
      'and a small blue diamond at the top right. How many green shapes are there? What is left of the blue '
      'diamond? A:', 0),
-    ('A small brown square on the left and a small orange triangle at the right. What size is the orange triangle? '
-     'How many orange shapes and brown shapes are there together? A:', 0),
+    ('A small yellow square at the top, a small blue diamond at the bottom and a small brown diamond at the right. '
+     'What size is the yellow square? How many shapes are not blue? A:', 0),
 ]
 
 # (prompt, seed): a picture whose style the words ask for, for the learned router's image gates (shown when the
