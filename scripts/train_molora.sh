@@ -3,8 +3,9 @@
 # one GPU; each trains alone on its own domain) and then the MoLoRA router over them.
 #
 #   scripts/train_molora.sh [OUT]        # OUT defaults to runs/molora: OUT/adapters/<domain>, OUT/router
-#   DEVICE=cpu AD_ARGS="--steps 3 --n-train 64 --n-val 16 --batch-size 8" ROUTER_ARGS="--steps 3 --n-per-domain 32 --n-val 8" \
-#     AD_MINUTES=0 ROUTER_MINUTES=0 scripts/train_molora.sh /tmp/molora     # a CPU smoke run
+#   DEVICE=cpu AD_ARGS="--steps 3 --n-train 64 --n-val 16 --batch-size 8" \
+#     ROUTER_ARGS="--steps 3 --n-per-domain 32 --n-val 8" AD_MINUTES=0 ROUTER_MINUTES=0 \
+#     scripts/train_molora.sh /tmp/molora     # a CPU smoke run
 #
 # Both stages are time-bounded (AD_MINUTES per adapter, ROUTER_MINUTES): the learning rate anneals over the
 # steps or the minutes, whichever ends first, and each output records the steps it took. The shipped set and the
