@@ -409,8 +409,9 @@ def test_learned_rows_of_two_routers_beside_a_static_row_decode_as_alone():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_learned_steps_equal_eager_steps_while_adapters_move(monkeypatch):
-    """Learned rows are captured too: the replayed step gives the eager step's tokens, adapters and mixes, also
-    after the adapters moved between slots and after a learned graph was dropped (LEARNED_GRAPHS)."""
+    """Learned rows are captured too, in decode steps and prefills: the replayed graphs give the eager forwards'
+    tokens, adapters and mixes, also after the adapters moved between slots and after a learned graph was dropped
+    (LEARNED_GRAPHS)."""
     from molora.models.engine import core
     monkeypatch.setattr(core, "LEARNED_GRAPHS", 1)
     routed, vocab = random_routed_model("tiny", device="cuda", dtype=torch.float32, num_slots=4, image_size=64)
@@ -435,4 +436,6 @@ def test_captured_learned_steps_equal_eager_steps_while_adapters_move(monkeypatc
         assert collect(captured.stream(evict, configs[3])) == collect(eager.stream(evict, configs[3]))
     stats = captured.stats()
     assert len(stats["learned_graphs"]) == 1 and stats["graphs"]
+    assert len(stats["learned_prefill_graphs"]) == 1 and stats["prefill_graphs"]
+    assert not eager.stats()["learned_prefill_graphs"]
     assert routed.cache.stats()["evictions"] >= 4

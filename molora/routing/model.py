@@ -535,11 +535,11 @@ class RoutedModel(nn.Module):
                                 slot_names)
         if not plan.learned or not plan.block_slots:
             return TokenRouting(plan.slots.view(batch, length), None, slot_names)
-        with torch.no_grad():
-            mass = torch.zeros(plan.num_tokens, self.cache.num_slots, device=input_ids.device)
-            for slots, weights in plan.block_slots.values():
-                mass.scatter_add_(1, slots.clamp(min=0), weights.float() * (slots >= 0))
-            mass /= len(plan.block_slots)
+        with torch.no_grad():  # all blocks at once (a handful of kernels, not four a block: decode steps read it)
+            slots = torch.stack([s for s, _ in plan.block_slots.values()], 1)  # [N, blocks, k]; -1 = no adapter
+            weights = torch.stack([w for _, w in plan.block_slots.values()], 1).float()
+            chose = slots[..., None] == torch.arange(self.cache.num_slots, device=slots.device)  # [N, blocks, k, S]
+            mass = (chose * weights[..., None]).sum((1, 2)) / len(plan.block_slots)
             top_w, top_s = top_k_first(mass, plan.k)  # equal masses (two blocks each way) by lowest slot
             top_s = torch.where(top_w > 0, top_s, torch.full_like(top_s, -1))
         return TokenRouting(top_s.view(batch, length, plan.k), top_w.view(batch, length, plan.k), slot_names)

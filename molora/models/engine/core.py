@@ -330,6 +330,8 @@ class Engine:
         self._learned_graphs: OrderedDict[tuple[int, ...], tuple[Any, Any, tuple[_LearnedRows, ...]]] = OrderedDict()
         self._learned_rows: dict[int, _LearnedRows] = {}  # id(LearnedRouter) -> its tables (holding the router)
         self._prefill_graphs: dict[tuple[int, int], tuple[Any, tuple, tuple]] = {}
+        # prefills with learned rows: ((rows, tokens), id of each learned router) -> (graph, inputs, outputs, tables)
+        self._learned_prefills: OrderedDict[tuple, tuple[Any, tuple, Any, tuple[_LearnedRows, ...]]] = OrderedDict()
         self._index_cache: _Batch | None = None
         self._pending: _HostCopy | None = None  # CUDA: the launched step whose tokens are not read yet
         self._last_delivery: float | None = None
@@ -425,7 +427,8 @@ class Engine:
                     "waiting": len(self._waiting) + len(self._incoming), "free_rows": len(self._free),
                     "max_rows": self.max_rows, "max_len": self.max_len, "steps": self.steps,
                     "graphs": sorted(self._graphs), "prefill_graphs": sorted(self._prefill_graphs),
-                    "learned_graphs": [key[0] for key in self._learned_graphs]}
+                    "learned_graphs": [key[0] for key in self._learned_graphs],
+                    "learned_prefill_graphs": [key[0] for key in self._learned_prefills]}
 
     def close(self) -> None:
         """Stop the loop; requests still queued or running end with an error."""
@@ -599,26 +602,42 @@ class Engine:
         return -1 if name is None else job.slot_of[name]
 
     def _plan(self, ids: torch.Tensor, slots: torch.Tensor, members: list[tuple[_Job, int]],
-              routed: bool = True) -> CallRouting | None:
+              routed: bool = True, learned: tuple[_LearnedRows, ...] = (), rows: torch.Tensor | None = None
+              ) -> CallRouting | None:
         """The CallRouting of one forward: static slots [N], plus one learned group per learned router over the
-        batch rows its jobs hold (`members`: (job, batch row) for the call's rows); None (plain base linears, no
-        LoRA work) when `routed` is False: no request in the call holds an adapter."""
+        batch rows its jobs hold (`members`: (job, batch row) for the call's rows), or, given the routers' device
+        tables (`learned`, CUDA), over every row, routing the rows whose cache row (`rows`) the tables mark: fixed
+        shapes, so a captured prefill routes learned rows. None (plain base linears, no LoRA work) when `routed` is
+        False: no request in the call holds an adapter."""
         if not routed:
             return None
         batch, length = ids.shape
+        if learned:
+            groups = self._table_groups(learned, ids, rows)
+            return self.routed.make_routing(batch, length, slots, self.routed.cache.num_slots, learned=groups,
+                                            k=max((g.top_k for g in groups), default=1))
         by_router: dict[int, tuple[LearnedRouter, list[int], dict[str, int]]] = {}
         for job, row in members:
             if job.learned is not None:
                 _, rows, slot_of = by_router.setdefault(id(job.learned), (job.learned, [], {}))
                 rows.append(row)
                 slot_of.update(job.slot_of)
-        learned = []
-        for router, rows, slot_of in by_router.values():
-            index = None if len(rows) == batch else torch.tensor(rows, dtype=torch.long, device=self.device)
-            learned += LearnedGroup.for_router(router, index, ids if index is None else ids[index], slot_of,
-                                               self.device)
-        k = max((g.top_k for g in learned), default=1)
-        return self.routed.make_routing(batch, length, slots, self.routed.cache.num_slots, learned=learned, k=k)
+        groups = []
+        for router, at, slot_of in by_router.values():
+            index = None if len(at) == batch else torch.tensor(at, dtype=torch.long, device=self.device)
+            groups += LearnedGroup.for_router(router, index, ids if index is None else ids[index], slot_of,
+                                              self.device)
+        k = max((g.top_k for g in groups), default=1)
+        return self.routed.make_routing(batch, length, slots, self.routed.cache.num_slots, learned=groups, k=k)
+
+    def _table_groups(self, learned: tuple[_LearnedRows, ...], ids: torch.Tensor, rows: torch.Tensor | None
+                      ) -> list[LearnedGroup]:
+        """One learned group per gate set of each router's tables, covering every row of `ids` and routing the
+        member rows: by cache row (`rows`, a prefill), or rows [0, B) are cache rows 0..B-1 (None, a decode step)."""
+        return [group for table in learned
+                for group in LearnedGroup.for_router(
+                    table.router, None, ids, {}, self.device, expert_slots=table.expert_slots,
+                    member=table.member[:ids.shape[0]] if rows is None else table.member[rows])]
 
     def _columns(self, needed: int | None) -> int | None:
         """KV columns an eager call reads on the CPU (None = all: on CUDA every step has the captured step's
@@ -638,13 +657,15 @@ class Engine:
         """Write each (job, cache row, prompt) into its row, positions from 0, in ONE forward; returns the last
         logits [n, V] and producing slots [n].  Prompts are left-padded so every last token is the last column;
         a pad token is written past its row's prompt, where the row's own next tokens overwrite it before any
-        query reads it.  On CUDA (no learned rows) the forward is a captured graph per (rows, tokens) bucket,
-        padded with rows that write only the cache's scratch row."""
+        query reads it.  On CUDA the forward is a captured graph per (rows, tokens) bucket (and learned routers:
+        their rows routed through the routers' device tables, as in a decode step), padded with rows that write
+        only the cache's scratch row."""
         n, width = len(entries), max(len(prompt) for _, _, prompt in entries)
-        learned = any(job.learned is not None for job, _, _ in entries)
-        captured = self.use_graphs and not learned and n <= self.max_rows
+        bucketed = self.device.type == "cuda" and n <= self.max_rows
+        captured = self.use_graphs and n <= self.max_rows
+        learned = self._prefill_tables([job for job, _, _ in entries]) if bucketed else ()
         n_rows = n
-        if self.device.type == "cuda" and n <= self.max_rows:  # bucketed shapes, captured or not: the same
+        if bucketed:  # bucketed shapes, captured or not: the same
             n_rows = next(w for w in self.widths if w >= n)    # GEMM shapes give the same bf16 numbers
             width = min(next(t for t in self._prefill_lengths if t >= width), self.max_len)
         ids = torch.full((n_rows, width), self.vocab.pad_id, dtype=torch.long)
@@ -659,21 +680,30 @@ class Engine:
             table[i] = torch.tensor([self._slot(job, job.text_adapter), self._slot(job, job.image_adapter)])
         inputs = (ids, positions, rows, table)
         if captured:
-            logits, producing = self._replay_prefill(inputs)
+            logits, producing = self._replay_prefill(inputs, learned)
             return logits[:n], producing[:n]
         ids, positions, rows, table = (t.to(self.device) for t in inputs)
         members = [(job, i) for i, (job, _, _) in enumerate(entries)]
         return self._prefill_body(ids, positions, rows, table, members, self._columns(width),
-                                  routed=any(job.names for job, _, _ in entries))
+                                  routed=any(job.names for job, _, _ in entries), learned=learned)
+
+    def _prefill_tables(self, jobs: list[_Job]) -> tuple[_LearnedRows, ...]:
+        """The device tables of the learned routers among these newcomers, written for them and the running jobs
+        (the next decode step writes them again for the running batch)."""
+        routers = {id(job.learned) for job in jobs if job.learned is not None}
+        if not routers:
+            return ()
+        everyone = [*self._running.values(), *dict.fromkeys(jobs)]
+        return tuple(table for table in self._learned_tables(everyone) if id(table.router) in routers)
 
     def _prefill_body(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, table: torch.Tensor,
-                      members: list[tuple[_Job, int]], length: int | None = None, routed: bool = True
-                      ) -> tuple[torch.Tensor, _Producing]:
+                      members: list[tuple[_Job, int]], length: int | None = None, routed: bool = True,
+                      learned: tuple[_LearnedRows, ...] = ()) -> tuple[torch.Tensor, _Producing]:
         columns = self.columns if length is None else self.columns[:length]
         mask = torch.where(columns[None, None, :] <= positions[:, :, None], 0.0, float("-inf"))
         mask = mask.to(self.dtype)[:, None]
         slots = table.gather(1, self.states.modality[ids])
-        plan = self._plan(ids, slots.view(-1), members, routed)
+        plan = self._plan(ids, slots.view(-1), members, routed, learned, rows)
         out = self._forward(ids, positions, rows, mask, plan, length=length)
         self._keep_pictures(plan, rows)
         self._keep_states(plan, rows, positions)
@@ -686,15 +716,29 @@ class Engine:
             logits = logits.to(self.device)
         return logits
 
-    def _replay_prefill(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, _Producing]:
-        """Copy the host layout into the (rows, tokens) bucket's static inputs and replay its graph."""
-        key = tuple(inputs[0].shape)
-        if key not in self._prefill_graphs:
-            static = tuple(t.to(self.device) for t in inputs)
-            graph, outputs = self._capture(lambda: self._prefill_body(*static, []))
-            self._prefill_graphs[key] = (graph, static, outputs)
-            log.info("engine: captured the prefill for %d rows x %d tokens", *key)
-        graph, static, outputs = self._prefill_graphs[key]
+    def _replay_prefill(self, inputs: tuple[torch.Tensor, ...], learned: tuple[_LearnedRows, ...]
+                        ) -> tuple[torch.Tensor, _Producing]:
+        """Copy the host layout into the (rows, tokens) bucket's static inputs and replay its graph (one per
+        bucket and learned routers, the LEARNED_GRAPHS most recently used of those kept)."""
+        shape = tuple(inputs[0].shape)
+        if not learned:
+            if shape not in self._prefill_graphs:
+                static = tuple(t.to(self.device) for t in inputs)
+                graph, outputs = self._capture(lambda: self._prefill_body(*static, []))
+                self._prefill_graphs[shape] = (graph, static, outputs)
+                log.info("engine: captured the prefill for %d rows x %d tokens", *shape)
+            graph, static, outputs = self._prefill_graphs[shape]
+        else:
+            key = (shape, *(id(table.router) for table in learned))
+            if key not in self._learned_prefills:
+                static = tuple(t.to(self.device) for t in inputs)
+                graph, outputs = self._capture(lambda: self._prefill_body(*static, [], learned=learned))
+                self._learned_prefills[key] = (graph, static, outputs, learned)
+                log.info("engine: captured the prefill for %d rows x %d tokens with %d learned router(s)",
+                         *shape, len(learned))
+                self._forget_learned()
+            self._learned_prefills.move_to_end(key)
+            graph, static, outputs, _ = self._learned_prefills[key]
         for target, source in zip(static, inputs):
             target.copy_(source, non_blocking=True)
         graph.replay()
@@ -797,7 +841,7 @@ class Engine:
             table.write(members)
             tables.append(table)
         if len(self._learned_rows) > len(tables):
-            self._forget_learned()
+            self._forget_learned(set(by_router))
         return tuple(tables)
 
     def _decode(self, width: int, jobs: list[_Job], learned: tuple[_LearnedRows, ...], live: int
@@ -853,9 +897,7 @@ class Engine:
                      live: int | None) -> CallRouting:
         """A decode step's routing over rows [0, width): the static slots, and one learned group per learned router
         covering every row and routing its member rows (fixed shapes)."""
-        groups = [group for table in learned
-                  for group in LearnedGroup.for_router(table.router, None, ids, {}, self.device,
-                                                       member=table.member[:width], expert_slots=table.expert_slots)]
+        groups = self._table_groups(learned, ids, None)
         return self.routed.make_routing(width, 1, slots, self.routed.cache.num_slots, learned=groups,
                                         k=max((g.top_k for g in groups), default=1), exact_rows=self._exact_cpu,
                                         live_rows=live if self._exact_cpu else None)
@@ -969,12 +1011,15 @@ class Engine:
         graph.replay()
         return outputs
 
-    def _forget_learned(self) -> None:
-        """Keep the LEARNED_GRAPHS most recently used learned steps, and the tables of routers still in use."""
-        while len(self._learned_graphs) > LEARNED_GRAPHS:
-            self._learned_graphs.popitem(last=False)
+    def _forget_learned(self, using: set[int] = frozenset()) -> None:
+        """Keep the LEARNED_GRAPHS most recently used learned steps (and as many learned prefills), and the tables
+        of routers still in use: by a kept graph, a running job or `using` (router ids)."""
+        for graphs in (self._learned_graphs, self._learned_prefills):
+            while len(graphs) > LEARNED_GRAPHS:
+                graphs.popitem(last=False)
         running = {id(job.learned) for job in self._running.values() if job.learned is not None}
-        kept = {key for graph_key in self._learned_graphs for key in graph_key[1:]} | running
+        kept = {key for graphs in (self._learned_graphs, self._learned_prefills)
+                for graph_key in graphs for key in graph_key[1:]} | running | using
         for key in [k for k in self._learned_rows if k not in kept]:
             del self._learned_rows[key]
 
