@@ -334,6 +334,8 @@ class Engine:
         self._learned_prefills: OrderedDict[tuple, tuple[Any, tuple, Any, tuple[_LearnedRows, ...]]] = OrderedDict()
         self._index_cache: _Batch | None = None
         self._pending: _HostCopy | None = None  # CUDA: the launched step whose tokens are not read yet
+        # the C step: may it decide the running batch's learned routers (its tables tuple -> yes / no)
+        self._c_decides: tuple[tuple[_LearnedRows, ...], bool] | None = None
         self._last_delivery: float | None = None
         _ENGINES.add(self)
 
@@ -873,7 +875,9 @@ class Engine:
             log.warning("engine: the C decode step cannot run the model any more (%s); torch's step from now on", err)
             self.cpu_step = None
             return self._decode(width, jobs, learned, live)
-        if not all(self.cpu_step.decides(t.router) for t in learned):  # (logged once): torch's step
+        if self._c_decides is None or self._c_decides[0] is not learned:  # once per running batch (its tuple)
+            self._c_decides = (learned, all(self.cpu_step.decides(t.router) for t in learned))
+        if not self._c_decides[1]:  # (logged once): torch's step
             return self._eager_decode(width, jobs, learned, live)
         ids, positions, slots = self.states.decode_feeds(width)
         rows = self.all_rows[:live]
