@@ -407,6 +407,27 @@ def test_learned_rows_of_two_routers_beside_a_static_row_decode_as_alone():
     assert any(len(mix) == 2 for _, _, mix in alone[0])  # top-2 rows report both adapters they mix
 
 
+def test_learned_routers_alike_share_the_engines_tables():
+    """Two LearnedRouter objects over the same gates, top-k and vocabulary (the pipeline makes one per request)
+    share one set of the engine's tables (on CUDA, one captured prefill and step), and each request still gets
+    exactly what it gets alone; a router with another top-k gets tables of its own."""
+    routed, vocab = random_routed_model("tiny", device="cpu", dtype=torch.float32, num_slots=4, image_size=64)
+    for adapter in random_adapters(routed, ["a", "b", "c"], std=0.2):
+        routed.add_adapter(adapter)
+    torch.manual_seed(0)
+    gates = LearnedGates.for_model(routed, ["a", "b"], base_expert=True, context_decays=(0.5, 0.9), init_std=1.0)
+    first, second = (LearnedRouter(gates, top_k=2, vocab=vocab) for _ in range(2))
+    other = LearnedRouter(gates, top_k=1, vocab=vocab)
+    ps = prompts(vocab, 3, seed=5)
+    requests = [Request(ps[0], first), Request(ps[1], second), Request(ps[2], other)]
+    configs = [GenerationConfig(max_new_tokens=16, seed=0, **GREEDY)] * 3
+    from molora.models.engine import core
+    assert core._router_key(first) == core._router_key(second) != core._router_key(other)
+    engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=96))
+    alone = [routed_tokens(engine, [r], [c])[0] for r, c in zip(requests, configs)]
+    assert routed_tokens(engine, requests, configs) == alone  # first's and second's rows in one table
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_learned_steps_equal_eager_steps_while_adapters_move(monkeypatch):
     """Learned rows are captured too, in decode steps and prefills: the replayed graphs give the eager forwards'

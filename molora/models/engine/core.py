@@ -248,6 +248,15 @@ class _LearnedRows:
             slots.copy_(gates.expert_slots(slot_of, "cpu"))
 
 
+def _router_key(router: LearnedRouter) -> tuple:
+    """What a learned router's routing depends on (its gate objects, top-k's and vocabulary). Routers equal in it
+    route alike, so they share the engine's tables and captured graphs: the pipeline makes one router per request
+    over the same gates, and a new key would capture a new prefill and decode step for each request. (The tables
+    hold one such router, so the objects named by the ids stay alive while the key is in use.)"""
+    return (id(router.gates), router.top_k, id(router.vocab), router.image_adapter, id(router.image_gates),
+            router.image_top_k)
+
+
 def _route_of(router: Router | None, vocab: UnifiedVocab) -> tuple[str | None, str | None, LearnedRouter | None]:
     """(text adapter, image adapter, learned router) of a request's router; the engine routes by tables."""
     if router is None:
@@ -326,11 +335,11 @@ class Engine:
         self.steps = 0
         self.step_ms: list[float] | None = None  # set to a list to record each decode step's wall time
         self._graphs: dict[int, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
-        # decode steps with learned rows: (width, id of each learned router) -> (graph, outputs, the routers' tables)
-        self._learned_graphs: OrderedDict[tuple[int, ...], tuple[Any, Any, tuple[_LearnedRows, ...]]] = OrderedDict()
-        self._learned_rows: dict[int, _LearnedRows] = {}  # id(LearnedRouter) -> its tables (holding the router)
+        # decode steps with learned rows: (width, key of each learned router) -> (graph, outputs, the routers' tables)
+        self._learned_graphs: OrderedDict[tuple, tuple[Any, Any, tuple[_LearnedRows, ...]]] = OrderedDict()
+        self._learned_rows: dict[tuple, _LearnedRows] = {}  # _router_key -> its tables (holding one such router)
         self._prefill_graphs: dict[tuple[int, int], tuple[Any, tuple, tuple]] = {}
-        # prefills with learned rows: ((rows, tokens), id of each learned router) -> (graph, inputs, outputs, tables)
+        # prefills with learned rows: ((rows, tokens), key of each learned router) -> (graph, inputs, outputs, tables)
         self._learned_prefills: OrderedDict[tuple, tuple[Any, tuple, Any, tuple[_LearnedRows, ...]]] = OrderedDict()
         self._index_cache: _Batch | None = None
         self._pending: _HostCopy | None = None  # CUDA: the launched step whose tokens are not read yet
@@ -618,10 +627,10 @@ class Engine:
             groups = self._table_groups(learned, ids, rows)
             return self.routed.make_routing(batch, length, slots, self.routed.cache.num_slots, learned=groups,
                                             k=max((g.top_k for g in groups), default=1))
-        by_router: dict[int, tuple[LearnedRouter, list[int], dict[str, int]]] = {}
+        by_router: dict[tuple, tuple[LearnedRouter, list[int], dict[str, int]]] = {}
         for job, row in members:
             if job.learned is not None:
-                _, rows, slot_of = by_router.setdefault(id(job.learned), (job.learned, [], {}))
+                _, rows, slot_of = by_router.setdefault(_router_key(job.learned), (job.learned, [], {}))
                 rows.append(row)
                 slot_of.update(job.slot_of)
         groups = []
@@ -692,11 +701,11 @@ class Engine:
     def _prefill_tables(self, jobs: list[_Job]) -> tuple[_LearnedRows, ...]:
         """The device tables of the learned routers among these newcomers, written for them and the running jobs
         (the next decode step writes them again for the running batch)."""
-        routers = {id(job.learned) for job in jobs if job.learned is not None}
+        routers = {_router_key(job.learned) for job in jobs if job.learned is not None}
         if not routers:
             return ()
         everyone = [*self._running.values(), *dict.fromkeys(jobs)]
-        return tuple(table for table in self._learned_tables(everyone) if id(table.router) in routers)
+        return tuple(table for table in self._learned_tables(everyone) if _router_key(table.router) in routers)
 
     def _prefill_body(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, table: torch.Tensor,
                       members: list[tuple[_Job, int]], length: int | None = None, routed: bool = True,
@@ -731,7 +740,7 @@ class Engine:
                 log.info("engine: captured the prefill for %d rows x %d tokens", *shape)
             graph, static, outputs = self._prefill_graphs[shape]
         else:
-            key = (shape, *(id(table.router) for table in learned))
+            key = (shape, *(_router_key(table.router) for table in learned))
             if key not in self._learned_prefills:
                 static = tuple(t.to(self.device) for t in inputs)
                 graph, outputs = self._capture(lambda: self._prefill_body(*static, [], learned=learned))
@@ -822,12 +831,13 @@ class Engine:
         return self._index_cache
 
     def _learned_tables(self, jobs: list[_Job]) -> tuple[_LearnedRows, ...]:
-        """Write each learned router's tables for these running jobs (allocating a router's tables, and the
-        per-row decision and state tables its gates keep, on its first use)."""
-        by_router: dict[int, list[_Job]] = {}
+        """Write each learned router's tables for these jobs (the running batch, or it and a prefill's newcomers),
+        allocating a router's tables, and the per-row decision and state tables its gates keep, on its first use.
+        Routers with the same _router_key share one set of tables."""
+        by_router: dict[tuple, list[_Job]] = {}
         for job in jobs:
             if job.learned is not None:
-                by_router.setdefault(id(job.learned), []).append(job)
+                by_router.setdefault(_router_key(job.learned), []).append(job)
         tables = []
         for key, members in by_router.items():
             table = self._learned_rows.get(key)
@@ -1003,7 +1013,7 @@ class Engine:
                 log.info("engine: captured the decode step for width %d", width)
             graph, outputs = self._graphs[width]
         else:
-            key = (width, *(id(table.router) for table in learned))
+            key = (width, *(_router_key(table.router) for table in learned))
             if key not in self._learned_graphs:
                 graph, outputs = self._capture(lambda: self._decode_body(width, learned))
                 self._learned_graphs[key] = (graph, outputs, learned)
@@ -1015,13 +1025,13 @@ class Engine:
         graph.replay()
         return outputs
 
-    def _forget_learned(self, using: set[int] = frozenset()) -> None:
+    def _forget_learned(self, using: set[tuple] = frozenset()) -> None:
         """Keep the LEARNED_GRAPHS most recently used learned steps (and as many learned prefills), and the tables
-        of routers still in use: by a kept graph, a running job or `using` (router ids)."""
+        of routers still in use: by a kept graph, a running job or `using` (router keys)."""
         for graphs in (self._learned_graphs, self._learned_prefills):
             while len(graphs) > LEARNED_GRAPHS:
                 graphs.popitem(last=False)
-        running = {id(job.learned) for job in self._running.values() if job.learned is not None}
+        running = {_router_key(job.learned) for job in self._running.values() if job.learned is not None}
         kept = {key for graphs in (self._learned_graphs, self._learned_prefills)
                 for graph_key in graphs for key in graph_key[1:]} | running | using
         for key in [k for k in self._learned_rows if k not in kept]:
