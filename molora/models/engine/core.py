@@ -220,6 +220,15 @@ class _Batch:
     live: int
 
 
+def _router_key(router: LearnedRouter) -> tuple:
+    """What a learned router's routing depends on (its gate objects, top-k's and vocabulary). Routers equal in it
+    route alike, so they share the engine's tables and captured graphs: the pipeline makes one router per request
+    over the same gates, and a new key would capture a new prefill and decode step for each request. (The tables
+    hold one such router, so the objects named by the ids stay alive while the key is in use.)"""
+    return (id(router.gates), router.top_k, id(router.vocab), router.image_adapter, id(router.image_gates),
+            router.image_top_k)
+
+
 @dataclass(eq=False)
 class _LearnedRows:
     """One LearnedRouter's inputs to a decode step, written in place whenever the running batch changes, so that
@@ -229,12 +238,13 @@ class _LearnedRows:
     router: LearnedRouter
     member: torch.Tensor
     expert_slots: dict[Any, torch.Tensor]
+    key: tuple  # _router_key(router): routers alike share these tables
 
     @classmethod
     def for_router(cls, router: LearnedRouter, rows: int, device: torch.device) -> _LearnedRows:
         gate_sets = [router.gates] + ([router.image_gates] if router.image_gates is not None else [])
         sets = {gates: torch.full((gates.num_experts,), -1, dtype=torch.long, device=device) for gates in gate_sets}
-        return cls(router, torch.zeros(rows, dtype=torch.bool, device=device), sets)
+        return cls(router, torch.zeros(rows, dtype=torch.bool, device=device), sets, _router_key(router))
 
     def write(self, jobs: list[_Job]) -> None:
         """Point the tables at these jobs (the router's jobs in the running batch): their rows and slots."""
@@ -246,15 +256,6 @@ class _LearnedRows:
         self.member.copy_(member)
         for gates, slots in self.expert_slots.items():
             slots.copy_(gates.expert_slots(slot_of, "cpu"))
-
-
-def _router_key(router: LearnedRouter) -> tuple:
-    """What a learned router's routing depends on (its gate objects, top-k's and vocabulary). Routers equal in it
-    route alike, so they share the engine's tables and captured graphs: the pipeline makes one router per request
-    over the same gates, and a new key would capture a new prefill and decode step for each request. (The tables
-    hold one such router, so the objects named by the ids stay alive while the key is in use.)"""
-    return (id(router.gates), router.top_k, id(router.vocab), router.image_adapter, id(router.image_gates),
-            router.image_top_k)
 
 
 def _route_of(router: Router | None, vocab: UnifiedVocab) -> tuple[str | None, str | None, LearnedRouter | None]:
@@ -339,8 +340,9 @@ class Engine:
         self._learned_graphs: OrderedDict[tuple, tuple[Any, Any, tuple[_LearnedRows, ...]]] = OrderedDict()
         self._learned_rows: dict[tuple, _LearnedRows] = {}  # _router_key -> its tables (holding one such router)
         self._prefill_graphs: dict[tuple[int, int], tuple[Any, tuple, tuple]] = {}
-        # prefills with learned rows: ((rows, tokens), key of each learned router) -> (graph, inputs, outputs, tables)
-        self._learned_prefills: OrderedDict[tuple, tuple[Any, tuple, Any, tuple[_LearnedRows, ...]]] = OrderedDict()
+        # prefills with learned rows: ((rows, tokens), key of each learned router) -> (graph, inputs, outputs); the
+        # graphs read the routers' tables, which _learned_rows keeps while a graph names their key
+        self._learned_prefills: OrderedDict[tuple, tuple[Any, tuple, tuple]] = OrderedDict()
         self._index_cache: _Batch | None = None
         self._pending: _HostCopy | None = None  # CUDA: the launched step whose tokens are not read yet
         # the C step: may it decide the running batch's learned routers (its tables tuple -> yes / no)
@@ -705,7 +707,7 @@ class Engine:
         if not routers:
             return ()
         everyone = [*self._running.values(), *dict.fromkeys(jobs)]
-        return tuple(table for table in self._learned_tables(everyone) if _router_key(table.router) in routers)
+        return tuple(table for table in self._learned_tables(everyone) if table.key in routers)
 
     def _prefill_body(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, table: torch.Tensor,
                       members: list[tuple[_Job, int]], length: int | None = None, routed: bool = True,
@@ -729,27 +731,22 @@ class Engine:
 
     def _replay_prefill(self, inputs: tuple[torch.Tensor, ...], learned: tuple[_LearnedRows, ...]
                         ) -> tuple[torch.Tensor, _Producing]:
-        """Copy the host layout into the (rows, tokens) bucket's static inputs and replay its graph (one per
-        bucket and learned routers, the LEARNED_GRAPHS most recently used of those kept)."""
+        """Copy the host layout into the static inputs of the (rows, tokens) bucket's graph (with learned routers:
+        of the bucket's and routers' graph, the LEARNED_GRAPHS most recently used of those kept) and replay it."""
         shape = tuple(inputs[0].shape)
-        if not learned:
-            if shape not in self._prefill_graphs:
-                static = tuple(t.to(self.device) for t in inputs)
-                graph, outputs = self._capture(lambda: self._prefill_body(*static, []))
-                self._prefill_graphs[shape] = (graph, static, outputs)
-                log.info("engine: captured the prefill for %d rows x %d tokens", *shape)
-            graph, static, outputs = self._prefill_graphs[shape]
-        else:
-            key = (shape, *(_router_key(table.router) for table in learned))
-            if key not in self._learned_prefills:
-                static = tuple(t.to(self.device) for t in inputs)
-                graph, outputs = self._capture(lambda: self._prefill_body(*static, [], learned=learned))
-                self._learned_prefills[key] = (graph, static, outputs, learned)
-                log.info("engine: captured the prefill for %d rows x %d tokens with %d learned router(s)",
-                         *shape, len(learned))
+        graphs, key = (self._learned_prefills, (shape, *(t.key for t in learned))) if learned \
+            else (self._prefill_graphs, shape)
+        if key not in graphs:
+            static = tuple(t.to(self.device) for t in inputs)
+            graph, outputs = self._capture(lambda: self._prefill_body(*static, [], learned=learned))
+            graphs[key] = (graph, static, outputs)
+            log.info("engine: captured the prefill for %d rows x %d tokens (%d learned routers)",
+                     *shape, len(learned))
+            if learned:
                 self._forget_learned()
+        if learned:
             self._learned_prefills.move_to_end(key)
-            graph, static, outputs, _ = self._learned_prefills[key]
+        graph, static, outputs = graphs[key]
         for target, source in zip(static, inputs):
             target.copy_(source, non_blocking=True)
         graph.replay()
@@ -1013,7 +1010,7 @@ class Engine:
                 log.info("engine: captured the decode step for width %d", width)
             graph, outputs = self._graphs[width]
         else:
-            key = (width, *(_router_key(table.router) for table in learned))
+            key = (width, *(table.key for table in learned))
             if key not in self._learned_graphs:
                 graph, outputs = self._capture(lambda: self._decode_body(width, learned))
                 self._learned_graphs[key] = (graph, outputs, learned)
