@@ -116,7 +116,8 @@ def greedy_tokens(engine: Engine, vocab, requests: list[Request], new: int) -> l
 
 
 def graph_costs(engine: Engine) -> dict[str, dict]:
-    """GPU time (20 replays) and kernels (profiler, 3 replays) of each captured decode step, static and learned."""
+    """GPU time (20 replays) and kernels (profiler, 3 replays; their count by name too) of each captured decode step,
+    static and learned."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -129,8 +130,9 @@ def graph_costs(engine: Engine) -> dict[str, dict]:
             for _ in range(3):
                 graph.replay()
             torch.cuda.synchronize()
-        kernels = sum(e.count for e in prof.key_averages() if e.device_type == DeviceType.CUDA) / 3
-        costs[label] = {"gpu_ms": round(gpu_ms, 3), "kernels": kernels}
+        names = {e.key: e.count / 3 for e in prof.key_averages() if e.device_type == DeviceType.CUDA}
+        costs[label] = {"gpu_ms": round(gpu_ms, 3), "kernels": sum(names.values()), "kernel_names": names}
+        kernels = costs[label]["kernels"]
         print(f"captured step {label}: {costs[label]['gpu_ms']:.3f} ms GPU, {kernels:.0f} kernels", flush=True)
     return costs
 

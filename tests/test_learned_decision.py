@@ -99,7 +99,7 @@ def test_decode_decision_math_equals_eager_decide(uncompiled, monkeypatch, seed)
     assert all(len(got.decisions[b]) == 3 for b in range(BLOCKS))
     monkeypatch.setattr(decision, "COMPILED_DEVICES", set())
     want = route_all(seed)
-    assert_same_decisions(got, want, atol=1e-6)
+    assert_same_decisions(got, want, atol=1e-5)
     # the decisions vary: several slots chosen, static slots kept on rows no gate routes
     slots = torch.cat([got.block_slots[b][0] for b in range(BLOCKS)])
     assert len(set(slots[:, 0].tolist())) >= 3 and (slots[:, 1] == -1).any()

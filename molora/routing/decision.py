@@ -40,14 +40,23 @@ _compiled: dict[Any, Callable] = {}
 _failed = False
 
 
-def gate_logits(hidden: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+def gate_logits(hidden: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor,
+                as_reduction: bool = False) -> torch.Tensor:
     """Float32 gate logits [n, E] of block inputs `hidden` [n, d] (and routing states [n, S, d]) for a gate
-    weight [E, in]: LearnedGates.logits without its checks."""
+    weight [E, in]: LearnedGates.logits without its checks. `as_reduction`: the product as a sum of products
+    (block_decision's: inductor fuses it with the norm before it and the decision after it, where F.linear is a
+    cuBLAS GEMV of its own, two kernels a block on CUDA for a few experts), rounded to the weight's dtype as
+    F.linear's output is."""
     if state is None:
-        return F.linear(hidden.to(weight.dtype), weight).float()
-    parts = torch.cat([hidden.float()[:, None], state.float()], dim=1)
-    parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + 1e-6)
-    return F.linear(parts.reshape(parts.shape[0], -1).to(weight.dtype), weight).float()
+        x = hidden
+    else:
+        parts = torch.cat([hidden.float()[:, None], state.float()], dim=1)
+        parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + 1e-6)
+        x = parts.reshape(parts.shape[0], -1)
+    x = x.to(weight.dtype)
+    if not as_reduction:
+        return F.linear(x, weight).float()
+    return (x.float()[:, None, :] * weight.float()[None]).sum(-1).to(weight.dtype).float()
 
 
 def top_k_first(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +82,7 @@ def block_decision(hidden: torch.Tensor, state: torch.Tensor | None, weight: tor
     (another gate set's decision this block), or, when None, the static slot `static` [n] in column 0 with weight 1
     (-1 / 0 elsewhere: CallRouting.static_topk). `held_use` [n, 1]: take `held_slots` / `held_weights` [n, k] (a
     picture's kept decision) instead. (A picture's anchor is the position itself: one position per row.)"""
-    logits = gate_logits(hidden, state, weight)
+    logits = gate_logits(hidden, state, weight, as_reduction=True)
     top_val, top_idx = top_k_first(logits, k)
     w = torch.softmax(top_val, dim=-1)
     s = expert_slots[top_idx]
