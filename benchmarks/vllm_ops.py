@@ -18,7 +18,8 @@ Per (r, N): d_in = d_out = 4096, 4 slots, bf16, k = 1 (a seeded random slot per 
         prepared outside the timed region.
 Both are checked against kernels/reference.py (eagerly, and after one replay of the captured graph), then each
 captured graph's replays are timed with triton.testing.do_bench (median, L2 flushed before each), as in
-benchmarks/lora_kernels.py. Writes vllm_ops.json to $OUT when set.
+benchmarks/lora_kernels.py. Captured by the project's capture_graph, or with --plain-capture as an outside harness
+does (eager warm-up, then torch.cuda.graph). Writes vllm_ops.json to $OUT when set.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm-ops", type=Path, default=None, help="folder holding the vllm_lora_ops package")
     p.add_argument("--with-out", action="store_true", help="also time ours adding its delta into an output")
     p.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes, correctness only")
+    p.add_argument("--plain-capture", action="store_true",
+                   help="capture as an outside harness does: eager warm-up calls on a side stream, then "
+                        "torch.cuda.graph (default: the project's capture_graph)")
     p.add_argument("--ranks", default="8,16,32,64,128")
     p.add_argument("--ns", default="1,32,128,256,2048,8192")
     return p.parse_args()
@@ -97,9 +101,26 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item() if got.isfinite().all() else 1e9
 
 
+def capture(fn):
+    """(graph, what fn returned while captured): capture_graph, or with --plain-capture PyTorch's documented recipe
+    (three eager calls on a side stream, then torch.cuda.graph), which knows nothing of the project's graph mode."""
+    if not ARGS.plain_capture:
+        return capture_graph(fn, warmup=3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def checked_time(fn, reset, result, ref) -> tuple[float, float]:
     """(relative error after one replay of fn's captured graph, median us of its replays)."""
-    graph, out = capture_graph(fn, warmup=3)
+    graph, out = capture(fn)
     reset(out)
     graph.replay()
     torch.cuda.synchronize()
@@ -150,7 +171,8 @@ def run_case(r: int, n: int) -> dict:
 def main() -> None:
     device = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)"
     print(f"ours vs vLLM's LoRA ops: d={D}, {S} slots, {DTYPE}, k=1, {device}, torch {torch.__version__}, "
-          f"triton {triton.__version__}; median us, vLLM time / ours (>= {TARGET}x wanted)")
+          f"triton {triton.__version__}; median us, vLLM time / ours (>= {TARGET}x wanted); captured by "
+          f"{'torch.cuda.graph after eager calls' if ARGS.plain_capture else 'capture_graph'}")
     rows = []
     for r in RANKS:
         for n in NS:
@@ -169,7 +191,8 @@ def main() -> None:
             print(f"r={r:3d}: lowest vLLM/ours over N {min(ratios):.2f}x ({verdict})")
     if os.environ.get("OUT") and not ARGS.dry_run:
         Path(os.environ["OUT"], "vllm_ops.json").write_text(json.dumps(
-            {"device": device, "torch": torch.__version__, "triton": triton.__version__, "rows": rows}, indent=1))
+            {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+             "plain_capture": ARGS.plain_capture, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -665,6 +665,37 @@ def test_cuda_eager_fused_path_and_captured_triton_path_match_reference(dtype, n
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("n,r", [(1, 16), (8, 16), (1, 64), (16, 128)])
+def test_cuda_a_plain_capture_after_eager_calls_records_the_graph_path(n, r, monkeypatch):
+    """What an independent harness does (issue 32, K4): eager calls on a side stream, then torch.cuda.graph. The
+    eager calls take the eager decode path; the capture records the path capture_graph would (the least GPU time),
+    whose Triton kernel the first eager call loaded; replays with new slot values match the reference."""
+    from molora.kernels.graphs import graph_paths
+
+    x, A, B, scale, g = make(n, 512, 384, 4, r, torch.bfloat16, seed=n + r)
+    x, A, B, scale = x.cuda(), A.cuda(), B.cuda(), scale.cuda()
+    slots = torch.randint(0, 4, (n,), generator=g).cuda()
+    with graph_paths():
+        graph_path = dispatch.choose_path(x, 1, False, 4, r)
+    taken, choose = [], dispatch.choose_path
+    monkeypatch.setattr(dispatch, "choose_path", lambda *a: taken.append(choose(*a)) or taken[-1])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            routed_lora(x, A, B, slots, scale)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = routed_lora(x, A, B, slots, scale)
+    assert taken[0] in ("fused", "torch") and taken[-1] == graph_path and graph_path not in ("fused", "torch")
+    slots.copy_(torch.randint(0, 4, (n,), generator=g).cuda())
+    graph.replay()
+    want = routed_lora_reference(x.float(), A.float(), B.float(), slots, scale)
+    assert rel_err(captured, want) <= 2.5e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("n,k,r", [(300, 2, 64), (2100, 4, 16), (40, 1, 16)])
 def test_cuda_gemm_path_captured_matches_reference(n, k, r):
     """The cuBLAS form of the stacked kernel: captured in a graph, slot values changed after capture, out= variant,

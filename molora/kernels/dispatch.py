@@ -21,8 +21,9 @@ padded to a power of two) and on one explicit mode, never on slot values:
            tiles); top-k on hot sets wider than GEMM_MAX_WIDTH (tiles of tokens that chose the same set of slots)
 Graph mode (kernels/graphs.py: on inside capture_graph, for its warm-up and its capture alike) takes the Triton
 paths at every size, the least GPU time, which is all a replayed graph costs; since warm-up and capture see the
-same mode, a warm-up compiles exactly what the capture records. A capture made outside capture_graph records the
-eager decode path, which is capture-safe too (no host read, the current stream).
+same mode, a warm-up compiles exactly what the capture records. A capture made by other means (torch.cuda.graph
+after an eager warm-up) is in graph mode too while its stream captures; an eager decode call runs its graph-mode
+path once per call shape as well (loads_graph_path), so that such a capture finds that path's kernels loaded.
 Projections that share x (routed_lora_group_forward) take the same choice, except at k = 1 (choose_group_path):
 the gather kernel only while N*r*P is small, and with prebuilt metadata the grouped kernel replaces the stacked one
 once N*r is large; every path then shrinks once for all of them (the fused path: in every program, from L2).
@@ -40,7 +41,7 @@ import logging
 
 import torch
 
-from molora.kernels.graphs import graph_mode
+from molora.kernels.graphs import call_key, graph_mode, load_graph_path
 from molora.kernels.metadata import RoutingMeta
 from molora.kernels.torch_ops import (
     routed_lora_torch,
@@ -218,6 +219,18 @@ def triton_usable(x: torch.Tensor) -> bool:
     return HAS_TRITON and (x.is_cuda or interpreting()) and x.dtype != torch.float64
 
 
+def eager_decode(x: torch.Tensor) -> bool:
+    """A decode-sized call (N <= EAGER_MAX_TOKENS) on CUDA outside graph mode: it takes the least host time."""
+    return x.is_cuda and x.shape[0] <= EAGER_MAX_TOKENS and not graph_mode()
+
+
+def loads_graph_path(x: torch.Tensor, path: str) -> bool:
+    """Does this call, on path `path`, take an eager decode path where graph mode would take a Triton kernel? Then
+    its caller runs the graph-mode path once per call shape too (graphs.load_graph_path), so that a graph captured
+    after an eager warm-up by other means than capture_graph finds its kernels loaded."""
+    return (path == "fused" or path == "torch") and eager_decode(x) and triton_usable(x)
+
+
 def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: int) -> str:
     """Path for x [N, in] with k choices per token over `num_slots` adapters of rank (r_max) `rank`.
 
@@ -225,7 +238,7 @@ def choose_path(x: torch.Tensor, k: int, has_meta: bool, num_slots: int, rank: i
     if not triton_usable(x):
         return "torch"
     n = x.shape[0]
-    if n <= EAGER_MAX_TOKENS and x.is_cuda and not graph_mode():  # eager decode call: least host time
+    if eager_decode(x):  # eager decode call: least host time
         fits = stacked_width(num_slots, rank) <= EAGER_FUSED_MAX_WIDTH
         return "fused" if EAGER_DECODE_PATH == "fused" and fits else "torch"
     rows = n * k
@@ -278,7 +291,7 @@ def fuses_base(x: torch.Tensor, num_slots: int, rank: int, proj: int) -> bool:
     return (HAS_TRITON and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
             and least <= proj <= MAX_PROJECTIONS and LINEAR_MIN_TOKENS <= n <= LINEAR_MAX_TOKENS
             and stacked_width(num_slots, rank) <= STACKED_MAX_WIDTH
-            and not (n <= EAGER_MAX_TOKENS and not graph_mode()))
+            and not eager_decode(x))
 
 
 def reads_meta(x: torch.Tensor, k: int, A: torch.Tensor) -> bool:
@@ -297,6 +310,10 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
     """No-autograd forward for slots [N, k]: the delta in x's dtype, or `out` after out += delta."""
     if path == "auto":
         path = choose_path(x, slots.shape[1], meta is not None, A.shape[0], A.shape[1])
+        if loads_graph_path(x, path):
+            load_graph_path(call_key("lora", x, A, B, slots, weights, scale, out, meta is None),
+                            lambda: routed_lora_forward(x, A, B, slots, weights, scale,
+                                                        None if out is None else out.clone(), meta))
     elif path != "torch":
         _check_path(x, path)
     if path == "torch":
@@ -328,6 +345,9 @@ def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     k = slots.shape[1]
     if path == "auto":
         path = choose_group_path(x, k, meta is not None, A.shape[1], A.shape[2], A.shape[0])
+        if loads_graph_path(x, path):
+            load_graph_path(call_key("group", x, A, B, slots, weights, scale, tuple(bounds), meta is None),
+                            lambda: routed_lora_group_forward(x, A, B, slots, weights, scale, bounds, meta))
     elif path != "torch":
         _check_path(x, path)
     if path == "fused":

@@ -6,8 +6,10 @@ While capture_graph warms up and captures, `graph_mode()` is True, and the dispa
 the paths that are fastest in GPU time (Triton kernels); outside it, decode-sized calls take the eager decode path
 (one fused launch per group call, or the dense torch form on wide hot sets), which costs the least host time (an
 eager step is host-bound). Warm-up and capture see the same flag, so what a capture records was compiled by the
-warm-up. A capture made without capture_graph gets the eager decode path, which is also capture-safe (no host
-read; launches on the current stream).
+warm-up. A graph captured by other means (torch.cuda.graph after an eager warm-up, as PyTorch's documentation and
+most benchmark harnesses do it, or torch.compile's CUDA graphs) is in graph mode while its stream captures, so it
+records the same paths; their Triton modules must be loaded before that (loading one is refused while a stream
+captures), so an eager decode call also runs, once per call shape, the path graph mode takes (`load_graph_path`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,31 @@ import torch
 _GRAPH_MODE: ContextVar[bool] = ContextVar("molora_graph_mode", default=False)
 
 
+_LOADED: set[tuple] = set()
+
+
 def graph_mode() -> bool:
-    """True inside capture_graph (its warm-up and its capture) or graph_paths()."""
-    return _GRAPH_MODE.get()
+    """True inside capture_graph (its warm-up and its capture), graph_paths(), or while the current CUDA stream
+    captures a graph."""
+    return _GRAPH_MODE.get() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def call_key(*parts: Any) -> tuple:
+    """A call's shape key: each tensor as its shape, strides, dtype and whether its address is 16-byte aligned (what
+    a Triton kernel specialises on), anything else as itself."""
+    return tuple((tuple(p.shape), p.stride(), p.dtype, p.data_ptr() % 16 == 0) if isinstance(p, torch.Tensor) else p
+                 for p in parts)
+
+
+def load_graph_path(key: tuple, call: Callable[[], Any]) -> None:
+    """Run `call` (the same call an eager decode call makes) once per `key` in graph mode, its result dropped: the
+    Triton kernels graph mode takes for it are then compiled and loaded before a capture by other means records
+    them."""
+    if key in _LOADED:
+        return
+    with graph_paths():
+        call()
+    _LOADED.add(key)
 
 
 @contextmanager
