@@ -7,10 +7,9 @@ plus a clone of the static tables per block. On a captured Qwen3-1.7B-shaped ste
 routing state) that was ~700 of the step's 1348 kernels (vocabulary routing: 639), and learned rows ran at 0.57x
 of vocabulary-routed ones (H200, 2026-12-04).
 
-Here the same math is one function of tensors (`block_decision`): on CUDA one Triton launch a block and gate set
-(kernels/triton_decision.py); elsewhere, and where Triton is missing, torch.compile's (five kernels on CUDA: the
-norm's sums, the logits, top-k, softmax, slots and select), the way LeanDecoder compiles its elementwise pieces;
-the static tables are made inside it, not cloned. The routing state of a decode step
+Here the same math is one function of tensors (`block_decision`) that torch.compile turns into about three kernels
+on CUDA (the input norm, the gate GEMM, one epilogue: top-k, softmax, slots, select), the way LeanDecoder compiles
+its elementwise pieces; the static tables are made inside it, not cloned. The routing state of a decode step
 (block 0, one position per row) is compiled the same way (`state_step`). Only decode-shaped calls (one position
 per row, every row of the batch) without autograd on CUDA take it: the CPU keeps the eager decide, whose rows are
 exact (a row's numbers never depend on the batch), prefill and training too. A compile that fails falls back to the
@@ -26,15 +25,12 @@ same softmax up to float rounding.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from molora.kernels import triton_decision
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +147,10 @@ def _compile(fn: Callable, name: str) -> Callable:
 
 
 def decider(k: int, k_max: int, tensors: Sequence[torch.Tensor | None]) -> Callable:
-    """block_decision for these k and this pattern of absent (None) arguments: on CUDA with Triton the one-launch
-    kernel (kernels/triton_decision.py), else compiled once: one code object, so one graph cache, per variant
-    (dynamo recompiles on each None pattern, and the recompile limit counts per code object). Its arguments are
-    tensors only: one graph serves every block (the gate weights are inputs, not guarded constants) and every
-    width from the second on (automatic dynamic shapes)."""
-    if triton_decision.usable(tensors[0], tensors[2]):
-        return functools.partial(_one_launch, k, k_max)
+    """block_decision for these k and this pattern of absent (None) arguments, compiled once: one code object, so
+    one graph cache, per variant (dynamo recompiles on each None pattern, and the recompile limit counts per code
+    object). Its arguments are tensors only: one graph serves every block (the gate weights are inputs, not
+    guarded constants) and every width from the second on (automatic dynamic shapes)."""
     absent = tuple(t is None for t in tensors)
     key = ("decide", k, k_max, absent)
     if key not in _compiled:
@@ -166,10 +159,6 @@ def decider(k: int, k_max: int, tensors: Sequence[torch.Tensor | None]) -> Calla
         name = f"decide_top{k}_of_{k_max}_" + "".join("n" if a else "t" for a in absent)
         _compiled[key] = _compile(decide, name)
     return _compiled[key]
-
-
-def _one_launch(k: int, k_max: int, *tensors: torch.Tensor | None) -> Any:
-    return triton_decision.learned_decision(*tensors, k, k_max)
 
 
 def stepper(decays: Sequence[float]) -> Callable:
