@@ -116,8 +116,8 @@ def greedy_tokens(engine: Engine, vocab, requests: list[Request], new: int) -> l
 
 
 def graph_costs(engine: Engine) -> dict[str, dict]:
-    """GPU time (20 replays) and kernels (profiler, 3 replays; their count by name too) of each captured decode step,
-    static and learned."""
+    """GPU time (20 replays) and kernels (profiler, 3 replays; their count and GPU time by name too) of each captured
+    decode step, static and learned."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -130,11 +130,18 @@ def graph_costs(engine: Engine) -> dict[str, dict]:
             for _ in range(3):
                 graph.replay()
             torch.cuda.synchronize()
-        names = {e.key: e.count / 3 for e in prof.key_averages() if e.device_type == DeviceType.CUDA}
-        costs[label] = {"gpu_ms": round(gpu_ms, 3), "kernels": sum(names.values()), "kernel_names": names}
+        events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        names = {e.key: e.count / 3 for e in events}
+        costs[label] = {"gpu_ms": round(gpu_ms, 3), "kernels": sum(names.values()), "kernel_names": names,
+                        "kernel_us": {e.key: round(_device_us(e) / 3, 2) for e in events}}
         kernels = costs[label]["kernels"]
         print(f"captured step {label}: {costs[label]['gpu_ms']:.3f} ms GPU, {kernels:.0f} kernels", flush=True)
     return costs
+
+
+def _device_us(event: Any) -> float:
+    """A profiler average's total GPU time in µs (device_time_total; cuda_time_total in older torch)."""
+    return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
 
 
 def picture_model(shape: str, device: str, dtype: torch.dtype, grid: tuple[int, int], codebook: int) -> tuple:

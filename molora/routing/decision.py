@@ -7,9 +7,11 @@ plus a clone of the static tables per block. On a captured Qwen3-1.7B-shaped ste
 routing state) that was ~700 of the step's 1348 kernels (vocabulary routing: 639), and learned rows ran at 0.57x
 of vocabulary-routed ones (H200, 2026-12-04).
 
-Here the same math is one function of tensors (`block_decision`) that torch.compile turns into about three kernels
-on CUDA (the input norm, the gate GEMM, one epilogue: top-k, softmax, slots, select), the way LeanDecoder compiles
-its elementwise pieces; the static tables are made inside it, not cloned. The routing state of a decode step
+Here the same math is one function of tensors (`block_decision`) that torch.compile turns into five kernels on
+CUDA (the norm's sums, the gate logits as a reduction fused with the norm, top-k, softmax, slots and select), the
+way LeanDecoder compiles its elementwise pieces; the static tables are made inside it, not cloned. (One hand-written
+Triton launch for all of it was tried: fewer kernels, no less GPU time, since one program a row waits on each of
+its loads in turn; RESULTS.md, E1.) The routing state of a decode step
 (block 0, one position per row) is compiled the same way (`state_step`). Only decode-shaped calls (one position
 per row, every row of the batch) without autograd on CUDA take it: the CPU keeps the eager decide, whose rows are
 exact (a row's numbers never depend on the batch), prefill and training too. A compile that fails falls back to the
