@@ -7,9 +7,9 @@ the paths that are fastest in GPU time (Triton kernels); outside it, decode-size
 (one fused launch per group call, or the dense torch form on wide hot sets), which costs the least host time (an
 eager step is host-bound). Warm-up and capture see the same flag, so what a capture records was compiled by the
 warm-up. A graph captured by other means (torch.cuda.graph after an eager warm-up, as PyTorch's documentation and
-most benchmark harnesses do it, or torch.compile's CUDA graphs) is in graph mode while its stream captures, so it
-records the same paths; their Triton modules must be loaded before that (loading one is refused while a stream
-captures), so an eager decode call also runs, once per call shape, the path graph mode takes (`load_graph_path`).
+most benchmark harnesses do it) is in graph mode while its stream captures, so it records the same paths; their
+Triton modules must be loaded before that (loading one is refused while a stream captures), so an eager decode
+call also runs, once per call shape, the path graph mode takes (`load_graph_path`).
 """
 
 from __future__ import annotations
