@@ -15,7 +15,8 @@ each engine row without adapters and with 2 rank-16 adapters routed by vocabular
 and GPU time of one decode step (profiler, widths 1 and 32), the captured step's replay time, and whether the
 lean and the transformers forward give the same greedy tokens.  `--learned`: learned top-2 rows (random gates with a
 base expert and a routing state, as the shipped router has) against vocabulary routing, in the default engine, and
-the GPU time and kernels of each captured step.  `--picture` (E3): one guided picture of Emu3's size on
+the GPU time and kernels of each captured step (`--compiled-decision`: the gates' decision compiled by torch.compile,
+not the one-launch Triton kernel).  `--picture` (E3): one guided picture of Emu3's size on
 `--shape emu3-8b` (random weights of Emu3-8B's language model): 90 x 90 codes and a row marker after each row, 8,190
 decode steps of a pair of rows (the picture's row and its CFG twin), routed by vocabulary range, against the time
 that reading the weights once a step allows.
@@ -57,7 +58,7 @@ from molora.kernels.graphs import graph_paths  # noqa: E402
 from molora.models.engine.core import Done, Engine, EngineConfig  # noqa: E402
 from molora.models.engine.generation import GenerationConfig, Request  # noqa: E402
 from molora.models.engine.synthetic import SHAPES, plain_model, random_adapters, random_routed_model  # noqa: E402
-from molora.routing import LearnedGates, LearnedRouter, VocabRangeRouter  # noqa: E402
+from molora.routing import LearnedGates, LearnedRouter, VocabRangeRouter, decision  # noqa: E402
 
 
 def compiled_generate(model, batch: int, new: int, device: str, vocab_size: int) -> float:
@@ -121,8 +122,10 @@ def graph_costs(engine: Engine) -> dict[str, dict]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    graphs = {f"static, width {w}": g for w, (g, _) in engine._graphs.items()}
-    graphs |= {f"learned, width {key[0]}, tables {key[1:]}": g for key, (g, _, _) in engine._learned_graphs.items()}
+    graphs = {f"static, width {w}" + (", filters" if filters else ""): g
+              for (w, filters), (g, _) in engine._graphs.items()}
+    graphs |= {f"learned, width {key[0]}" + (", filters" if key[1] else "") + f", tables {key[2:]}": g
+               for key, (g, _, _) in engine._learned_graphs.items()}
     costs = {}
     for label, graph in sorted(graphs.items()):
         gpu_ms = graph_ms(graph)
@@ -253,6 +256,8 @@ def main() -> None:
                         help="--picture: also the same picture with sdpa attention (the engine before split-K)")
     parser.add_argument("--learned", action="store_true",
                         help="only learned top-2 rows (random gates) against vocabulary routing, default engine")
+    parser.add_argument("--compiled-decision", action="store_true",
+                        help="--learned: torch.compile's decision on CUDA, not the one-launch Triton kernel")
     args = parser.parse_args()
     device, new = args.device, args.new
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -281,6 +286,8 @@ def main() -> None:
 
     rng = random.Random(0)
     if args.learned:  # learned rows (captured like the others): how far they are from vocabulary routing
+        decision.ONE_LAUNCH = not args.compiled_decision
+        results["decision"] = "compiled" if args.compiled_decision else "one launch"
         torch.manual_seed(0)
         gates = LearnedGates.for_model(routed, ["txt", "img"], base_expert=True, context_decays=(0.5, 0.9))
         rows, engine = engine_rows(routed, vocab, device, new, True, True, rng, LearnedRouter(gates, top_k=2))

@@ -84,7 +84,7 @@ def graph_ms(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
 
 def replay_ms(engine: Engine) -> dict[int, float]:
     """GPU milliseconds of each captured decode step (by width), replayed 20 times with nothing else running."""
-    return {width: graph_ms(graph) for width, (graph, _) in sorted(engine._graphs.items())}
+    return {width: graph_ms(graph) for (width, _), (graph, _) in sorted(engine._graphs.items())}
 
 
 def copy_bandwidth(device: str) -> float:
@@ -137,10 +137,11 @@ def kernel_profile(run, repeats: int, label: str, top: int = 10) -> dict:
 
 
 def profile_step(engine: Engine, width: int, label: str, top: int = 10) -> dict:
-    """Kernels of one eager decode step of `width` rows (the same kernels the captured step replays): count, GPU
-    time, and the largest by GPU time. Runs on the idle engine's tables (free rows write only junk)."""
+    """Kernels of one eager decode step of `width` rows, its tokens chosen (the same kernels the captured step
+    replays): count, GPU time, and the largest by GPU time. Runs on the idle engine's tables (free rows write only
+    junk; no row is running, so none moves)."""
     with torch.no_grad():
-        return kernel_profile(lambda: engine._decode_body(width, []), 3, label, top)
+        return kernel_profile(lambda: engine._sampled(width, *engine._decode_body(width, []), False), 3, label, top)
 
 
 def percentile(values: list[float], q: float) -> float:

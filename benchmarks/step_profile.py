@@ -67,7 +67,7 @@ def engine_for(routed, vocab, label, rng, table=False):
         run_engine(engine, reqs, [config] * batch)
         best = max((run_engine(engine, reqs, [config] * batch) for _ in range(3)), key=lambda r: r["tok_s"])
         print(f"{label} batch {batch}: {best['tok_s']:.1f} tok/s median gap {statistics.median(best['gaps_ms']):.3f} ms")
-    for w, (g, _) in sorted(engine._graphs.items()):
+    for (w, _), (g, _) in sorted(engine._graphs.items()):
         print(f"{label} width {w}: replay {graph_ms(g):.3f} ms")
         if table:
             kernel_profile(g.replay, 5, f"{label} width {w}, a replay", top=40)

@@ -284,6 +284,26 @@ def test_captured_steps_equal_eager_steps_while_adapters_move_between_slots():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_captured_steps_choose_and_advance_as_eager_steps():
+    """A captured decode step chooses every row's token and moves its row itself (sampling from each request's
+    own generator, top-k / top-p, guidance, pictures): side by side with greedy rows, sampled and filtering rows
+    get the eager engine's tokens, and the first capture (its warm-up runs the step) moves no running row twice."""
+    routed, vocab = random_routed_model("tiny", device="cuda", dtype=torch.float32, num_slots=2, image_size=64)
+    for adapter in random_adapters(routed, ["a", "b"], std=0.2):
+        routed.add_adapter(adapter)
+    captured = Engine(routed, vocab, device="cuda", config=EngineConfig(max_len=128, max_rows=8))
+    eager = Engine(routed, vocab, device="cuda", config=EngineConfig(max_len=128, max_rows=8, cuda_graphs=False))
+    requests = [Request(p, VocabRangeRouter(vocab, "a", "b")) for p in prompts(vocab, 4, seed=5)]
+    configs = [sampled(0), sampled(1, top_k=5, top_p=0.8, image_top_k=7),
+               GenerationConfig(max_new_tokens=40, seed=2, cfg_scale=3.0, **GREEDY), sampled(3, top_p=0.5)]
+    got = collect(captured.stream(requests[:2], configs[:2]))
+    assert got == collect(eager.stream(requests[:2], configs[:2])) and all(len(t) > 1 for t in got[0].values())
+    for request, config in zip(requests, configs):  # one at a time (a batch's width may round a row differently)
+        assert solo(captured, request, config) == solo(eager, request, config)
+    assert captured.stats()["graphs"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_overlapped_steps_deliver_exactly_each_requests_tokens():
     """On CUDA a step is launched before the previous one's tokens are read: a request that ends at its row's last
     position, ends early or samples gets the tokens it gets without the overlap; side by side, every request gets

@@ -189,3 +189,71 @@ def test_engine_learned_rows_decode_alike_with_compiled_decisions(compiled_on_cp
     assert not decision._failed and decision._compiled
     monkeypatch.setattr(decision, "COMPILED_DEVICES", set())
     assert got == routed_tokens(engine, requests, configs)
+
+
+def decision_fails(device: str) -> list[str]:
+    """Where the one-launch decision (kernels/triton_decision.py) and block_decision's torch math differ on
+    `device`: routing states or none, top-1/2/3 padded to k_max, held picture decisions read through a strided
+    view, another gate set's decision or the static slot, float32 and float16 gate weights, two experts with equal
+    gate rows (the lowest index wins on both sides); each with the kernel's tile (_TILE) as shipped (one tile of
+    all parts), at 1024 (groups of two parts) and at 64 (one part at a time, its width in two passes)."""
+    from molora.kernels import triton_decision
+
+    fails = []
+    shipped_tile = triton_decision._TILE
+    cases = [(tile, *case) for tile in (shipped_tile, 1024, 64) for case in enumerate([
+            (2, 2, 2, False, False, torch.float32), (2, 2, 3, True, True, torch.float32),
+            (0, 1, 2, False, True, torch.float32), (1, 1, 1, True, False, torch.float16),
+            (2, 2, 2, False, True, torch.float16), (0, 3, 4, True, False, torch.float32)])]
+    for tile, case, (parts, k, k_max, old, held, dtype) in cases:
+        g = torch.Generator().manual_seed(case)
+        n, d, experts, blocks = 7, 40, 5, 3
+        hidden = torch.randn(n, d, generator=g).to(torch.float16)
+        state = torch.randn(n, parts, d, generator=g) * 3 if parts else None
+        weight = torch.randn(experts, (parts + 1) * d, generator=g).to(dtype)
+        if case == 0:  # exact ties: two experts with the same gate row
+            weight[3] = weight[1]
+        expert_slots = torch.tensor([2, 0, 3, 1, -1])
+        gated = torch.rand(n, generator=g) < 0.7
+        old_slots = torch.randint(-1, 4, (n, k_max), generator=g) if old else None
+        old_weights = torch.rand(n, k_max, generator=g) if old else None
+        static = torch.randint(-1, 4, (n,), generator=g)
+        held_slots = torch.randint(-1, 4, (n, blocks, k), generator=g)[:, 1] if held else None  # a strided view
+        held_weights = torch.rand(n, blocks, k, generator=g)[:, 1] if held else None
+        held_use = (torch.rand(n, 1, generator=g) < 0.5) if held else None
+        tensors = [None if t is None else t.to(device) for t in (hidden, state, weight, expert_slots, gated, old_slots,
+                                                                 old_weights, static, held_slots, held_weights,
+                                                                 held_use)]
+        triton_decision._TILE = tile
+        try:
+            got = triton_decision.learned_decision(*tensors, k, k_max)
+        finally:
+            triton_decision._TILE = shipped_tile
+        want = decision.block_decision(*tensors, k, k_max)
+        for name, a, b in zip(("slots", "weights", "logits", "top"), got, want):
+            same = torch.equal(a, b) if name in ("slots", "top") else torch.allclose(a, b, atol=2e-5, rtol=1e-5)
+            if a.dtype != b.dtype or a.shape != b.shape or not same:
+                fails.append(f"tile {tile} case {case} {name}: {a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}: {a} vs {b}")
+    return fails
+
+
+def test_one_launch_decision_equals_block_decision_in_the_interpreter():
+    """decision_fails on the CPU under the Triton interpreter (a child process: triton reads TRITON_INTERPRET when
+    the kernels are first imported)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = "import json; from tests.test_learned_decision import decision_fails; print('FAILS=' + json.dumps(decision_fails('cpu')))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.split("FAILS=")[-1]) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_one_launch_decision_equals_block_decision():
+    assert decision_fails("cuda") == []

@@ -43,8 +43,7 @@ def test_a_new_picture_restarts_the_twin_after_its_prefix(tiny_pipeline):
     states = RowStates(vocab, 4, torch.device("cpu"), vocab.vocab_size)
     states.start(0, GenerationConfig(seed=0), last_pos=5, open_span=None, slots=(-1, -1), twin=1,
                  twin_last_pos=3, twin_prefix=4)
-    rows, twin_of, twin_rows = torch.tensor([0]), torch.tensor([0]), torch.tensor([1])
-    states.advance(rows, torch.tensor([vocab.boi_id]), twin_of, twin_rows)
+    states.advance_rows(torch.tensor([0]), torch.tensor([vocab.boi_id]))
     assert int(states.feed_pos[1]) == 4 and int(states.feed_ids[1]) == vocab.boi_id  # <bos> + 3 ids, then <boi>
 
 

@@ -311,7 +311,7 @@ def routed_lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
     if path == "auto":
         path = choose_path(x, slots.shape[1], meta is not None, A.shape[0], A.shape[1])
         if loads_graph_path(x, path):
-            load_graph_path(call_key("lora", x, A, B, slots, weights, scale, out, meta is None),
+            load_graph_path(call_key(x, "lora", A, B, slots, weights, scale, out, meta is None),
                             lambda: routed_lora_forward(x, A, B, slots, weights, scale,
                                                         None if out is None else out.clone(), meta))
     elif path != "torch":
@@ -346,7 +346,7 @@ def routed_lora_group_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     if path == "auto":
         path = choose_group_path(x, k, meta is not None, A.shape[1], A.shape[2], A.shape[0])
         if loads_graph_path(x, path):
-            load_graph_path(call_key("group", x, A, B, slots, weights, scale, tuple(bounds), meta is None),
+            load_graph_path(call_key(x, "group", A, B, slots, weights, scale, tuple(bounds), meta is None),
                             lambda: routed_lora_group_forward(x, A, B, slots, weights, scale, bounds, meta))
     elif path != "torch":
         _check_path(x, path)

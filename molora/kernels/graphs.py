@@ -33,11 +33,13 @@ def graph_mode() -> bool:
     return _GRAPH_MODE.get() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def call_key(*parts: Any) -> tuple:
-    """A call's shape key: each tensor as its shape, strides, dtype and whether its address is 16-byte aligned (what
-    a Triton kernel specialises on), anything else as itself."""
-    return tuple((tuple(p.shape), p.stride(), p.dtype, p.data_ptr() % 16 == 0) if isinstance(p, torch.Tensor) else p
-                 for p in parts)
+def call_key(x: torch.Tensor, *parts: Any) -> tuple:
+    """A call's shape key, cheap to build on an eager decode call's host path: x (the activations, the one input
+    whose layout varies) as its shape, strides, dtype and 16-byte alignment (what a Triton kernel specialises on);
+    every other tensor (adapter buffers, routing rows: contiguous, from the caching allocator) as its shape and
+    dtype; anything else as itself."""
+    return (x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0,
+            *((p.shape, p.dtype) if isinstance(p, torch.Tensor) else p for p in parts))
 
 
 def load_graph_path(key: tuple, call: Callable[[], Any]) -> None:

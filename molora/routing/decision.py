@@ -7,11 +7,12 @@ plus a clone of the static tables per block. On a captured Qwen3-1.7B-shaped ste
 routing state) that was ~700 of the step's 1348 kernels (vocabulary routing: 639), and learned rows ran at 0.57x
 of vocabulary-routed ones (H200, 2026-12-04).
 
-Here the same math is one function of tensors (`block_decision`) that torch.compile turns into five kernels on
-CUDA (the norm's sums, the gate logits as a reduction fused with the norm, top-k, softmax, slots and select), the
-way LeanDecoder compiles its elementwise pieces; the static tables are made inside it, not cloned. (One hand-written
-Triton launch for all of it was tried: fewer kernels, no less GPU time, since one program a row waits on each of
-its loads in turn; RESULTS.md, E1.) The routing state of a decode step
+Here the same math is one function of tensors (`block_decision`): on CUDA one Triton launch a block and gate set
+(kernels/triton_decision.py: its loads all in flight at once, since a launch that waited on each load in turn took
+as long as the five kernels torch.compile makes of it; RESULTS.md, E1), elsewhere, where Triton is missing, or with
+ONE_LAUNCH off, torch.compile's (on CUDA five kernels: the norm's sums, the gate logits as a reduction fused with
+the norm, top-k, softmax, slots and select), the way LeanDecoder compiles its elementwise pieces; the static tables
+are made inside it, not cloned. The routing state of a decode step
 (block 0, one position per row) is compiled the same way (`state_step`). Only decode-shaped calls (one position
 per row, every row of the batch) without autograd on CUDA take it: the CPU keeps the eager decide, whose rows are
 exact (a row's numbers never depend on the batch), prefill and training too. A compile that fails falls back to the
@@ -27,6 +28,7 @@ same softmax up to float rounding.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,10 +36,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from molora.kernels import triton_decision
+
 log = logging.getLogger(__name__)
 
 # Devices whose decode-step decisions run compiled (tests add "cpu" to check the compiled math against eager)
 COMPILED_DEVICES = {"cuda"}
+# The one-launch Triton decision where it is usable (False: torch.compile's on CUDA too, as benchmarks compare them)
+ONE_LAUNCH = True
 _compiled: dict[Any, Callable] = {}
 _failed = False
 
@@ -149,10 +155,13 @@ def _compile(fn: Callable, name: str) -> Callable:
 
 
 def decider(k: int, k_max: int, tensors: Sequence[torch.Tensor | None]) -> Callable:
-    """block_decision for these k and this pattern of absent (None) arguments, compiled once: one code object, so
-    one graph cache, per variant (dynamo recompiles on each None pattern, and the recompile limit counts per code
-    object). Its arguments are tensors only: one graph serves every block (the gate weights are inputs, not
-    guarded constants) and every width from the second on (automatic dynamic shapes)."""
+    """block_decision for these k and this pattern of absent (None) arguments: on CUDA with Triton the one-launch
+    kernel (kernels/triton_decision.py), else compiled once: one code object, so one graph cache, per variant
+    (dynamo recompiles on each None pattern, and the recompile limit counts per code object). Its arguments are
+    tensors only: one graph serves every block (the gate weights are inputs, not guarded constants) and every
+    width from the second on (automatic dynamic shapes)."""
+    if ONE_LAUNCH and triton_decision.usable(tensors[0], tensors[2]):
+        return functools.partial(_one_launch, k, k_max)
     absent = tuple(t is None for t in tensors)
     key = ("decide", k, k_max, absent)
     if key not in _compiled:
@@ -161,6 +170,10 @@ def decider(k: int, k_max: int, tensors: Sequence[torch.Tensor | None]) -> Calla
         name = f"decide_top{k}_of_{k_max}_" + "".join("n" if a else "t" for a in absent)
         _compiled[key] = _compile(decide, name)
     return _compiled[key]
+
+
+def _one_launch(k: int, k_max: int, *tensors: torch.Tensor | None) -> Any:
+    return triton_decision.learned_decision(*tensors, k, k_max)
 
 
 def stepper(decays: Sequence[float]) -> Callable:

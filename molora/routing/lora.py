@@ -198,8 +198,7 @@ class ProjectionGroup:
         # one path decision (by shape) for the call; the grouped kernel and the CPU read per-forward metadata
         path = choose_group_path(x2, slots.shape[1], True, A.shape[1], A.shape[2], A.shape[0])
         if loads_graph_path(x2, path):  # what a capture after this eager call takes (kernels/graphs.py)
-            load_graph_path(call_key("linear", x2, slots, weights, A, B, scale, bounds, only, self.weight is not None,
-                                     *(layer._parameters["weight"] for layer in members)),
+            load_graph_path(call_key(x2, "linear", slots, weights, A, B, scale, bounds, only, self.weight is not None),
                             lambda: self.outputs(routing, block, x, x2, slots, weights, only))
         if path == "fused":  # the eager decode path: one launch through the launcher kept for these tensors
             launch = self._launches.get(only)

@@ -205,15 +205,13 @@ class _Job:
 
 @dataclass
 class _Batch:
-    """The running batch as the decode step needs it: jobs by row, their prompt rows [n], the positions in `rows`
-    of guided jobs and their twin rows [m] (None without guidance), the decode width, the learned routers' tables
-    (one per distinct LearnedRouter in the batch), whether any job filters by top-k / top-p, and `live`: rows
-    [0, live) hold the jobs' rows, the rest of the width is padding."""
+    """The running batch as the decode step needs it: jobs by row, the jobs that sample (each draws its noise from
+    its own generator), the decode width, the learned routers' tables (one per distinct LearnedRouter in the
+    batch), whether any job filters by top-k / top-p, and `live`: rows [0, live) hold the jobs' rows, the rest of
+    the width is padding."""
 
     jobs: list[_Job]
-    rows: torch.Tensor
-    twin_of: torch.Tensor | None
-    twin_rows: torch.Tensor | None
+    sampling: list[_Job]
     width: int
     learned: tuple[_LearnedRows, ...]
     filters: bool
@@ -439,7 +437,8 @@ class Engine:
             return {"running": len(self._running), "starting": len(self._starting),
                     "waiting": len(self._waiting) + len(self._incoming), "free_rows": len(self._free),
                     "max_rows": self.max_rows, "max_len": self.max_len, "steps": self.steps,
-                    "graphs": sorted(self._graphs), "prefill_graphs": sorted(self._prefill_graphs),
+                    "graphs": sorted({width for width, _ in self._graphs}),
+                    "prefill_graphs": sorted(self._prefill_graphs),
                     "learned_graphs": [key[0] for key in self._learned_graphs],
                     "learned_prefill_graphs": [key[0] for key in self._learned_prefills]}
 
@@ -510,6 +509,7 @@ class Engine:
         self.states = RowStates(self.vocab, self.max_rows, self.device, self.logits_size, self.max_len)
         self.columns = torch.arange(self.max_len, device=self.device)
         self.all_rows = torch.arange(self.max_rows, device=self.device)
+        self.noise = torch.ones(self.max_rows, self.logits_size, device=self.device)  # see _draw_noise
         self._prefill_lengths = [16 << i for i in range(max(1, self.max_len.bit_length()))]
         self.dtype = dtype
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -756,6 +756,20 @@ class Engine:
         """Capture `body` into the engine's graph pool (all its graphs share one memory pool)."""
         return capture_graph(body, pool=self._graph_pool)
 
+    def _capture_step(self, body: Any) -> tuple[Any, Any]:
+        """_capture of a decode step, which moves every row past its token: the capture's warm-up runs the step
+        (twice), so the tables it moves (row states, routing states kept by position parity, pictures' decisions)
+        are put back as they were before the real step runs. (The KV entries the warm-up writes one position ahead
+        are written again, with the same numbers, by the step that reaches that position.)"""
+        tables = [*self.states.tables(), *self._route_states.values(), *(t for pair in self._pictures.values()
+                                                                             for t in pair)]
+        kept = [table.clone() for table in tables]
+        try:
+            return self._capture(body)
+        finally:
+            for table, before in zip(tables, kept):
+                table.copy_(before)
+
     def _prefill(self, jobs: list[_Job]) -> None:
         """Prefill the jobs' rows (and CFG twins) in one forward, sample each job's first token, and let them
         join the running batch. A group that does not fit in memory is retried one job at a time, so only a
@@ -797,32 +811,22 @@ class Engine:
             self._running[job.row] = job
         self._index_cache = None
         rows = torch.tensor([job.row for job in jobs], dtype=torch.long, device=self.device)
-        uncond = twin_of = twin_rows = None
-        if twin_at:
-            uncond = logits[[twin_at.get(job.row, c) for job, c in zip(jobs, cond)]]
-            pairs = [(i, job.twin) for i, job in enumerate(jobs) if job.twin is not None]
-            twin_of = torch.tensor([i for i, _ in pairs], dtype=torch.long, device=self.device)
-            twin_rows = torch.tensor([t for _, t in pairs], dtype=torch.long, device=self.device)
+        uncond = logits[[twin_at.get(job.row, c) for job, c in zip(jobs, cond)]] if twin_at else None
         filters = any(job.config.text.filters or job.config.image.filters for job in jobs)
-        tokens = states.choose(rows, logits[cond], uncond, self._noise(jobs, logits.shape[-1]), filters)
-        done = states.advance(rows, tokens, twin_of, twin_rows)
-        self._emit(jobs, tokens, producing[cond], done, len(self._running))
+        self._draw_noise([job for job in jobs if job.generator is not None])
+        tokens = states.choose(rows, logits[cond], uncond, self.noise[rows], filters)
+        done = states.advance_rows(rows, tokens)
+        flat = _flat(tokens, producing[cond], done)
+        self._deliver(self._to_host(jobs, list(range(len(jobs))), flat, len(jobs), len(self._running)))
 
     # --- one decode step ------------------------------------------------------------------------------------
     def _indices(self) -> _Batch:
         """The running batch's index tensors and facts, rebuilt only when a request joins or leaves."""
         if self._index_cache is None:
             jobs = [self._running[r] for r in sorted(self._running)]
-            pairs = [(i, j.twin) for i, j in enumerate(jobs) if j.twin is not None]
             highest = max(max(j.row, j.twin if j.twin is not None else -1) for j in jobs)
-
-            def tensor(values: list[int]) -> torch.Tensor:
-                return torch.tensor(values, dtype=torch.long, device=self.device)
-
             self._index_cache = _Batch(
-                jobs, tensor([j.row for j in jobs]),
-                tensor([i for i, _ in pairs]) if pairs else None, tensor([t for _, t in pairs]) if pairs else None,
-                width=next(w for w in self.widths if w > highest),
+                jobs, [j for j in jobs if j.generator is not None], width=next(w for w in self.widths if w > highest),
                 learned=self._learned_tables(jobs),
                 filters=any(j.config.text.filters or j.config.image.filters for j in jobs), live=highest + 1)
         return self._index_cache
@@ -853,15 +857,27 @@ class Engine:
             self._forget_learned(set(by_router))
         return tuple(tables)
 
-    def _decode(self, width: int, jobs: list[_Job], learned: tuple[_LearnedRows, ...], live: int
-                ) -> tuple[torch.Tensor, _Producing]:
-        """Logits [W, V] and producing slots [W] of one decode step over rows [0, W) (rows from `live` on are
-        padding: an eager step skips their attention)."""
+    def _decode(self, width: int, jobs: list[_Job], learned: tuple[_LearnedRows, ...], live: int, filters: bool
+                ) -> torch.Tensor:
+        """One decode step over rows [0, W) (rows from `live` on are padding: an eager step skips their attention):
+        the forward, then every running row's next token chosen and its row moved past it (_sampled), on CUDA
+        all of it one captured graph."""
         if self.use_graphs:
-            return self._replay(width, learned)
+            return self._replay(width, learned, filters)
+        return self._sampled(width, *self._forward_step(width, jobs, learned, live), filters)
+
+    def _forward_step(self, width: int, jobs: list[_Job], learned: tuple[_LearnedRows, ...], live: int
+                      ) -> tuple[torch.Tensor, _Producing]:
+        """Logits [W, V] and producing slots [W] of an uncaptured decode step: the C step's where it runs."""
         if self.cpu_step is not None:
             return self._c_decode(width, jobs, learned, live)
         return self._eager_decode(width, jobs, learned, live)
+
+    def _sampled(self, width: int, logits: torch.Tensor, producing: _Producing, filters: bool) -> torch.Tensor:
+        """A decode step's tokens, producing adapters and done flags of rows [0, W), flat (_flat), from its logits:
+        fixed shapes whatever the batch holds, so a captured step holds them too."""
+        tokens, done = self.states.decode(width, logits, self.noise[:width], filters)
+        return _flat(tokens, producing, done)
 
     def _eager_decode(self, width: int, jobs: list[_Job], learned: tuple[_LearnedRows, ...], live: int
                       ) -> tuple[torch.Tensor, _Producing]:
@@ -881,7 +897,7 @@ class Engine:
         except CpuStepError as err:
             log.warning("engine: the C decode step cannot run the model any more (%s); torch's step from now on", err)
             self.cpu_step = None
-            return self._decode(width, jobs, learned, live)
+            return self._forward_step(width, jobs, learned, live)
         if self._c_decides is None or self._c_decides[0] is not learned:  # once per running batch (its tuple)
             self._c_decides = (learned, all(self.cpu_step.decides(t.router) for t in learned))
         if not self._c_decides[1]:  # (logged once): torch's step
@@ -1000,19 +1016,21 @@ class Engine:
             slots[rows] = torch.where(last[:, :, None], kept_s, slots[rows])
             weights[rows] = torch.where(last[:, :, None], kept_w, weights[rows])
 
-    def _replay(self, width: int, learned: tuple[_LearnedRows, ...]) -> tuple[torch.Tensor, _Producing]:
-        """Replay the captured step of this width and these learned routers (capturing it on first use).
-        Replaying it again is harmless: the step recomputes and rewrites the same KV entries and routing states
-        from the same inputs."""
+    def _replay(self, width: int, learned: tuple[_LearnedRows, ...], filters: bool) -> torch.Tensor:
+        """Replay the captured step of this width, these learned routers and filters or none (capturing it on
+        first use): its flat tokens, producing adapters and done flags (_sampled)."""
+        def body() -> torch.Tensor:
+            return self._sampled(width, *self._decode_body(width, learned), filters)
+
         if not learned:
-            if width not in self._graphs:
-                self._graphs[width] = self._capture(lambda: self._decode_body(width))
+            if (width, filters) not in self._graphs:
+                self._graphs[(width, filters)] = self._capture_step(body)
                 log.info("engine: captured the decode step for width %d", width)
-            graph, outputs = self._graphs[width]
+            graph, outputs = self._graphs[(width, filters)]
         else:
-            key = (width, *(table.key for table in learned))
+            key = (width, filters, *(table.key for table in learned))
             if key not in self._learned_graphs:
-                graph, outputs = self._capture(lambda: self._decode_body(width, learned))
+                graph, outputs = self._capture_step(body)
                 self._learned_graphs[key] = (graph, outputs, learned)
                 log.info("engine: captured the decode step for width %d with %d learned router(s)",
                          width, len(learned))
@@ -1034,14 +1052,11 @@ class Engine:
         for key in [k for k in self._learned_rows if k not in kept]:
             del self._learned_rows[key]
 
-    def _noise(self, jobs: list[_Job], vocab: int) -> torch.Tensor:
-        """Exp(1) noise [n, V]: each sampling row draws from its own generator, so its draws never depend on
-        its neighbours (greedy rows need none)."""
-        noise = torch.ones(len(jobs), vocab, device=self.device)
-        for i, job in enumerate(jobs):
-            if job.generator is not None:
-                noise[i].exponential_(1.0, generator=job.generator)
-        return noise
+    def _draw_noise(self, sampling: list[_Job]) -> None:
+        """Exp(1) noise into each sampling job's row of `noise` [rows, V], from the job's own generator, so its
+        draws never depend on its neighbours (greedy rows read none: their row holds whatever it held)."""
+        for job in sampling:
+            self.noise[job.row].exponential_(1.0, generator=job.generator)
 
     def _step(self) -> None:
         """Decode one token for every running row.  On CUDA a step is launched before the previous step's tokens
@@ -1050,13 +1065,10 @@ class Engine:
         its own row; that token is dropped (_deliver skips finished requests)."""
         started = time.perf_counter()
         batch = self._indices()
-        jobs, rows, twin_of, twin_rows = batch.jobs, batch.rows, batch.twin_of, batch.twin_rows
-        logits, producing = self._decode(batch.width, jobs, batch.learned, batch.live)
-        uncond = logits[self.states.twin[rows]] if twin_rows is not None else None
-        tokens = self.states.choose(rows, logits[rows], uncond, self._noise(jobs, logits.shape[-1]), batch.filters)
-        done = self.states.advance(rows, tokens, twin_of, twin_rows)
+        self._draw_noise(batch.sampling)
+        flat = self._decode(batch.width, batch.jobs, batch.learned, batch.live, batch.filters)
         self.steps += 1
-        launched = self._to_host(jobs, tokens, producing[rows], done, len(jobs))
+        launched = self._to_host(batch.jobs, [job.row for job in batch.jobs], flat, batch.width, len(batch.jobs))
         previous, self._pending = self._pending, launched
         if previous is not None:
             self._deliver(previous)
@@ -1068,37 +1080,26 @@ class Engine:
             self.step_ms.append((now - (self._last_delivery if self._last_delivery is not None else started)) * 1e3)
             self._last_delivery = now if self._running else None
 
-    def _emit(self, jobs: list[_Job], tokens: torch.Tensor, producing: _Producing, done: torch.Tensor,
-              batch: int) -> None:
-        """Read a forward's tokens and tell every consumer now (a prefill's first tokens)."""
-        self._deliver(self._to_host(jobs, tokens, producing, done, batch))
-
-    def _to_host(self, jobs: list[_Job], tokens: torch.Tensor, producing: _Producing, done: torch.Tensor,
-                 batch: int) -> _HostCopy:
-        """Start one host transfer for the step: tokens, producing slots, done flags (and learned routing's top-k
-        slots and weights, in 1e-4 steps), into pinned memory on CUDA (no wait here)."""
-        parts = [tokens, producing.slots.long(), done.long()]
-        k = 0
-        if producing.mix_slots is not None and producing.mix_weights is not None:
-            k = producing.mix_slots.shape[1]
-            parts += [producing.mix_slots.reshape(-1).long(), (producing.mix_weights.reshape(-1) * 1e4).round().long()]
-        flat = torch.cat(parts)
+    def _to_host(self, jobs: list[_Job], at: list[int], flat: torch.Tensor, rows: int, batch: int) -> _HostCopy:
+        """Start one host transfer of a forward's flat tokens (_flat over `rows` rows; job i's entries at index
+        at[i] of each part), into pinned memory on CUDA (no wait here)."""
         if flat.device.type != "cuda":
-            return _HostCopy(jobs, flat, None, k, batch)
+            return _HostCopy(jobs, at, rows, flat, None, batch)
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         host.copy_(flat, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return _HostCopy(jobs, host, ready, k, batch)
+        return _HostCopy(jobs, at, rows, host, ready, batch)
 
     def _deliver(self, copy: _HostCopy) -> None:
         """Wait for a step's tokens and tell every consumer; requests that ended meanwhile are skipped."""
         if copy.ready is not None:
             copy.ready.synchronize()
         host = copy.host.tolist()
-        jobs, k, batch = copy.jobs, copy.k, copy.batch
+        jobs, batch = copy.jobs, copy.batch
         now = time.perf_counter()
-        n = len(jobs)
+        n = copy.rows  # entries per part of the flat layout (_flat)
+        k = (len(host) - 3 * n) // (2 * n)
         names = self.routed.cache.slots
 
         def name(slot: int) -> str | None:
@@ -1106,7 +1107,7 @@ class Engine:
 
         eos = self.vocab.eos_id
         mix_slots, mix_weights = host[3 * n:3 * n + n * k], host[3 * n + n * k:]
-        for i, job in enumerate(jobs):
+        for job, i in zip(jobs, copy.at):
             if job.handle.finished:  # ended (or cancelled) after this step was launched: its token is void
                 continue
             token, slot = host[i], host[n + i]
@@ -1125,12 +1126,14 @@ class Engine:
 
 @dataclass
 class _HostCopy:
-    """A step's tokens on their way to the host: `host` (pinned, filled when `ready` fires; None: already there)."""
+    """A forward's flat tokens (_flat) on their way to the host: `host` (pinned, filled when `ready` fires; None:
+    already there); job i's entries are at index at[i] of each part."""
 
     jobs: list[_Job]
+    at: list[int]
+    rows: int  # entries in each part of the flat layout (the forward's rows)
     host: torch.Tensor
     ready: Any
-    k: int
     batch: int
 
 
@@ -1147,6 +1150,15 @@ class _Producing:
         if self.mix_slots is None or self.mix_weights is None:
             return _Producing(self.slots[index])
         return _Producing(self.slots[index], self.mix_slots[index], self.mix_weights[index])
+
+
+def _flat(tokens: torch.Tensor, producing: _Producing, done: torch.Tensor) -> torch.Tensor:
+    """One forward's results for its n rows as one long tensor (one host transfer): tokens [n], producing slots [n],
+    done flags [n], and with learned routing its top-k slots [n * k] and weights [n * k] in 1e-4 steps."""
+    parts = [tokens, producing.slots.long(), done.long()]
+    if producing.mix_slots is not None and producing.mix_weights is not None:
+        parts += [producing.mix_slots.reshape(-1).long(), (producing.mix_weights.reshape(-1) * 1e4).round().long()]
+    return torch.cat(parts)
 
 
 def _producing(routing: Any, slots: torch.Tensor) -> _Producing:

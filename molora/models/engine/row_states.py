@@ -62,7 +62,10 @@ class RowStates:
             max_rows, 2, dtype=flt, device=device)
         self.cfg_scale = torch.ones(max_rows, dtype=flt, device=device)
         self.guided = zeros(bool_)
-        self.twin = torch.arange(max_rows, device=device)  # the twin row of a guided row (else the row itself)
+        self.rows = torch.arange(max_rows, device=device)
+        self.twin = self.rows.clone()  # the twin row of a guided row (else the row itself)
+        self.parent = self.rows.clone()  # the prompt row of a twin row (else the row itself)
+        self.prompt = zeros(bool_)  # a running request's prompt row (what a decode step advances)
         self.twin_start = torch.ones(max_rows, dtype=long, device=device)  # where a twin's <boi> goes: its prefix
 
     # --- rows joining and leaving -------------------------------------------------------------------------
@@ -91,8 +94,10 @@ class RowStates:
         self.cfg_scale[row] = config.cfg_scale
         self.guided[row] = twin is not None
         self.twin[row] = row if twin is None else twin
+        self.prompt[row] = True
         if twin is not None:
             self.twin_start[twin] = twin_prefix
+            self.parent[twin] = row
 
     def clear(self, rows: list[int]) -> None:
         """Free rows: they feed padding at position 0 with no adapter until a new request takes them."""
@@ -101,7 +106,9 @@ class RowStates:
         self.feed_pos[index] = 0
         self.row_slots[index] = -1
         self.guided[index] = False
+        self.prompt[index] = False
         self.twin[index] = index
+        self.parent[index] = index
 
     # --- one step --------------------------------------------------------------------------------------------
     def phase(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,30 +147,61 @@ class RowStates:
             top_k = top_p = None
         return sample(scores, temperature, top_k, top_p, noise=noise)
 
-    def advance(self, rows: torch.Tensor, tokens: torch.Tensor, twin_of: torch.Tensor | None,
-                twin_rows: torch.Tensor | None) -> torch.Tensor:
-        """Move prompt rows `rows` past `tokens` and set every row's next feed; returns done [n] (<eos> or the
-        row's token budget spent). `twin_rows` [m] are the twins of the guided rows at `twin_of` [m] in `rows`."""
+    def decode(self, width: int, logits: torch.Tensor, noise: torch.Tensor, filters: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step's (tokens [W], done [W]) for rows [0, W) from their logits [W, V] and Exp(1) noise
+        [W, V], every running request's prompt row and twin moved past its token. Fixed shapes, whatever the batch
+        holds (rows that are neither hold values nobody reads), so the engine captures it with the forward; every
+        prompt row's numbers are those of choose / advance over it alone."""
+        rows = self.rows[:width]
+        tokens = self.choose(rows, logits, logits[self.twin[:width]], noise, filters)
+        return tokens, self.advance(width, tokens, self.prompt[:width])
+
+    def advance(self, width: int, tokens: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """Move the prompt rows marked in `active` [W] (of rows [0, W)) past `tokens` [W] (their next tokens;
+        other entries unread) and set their next feeds and their twins'; returns done [W] (<eos> or the row's token
+        budget spent; meaningful for active rows). Every other row is left as it is."""
         vocab = self.vocab
+        rows = self.rows[:width]
         is_boi = tokens == vocab.boi_id
-        in_image = self.in_image[rows]
-        self.image_pos[rows] = torch.where(is_boi, 0, self.image_pos[rows] + in_image.long())
-        self.in_image[rows] = (in_image | is_boi) & (tokens != vocab.eoi_id)
-        self.images_done[rows] = self.images_done[rows] + is_boi.long()
-        n_new = self.n_new[rows] + 1
-        self.n_new[rows] = n_new
-        self.feed_ids[rows] = tokens
-        self.feed_pos[rows] = self._bounded(self.feed_pos[rows] + 1)
-        if twin_rows is not None:
-            # a twin sees only image spans: `<bos>` (+ a negative prompt) then the current span; a new image
-            # restarts it right after that prefix
-            token = tokens[twin_of]
-            feeds = self.feeds_uncond[token]
-            after = self._bounded(self.feed_pos[twin_rows] + self.real[twin_rows].long())
-            self.feed_pos[twin_rows] = torch.where(token == vocab.boi_id, self.twin_start[twin_rows], after)
-            self.feed_ids[twin_rows] = torch.where(feeds, token, vocab.pad_id)
-            self.real[twin_rows] = feeds
-        return (tokens == vocab.eos_id) | (n_new >= self.max_new[rows])
+        in_image = self.in_image[:width]
+        image_pos = self.image_pos[:width]
+        n_new = self.n_new[:width] + 1
+        moved = [
+            (self.image_pos, torch.where(is_boi, 0, image_pos + in_image.long())),
+            (self.in_image, (in_image | is_boi) & (tokens != vocab.eoi_id)),
+            (self.images_done, self.images_done[:width] + is_boi.long()),
+            (self.n_new, n_new),
+            (self.feed_ids, tokens),
+            (self.feed_pos, self._bounded(self.feed_pos[:width] + 1)),
+        ]
+        # a twin sees only image spans: `<bos>` (+ a negative prompt) then the current span; a new image restarts
+        # it right after that prefix
+        parent = self.parent[:width]
+        twins = (parent != rows) & active[parent]
+        token = tokens[parent]
+        feeds = self.feeds_uncond[token]
+        after = self._bounded(self.feed_pos[:width] + self.real[:width].long())
+        twin_pos = torch.where(token == vocab.boi_id, self.twin_start[:width], after)
+        twin_ids = torch.where(feeds, token, vocab.pad_id)
+        for table, value in moved:  # (the twins' new feeds are read from the tables before any write)
+            table[:width] = torch.where(active, value, table[:width])
+        self.feed_pos[:width] = torch.where(twins, twin_pos, self.feed_pos[:width])
+        self.feed_ids[:width] = torch.where(twins, twin_ids, self.feed_ids[:width])
+        self.real[:width] = torch.where(twins, feeds, self.real[:width])
+        return (tokens == vocab.eos_id) | (n_new >= self.max_new[:width])
+
+    def tables(self) -> list[torch.Tensor]:
+        """The tables a decode step writes (advance), which a capture's warm-up must leave as it found them."""
+        return [self.image_pos, self.in_image, self.images_done, self.n_new, self.feed_ids, self.feed_pos, self.real]
+
+    def advance_rows(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """advance for prompt rows `rows` [n] (a prefill's) with their tokens [n]: their done [n]."""
+        full = torch.full((self.max_rows,), self.vocab.pad_id, dtype=torch.long, device=self.device)
+        full[rows] = tokens
+        active = torch.zeros(self.max_rows, dtype=torch.bool, device=self.device)
+        active[rows] = True
+        return self.advance(self.max_rows, full, active)[rows]
 
     def _bounded(self, positions: torch.Tensor) -> torch.Tensor:
         """Positions kept inside a row (only a finished row's one extra step could pass its last position)."""
