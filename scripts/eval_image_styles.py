@@ -9,7 +9,9 @@ the picture shows what the style draws for the words (shape, size, cell; the nam
 
     one picture        the sentence -> one picture
     second picture     a document that already holds a picture in ANOTHER style, then the sentence -> the
-                       second picture (per-picture routing inside one document)
+                       second picture (per-picture routing inside one document); also how many second pictures
+                       hold more objects than asked, and how many redraw the first picture's object (its shape in
+                       its cell): the base model's stories keep earlier objects in later pictures
 
 Seed "eval" (the default) is the validation seed: image-gate variants were chosen on it, so its report opens with
 NOT HELD OUT (models/families/shapes/eval_seeds.py); report on test seeds. Every rate carries its 95% Wilson interval
@@ -77,18 +79,30 @@ def rate(hits: list[bool]) -> dict:
     return {"p": round(k / max(1, n), 4), "ci95": [round(x, 4) for x in wilson_interval(k, n)], "k": k, "n": n}
 
 
+def carried_over(reading, item: StyleItem, first: StyleItem) -> tuple[bool, bool]:
+    """(more objects than the request draws, the first picture's object redrawn: its shape in its cell)."""
+    extra = len(reading.objects) > len(item.drawn.objects)
+    return extra, any((o.shape, o.cell) == (f.shape, f.cell) for o in reading.objects for f in first.drawn.objects)
+
+
 def run_row(pipe: InterleavedPipeline, items: list[StyleItem], batch: list[list], routing: str,
-            image_adapter, seed: int) -> dict:
+            image_adapter, seed: int, firsts: list[StyleItem] | None = None) -> dict:
+    """One row's rates; `firsts` (second pictures): the requests whose pictures came first."""
     adapters = image_adapter if isinstance(image_adapter, list) else [image_adapter] * len(items)
     t0 = time.time()
     docs = pipe.generate(batch, routing=routing, image_adapter=adapters, text_adapter=None,
                          max_new_tokens=pipe.vocab.image_span_tokens + 1, max_images=1, seed=seed,
                          start_image=True)
-    style_ok, content_ok, adapter_ok = [], [], []
-    for item, doc in zip(items, docs):
+    style_ok, content_ok, adapter_ok, extra, carried = [], [], [], [], []
+    for i, (item, doc) in enumerate(zip(items, docs)):
         pictures = doc.images
         picture = pictures[0] if pictures else None
-        style_ok.append(picture is not None and drawn_style(analyse_image(picture), item) == item.style)
+        reading = analyse_image(picture) if picture is not None else None
+        style_ok.append(reading is not None and drawn_style(reading, item) == item.style)
+        if firsts is not None:
+            more, again = carried_over(reading, item, firsts[i]) if reading is not None else (False, False)
+            extra.append(more)
+            carried.append(again)
         content_ok.append(score_text_to_image(EvalPrompt("text_to_image", item.prompt, item.drawn), picture))
         # every generated picture token drawn by the asked style's adapter (None: the base expert, "filled"); the
         # routing records cover generated tokens only, not a second-picture prompt's given first picture
@@ -96,10 +110,15 @@ def run_row(pipe: InterleavedPipeline, items: list[StyleItem], batch: list[list]
         adapter_ok.append(picture is not None and drawn_by == {item.adapter})
     n = len(items)
     per_style, ci = {}, {"style": rate(style_ok), "content": rate(content_ok), "adapter": rate(adapter_ok)}
+    if firsts is not None:
+        ci |= {"extra_objects": rate(extra), "first_object_again": rate(carried)}
     for style in STYLES:
         asked = [ok for ok, it in zip(style_ok, items) if it.style == style]
         per_style[f"style_{style}"] = round(sum(asked) / max(1, len(asked)), 4)
         ci[f"style_{style}"] = rate(asked)
+        if firsts is not None:
+            ci[f"extra_objects_{style}"] = rate([e for e, it in zip(extra, items) if it.style == style])
+            ci[f"first_object_again_{style}"] = rate([c for c, it in zip(carried, items) if it.style == style])
     return {"style": round(sum(style_ok) / n, 4), "content": round(sum(content_ok) / n, 4),
             "adapter": round(sum(adapter_ok) / n, 4), **per_style,
             "ci95": ci, "style_hits": "".join("1" if ok else "0" for ok in style_ok),
@@ -134,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
         settings = {"base": ("none", None), "outline everywhere": ("vocab", "outline"),
                     "oracle (requested style's expert)": ("vocab", [it.adapter for it in items]),
                     "learned image gates": ("learned", None)}
-        rows[kind] = {name: run_row(pipe, items, batch, *settings[name], args.sample_seed) for name in args.rows}
+        rows[kind] = {name: run_row(pipe, items, batch, *settings[name], args.sample_seed, firsts if second else None)
+                      for name in args.rows}
         for name, r in rows[kind].items():
             log.info("%s / %s: %s", kind, name, {k: v for k, v in r.items() if k not in ("ci95", "style_hits")})
     # the router beside the model (--model an assets folder, or its model folder: the loader's <model>/../router)
@@ -172,6 +192,16 @@ def report(results: dict) -> str:
         asked = [" / ".join(f"{r[f'style_{s}']:.3f}" for s in STYLES) for r in (a, b)]
         lines.append(f"| {name} | {ci(a, 'style')} | {asked[0]} | {ci(a, 'content')} | {ci(a, 'adapter')} "
                      f"| {ci(b, 'style')} | {asked[1]} | {ci(b, 'content')} | {ci(b, 'adapter')} |")
+    second = rows["second picture"]
+    if any("extra_objects" in r["ci95"] for r in second.values()):
+        lines += ["", "Second pictures: more objects than asked / the first picture's object drawn again (its shape "
+                  "in its cell)", "| row | all | outlined asked | filled asked | negative asked |",
+                  "|---|---|---|---|---|"]
+        for name, r in second.items():
+            if "extra_objects" in r["ci95"]:
+                lines.append(f"| {name} | " + " | ".join(
+                    f"{r['ci95']['extra_objects' + tail]['p']:.3f} / {r['ci95']['first_object_again' + tail]['p']:.3f}"
+                    for tail in ("", *(f"_{s}" for s in STYLES))) + " |")
     if len(seeds) > 1:
         n = setup["n"]
         lines += ["", "Style rate per seed (one picture / second picture)", "| row | " + " | ".join(seeds) + " |",

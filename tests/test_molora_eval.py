@@ -166,6 +166,31 @@ def test_image_style_requests_are_drawn_from_the_seed():
     assert pooled == one + other and pooled_firsts[:6] == firsts
 
 
+def test_second_pictures_count_extra_objects_and_the_first_pictures_object_drawn_again():
+    from molora.models.families.shapes import world
+    from molora.models.families.shapes.analyse import analyse_image
+    ev = load_script("eval_image_styles")
+    items, firsts = ev.requests(["1"], 6)
+    item, first = items[0], firsts[0]
+    assert {(o.shape, o.cell) for o in item.drawn.objects}.isdisjoint({(o.shape, o.cell) for o in first.drawn.objects})
+    alone = analyse_image(world.render(item.drawn))
+    assert ev.carried_over(alone, item, first) == (False, False)
+    both = world.Scene(item.drawn.objects + first.drawn.objects, background=item.drawn.background,
+                       style=item.drawn.style)
+    assert ev.carried_over(analyse_image(world.render(both)), item, first) == (True, True)
+    # the report's table of them, per asked style
+    row = {"style": 1.0, "content": 1.0, "adapter": 1.0,
+           **{f"style_{s}": 1.0 for s in ("outline", "filled", "negative")},
+           "ci95": {"style": ev.rate([True] * 3), "content": ev.rate([True] * 3), "adapter": ev.rate([True] * 3),
+                    "extra_objects": ev.rate([True, False, False]), "first_object_again": ev.rate([True, True, False]),
+                    **{f"{k}_{s}": ev.rate([s == "filled"]) for k in ("extra_objects", "first_object_again")
+                       for s in ("outline", "filled", "negative")}},
+           "style_hits": "111"}
+    text = ev.report({"rows": {"one picture": {"oracle": row}, "second picture": {"oracle": row}},
+                      "setup": {"n": 3, "seeds": ["1"], "held_out": True}})
+    assert "| oracle | 0.333 / 0.667 | 0.000 / 0.000 | 1.000 / 1.000 | 0.000 / 0.000 |" in text
+
+
 def test_image_style_report_gives_wilson_intervals_per_seed_and_flags_the_validation_seed():
     ev = load_script("eval_image_styles")
     hits = [True] * 5 + [False] * 5 + [True] * 10
