@@ -112,6 +112,7 @@ def main() -> None:
         lock = threading.Lock()
         rounds = 0
         rss_rounds: list[float] = []
+        pipe.engine.step_ms = []  # each decode step's time: how much of the wall the engine's steps take
         while True:
             requests = [make_request(rng, args.same_length) for _ in range(args.users)]
             cancels = [rng.uniform(0.2, 2.0) if rng.random() < args.cancel else None for _ in requests]
@@ -131,6 +132,7 @@ def main() -> None:
             if (time.monotonic() >= deadline and rounds >= args.rounds) or rounds >= 50:
                 break
         time.sleep(1.0)  # cancelled requests leave within one engine step; give the page's workers a moment
+        together_steps, pipe.engine.step_ms = pipe.engine.step_ms, None
         stats = pipe.engine.stats()
         idle = stats["running"] == 0 and stats["waiting"] == 0 and not pipe.cache_stats()["pinned"]
         rss_after_load = rss_mib()
@@ -149,7 +151,7 @@ def main() -> None:
         latencies = [s for _, _, s in done]
         print(f"users {args.users}, rounds {rounds}, completed {len(done)}, cancelled {cancelled}")
         print(f"together: {wall:.1f} s wall; per-user latency p50 {statistics.median(latencies):.2f} s, "
-              f"max {max(latencies):.2f} s")
+              f"max {max(latencies):.2f} s; {_steps(together_steps)}")
         if args.solo and (args.sequential or args.minutes == 0):
             print(f"one by one: {solo_wall:.1f} s wall; alone latency p50 {statistics.median(solo_seconds):.2f} s; "
                   f"a user's wait one by one p50 {statistics.median(_cumulative(solo_seconds)):.2f} s, "
@@ -163,6 +165,13 @@ def main() -> None:
               f"{', '.join(f'{r:.0f}' for r in rss_rounds)} MiB")
     finally:
         demo.close()
+
+
+def _steps(step_ms: list[float]) -> str:
+    """The engine's decode steps while the users ran together: how many, and their time (from one step's tokens to
+    the next's, so a prefill between two steps counts in the second)."""
+    total = sum(step_ms) / 1e3
+    return f"engine: {len(step_ms)} decode steps, {total:.2f} s ({total / max(1, len(step_ms)) * 1e3:.2f} ms a step)"
 
 
 def _cumulative(seconds: list[float]) -> list[float]:
