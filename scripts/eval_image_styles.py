@@ -79,8 +79,16 @@ def rate(hits: list[bool]) -> dict:
     return {"p": round(k / max(1, n), 4), "ci95": [round(x, 4) for x in wilson_interval(k, n)], "k": k, "n": n}
 
 
+def of_style(hits: list[bool], items: list[StyleItem], style: str) -> list[bool]:
+    """The hits of the requests that asked for `style`."""
+    return [h for h, it in zip(hits, items) if it.style == style]
+
+
 def carried_over(reading, item: StyleItem, first: StyleItem) -> tuple[bool, bool]:
-    """(more objects than the request draws, the first picture's object redrawn: its shape in its cell)."""
+    """(more objects than the request draws, the first picture's object redrawn: its shape in its cell); a missing
+    picture (reading None) neither."""
+    if reading is None:
+        return False, False
     extra = len(reading.objects) > len(item.drawn.objects)
     return extra, any((o.shape, o.cell) == (f.shape, f.cell) for o in reading.objects for f in first.drawn.objects)
 
@@ -100,7 +108,7 @@ def run_row(pipe: InterleavedPipeline, items: list[StyleItem], batch: list[list]
         reading = analyse_image(picture) if picture is not None else None
         style_ok.append(reading is not None and drawn_style(reading, item) == item.style)
         if firsts is not None:
-            more, again = carried_over(reading, item, firsts[i]) if reading is not None else (False, False)
+            more, again = carried_over(reading, item, firsts[i])
             extra.append(more)
             carried.append(again)
         content_ok.append(score_text_to_image(EvalPrompt("text_to_image", item.prompt, item.drawn), picture))
@@ -113,12 +121,12 @@ def run_row(pipe: InterleavedPipeline, items: list[StyleItem], batch: list[list]
     if firsts is not None:
         ci |= {"extra_objects": rate(extra), "first_object_again": rate(carried)}
     for style in STYLES:
-        asked = [ok for ok, it in zip(style_ok, items) if it.style == style]
+        asked = of_style(style_ok, items, style)
         per_style[f"style_{style}"] = round(sum(asked) / max(1, len(asked)), 4)
         ci[f"style_{style}"] = rate(asked)
         if firsts is not None:
-            ci[f"extra_objects_{style}"] = rate([e for e, it in zip(extra, items) if it.style == style])
-            ci[f"first_object_again_{style}"] = rate([c for c, it in zip(carried, items) if it.style == style])
+            ci[f"extra_objects_{style}"] = rate(of_style(extra, items, style))
+            ci[f"first_object_again_{style}"] = rate(of_style(carried, items, style))
     return {"style": round(sum(style_ok) / n, 4), "content": round(sum(content_ok) / n, 4),
             "adapter": round(sum(adapter_ok) / n, 4), **per_style,
             "ci95": ci, "style_hits": "".join("1" if ok else "0" for ok in style_ok),
