@@ -122,9 +122,11 @@ def graph_costs(engine: Engine) -> dict[str, dict]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    graphs = {f"static, width {w}" + (", filters" if filters else ""): g
-              for (w, filters), (g, _) in engine._graphs.items()}
-    graphs |= {f"learned, width {key[0]}" + (", filters" if key[1] else "") + f", tables {key[2:]}": g
+    def modes(draw: Any) -> str:  # what the step's sampling computes beyond greedy tokens (row_states.Draw)
+        return "".join(f", {name}" for name, on in draw._asdict().items() if on)
+
+    graphs = {f"static, width {w}{modes(draw)}": g for (w, draw), (g, _) in engine._graphs.items()}
+    graphs |= {f"learned, width {key[0]}{modes(key[1])}, tables {key[2:]}": g
                for key, (g, _, _) in engine._learned_graphs.items()}
     costs = {}
     for label, graph in sorted(graphs.items()):

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from molora.models.engine.core import Done, Engine, EngineConfig  # noqa: E402
 from molora.models.engine.generation import GenerationConfig, Request  # noqa: E402
+from molora.models.engine.row_states import Draw  # noqa: E402
 from molora.models.engine.sampling import SamplingConfig  # noqa: E402
 from molora.models.engine.synthetic import SHAPES, plain_model, random_adapters, random_routed_model  # noqa: E402
 from molora.routing import VocabRangeRouter  # noqa: E402
@@ -139,9 +140,10 @@ def kernel_profile(run, repeats: int, label: str, top: int = 10) -> dict:
 def profile_step(engine: Engine, width: int, label: str, top: int = 10) -> dict:
     """Kernels of one eager decode step of `width` rows, its tokens chosen (the same kernels the captured step
     replays): count, GPU time, and the largest by GPU time. Runs on the idle engine's tables (free rows write only
-    junk; no row is running, so none moves)."""
+    junk; no row is running, so none moves). Greedy and unguided, as the benchmarks' rows are."""
+    greedy = Draw(sampling=False, filters=False, guided=False)
     with torch.no_grad():
-        return kernel_profile(lambda: engine._sampled(width, *engine._decode_body(width, []), False), 3, label, top)
+        return kernel_profile(lambda: engine._sampled(width, *engine._decode_body(width, []), greedy), 3, label, top)
 
 
 def percentile(values: list[float], q: float) -> float:

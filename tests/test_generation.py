@@ -14,6 +14,7 @@ import torch
 
 from molora.models.engine.core import Done, Engine
 from molora.models.engine.generation import GenerationConfig, Request, build_phase_masks
+from molora.models.engine.row_states import Draw, RowStates
 from molora.models.engine.sampling import GenerationError, SamplingConfig, filter_logits, guide, sample
 from molora.routing import SequenceRouter, VocabRangeRouter
 
@@ -341,3 +342,32 @@ def test_engine_rejects_bad_requests(lm, tiny_pipeline):
     with pytest.raises(GenerationError, match="positions"):
         engine.submit(Request([vocab.bos_id] * 600), GenerationConfig(max_new_tokens=100))
     assert engine.stats()["waiting"] == 0
+
+
+def test_draw_of_a_batch_names_only_what_its_rows_need():
+    greedy = GenerationConfig(text=SamplingConfig(0.0, top_p=0.9), image=SamplingConfig(0.0), cfg_scale=1.0)
+    assert Draw.of([greedy]) == Draw(sampling=False, filters=False, guided=False)  # filters: greedy rows ignore them
+    guided = dataclasses.replace(greedy, cfg_scale=3.0)
+    assert Draw.of([greedy, guided]) == Draw(sampling=False, filters=False, guided=True)
+    assert Draw.of([greedy, GenerationConfig(cfg_scale=1.0)]) == Draw(sampling=True, filters=True, guided=False)
+
+
+def test_greedy_choice_without_softmax_or_noise_equals_the_full_sampler(tiny_pipeline):
+    """RowStates.choose with Draw.sampling off takes the argmax of the masked, guided scores: the tokens sample()
+    gives greedy rows, for text rows, rows inside a picture, and guided rows reading their twins' logits."""
+    vocab = tiny_pipeline.vocab
+    states = RowStates(vocab, 6, torch.device("cpu"), vocab.vocab_size)
+    greedy = GenerationConfig(seed=0, text=SamplingConfig(0.0), image=SamplingConfig(0.0), max_new_tokens=40)
+    guided = dataclasses.replace(greedy, cfg_scale=4.0)
+    states.start(0, greedy, last_pos=3, open_span=None, slots=(-1, -1))
+    states.start(1, guided, last_pos=5, open_span=None, slots=(-1, -1), twin=2, twin_last_pos=1, twin_prefix=1)
+    states.start(3, greedy, last_pos=2, open_span=None, slots=(-1, -1))
+    states.advance_rows(torch.tensor([1, 3]), torch.tensor([vocab.boi_id, vocab.boi_id]))  # rows 1, 3: in a picture
+    torch.manual_seed(1)  # (a draw where the guided row's token differs from its unguided one)
+    logits = torch.randn(4, vocab.vocab_size) * 4
+    rows = torch.tensor([0, 1, 3])
+    noise = torch.empty(3, vocab.vocab_size).exponential_()
+    full = states.choose(rows, logits[rows], logits[states.twin[rows]], noise, Draw(True, True, True))
+    fast = states.choose(rows, logits[rows], logits[states.twin[rows]], noise, Draw(False, False, True))
+    assert torch.equal(fast, full)
+    assert not torch.equal(fast, states.choose(rows, logits[rows], None, noise, Draw(False, False, False)))

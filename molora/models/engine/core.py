@@ -54,7 +54,7 @@ from molora.models.engine.cpu_step import CpuStep, CpuStepError, learned_step
 from molora.models.engine.decoder import LeanDecoder
 from molora.models.engine.generation import GenerationConfig, Request, open_image_span
 from molora.models.engine.kv_cache import RowKVCache
-from molora.models.engine.row_states import RowStates
+from molora.models.engine.row_states import Draw, RowStates
 from molora.models.engine.runtime import available_cpus, available_memory
 from molora.models.engine.sampling import MAX_SEED, GenerationError
 from molora.models.engine.vocab import IMAGE, TEXT, UnifiedVocab
@@ -207,14 +207,14 @@ class _Job:
 class _Batch:
     """The running batch as the decode step needs it: jobs by row, the jobs that sample (each draws its noise from
     its own generator), the decode width, the learned routers' tables (one per distinct LearnedRouter in the
-    batch), whether any job filters by top-k / top-p, and `live`: rows [0, live) hold the jobs' rows, the rest of
-    the width is padding."""
+    batch), what choosing its tokens must compute (Draw), and `live`: rows [0, live) hold the jobs' rows, the rest
+    of the width is padding."""
 
     jobs: list[_Job]
     sampling: list[_Job]
     width: int
     learned: tuple[_LearnedRows, ...]
-    filters: bool
+    draw: Draw
     live: int
 
 
@@ -333,8 +333,8 @@ class Engine:
         self._ready = False
         self.steps = 0
         self.step_ms: list[float] | None = None  # set to a list to record each decode step's wall time
-        self._graphs: dict[int, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
-        # decode steps with learned rows: (width, key of each learned router) -> (graph, outputs, the routers' tables)
+        self._graphs: dict[tuple[int, Draw], tuple[Any, torch.Tensor]] = {}  # captured decode steps
+        # decode steps with learned rows: (width, Draw, each learned router's key) -> (graph, outputs, their tables)
         self._learned_graphs: OrderedDict[tuple, tuple[Any, Any, tuple[_LearnedRows, ...]]] = OrderedDict()
         self._learned_rows: dict[tuple, _LearnedRows] = {}  # _router_key -> its tables (holding one such router)
         self._prefill_graphs: dict[tuple[int, int], tuple[Any, tuple, tuple]] = {}
@@ -812,9 +812,8 @@ class Engine:
         self._index_cache = None
         rows = torch.tensor([job.row for job in jobs], dtype=torch.long, device=self.device)
         uncond = logits[[twin_at.get(job.row, c) for job, c in zip(jobs, cond)]] if twin_at else None
-        filters = any(job.config.text.filters or job.config.image.filters for job in jobs)
         self._draw_noise([job for job in jobs if job.generator is not None])
-        tokens = states.choose(rows, logits[cond], uncond, self.noise[rows], filters)
+        tokens = states.choose(rows, logits[cond], uncond, self.noise[rows], Draw.of([job.config for job in jobs]))
         done = states.advance_rows(rows, tokens)
         flat = _flat(tokens, producing[cond], done)
         self._deliver(self._to_host(jobs, list(range(len(jobs))), flat, len(jobs), len(self._running)))
@@ -827,8 +826,7 @@ class Engine:
             highest = max(max(j.row, j.twin if j.twin is not None else -1) for j in jobs)
             self._index_cache = _Batch(
                 jobs, [j for j in jobs if j.generator is not None], width=next(w for w in self.widths if w > highest),
-                learned=self._learned_tables(jobs),
-                filters=any(j.config.text.filters or j.config.image.filters for j in jobs), live=highest + 1)
+                learned=self._learned_tables(jobs), draw=Draw.of([j.config for j in jobs]), live=highest + 1)
         return self._index_cache
 
     def _learned_tables(self, jobs: list[_Job]) -> tuple[_LearnedRows, ...]:
@@ -857,14 +855,14 @@ class Engine:
             self._forget_learned(set(by_router))
         return tuple(tables)
 
-    def _decode(self, width: int, jobs: list[_Job], learned: tuple[_LearnedRows, ...], live: int, filters: bool
+    def _decode(self, width: int, jobs: list[_Job], learned: tuple[_LearnedRows, ...], live: int, draw: Draw
                 ) -> torch.Tensor:
         """One decode step over rows [0, W) (rows from `live` on are padding: an eager step skips their attention):
         the forward, then every running row's next token chosen and its row moved past it (_sampled), on CUDA
         all of it one captured graph."""
         if self.use_graphs:
-            return self._replay(width, learned, filters)
-        return self._sampled(width, *self._forward_step(width, jobs, learned, live), filters)
+            return self._replay(width, learned, draw)
+        return self._sampled(width, *self._forward_step(width, jobs, learned, live), draw)
 
     def _forward_step(self, width: int, jobs: list[_Job], learned: tuple[_LearnedRows, ...], live: int
                       ) -> tuple[torch.Tensor, _Producing]:
@@ -873,10 +871,10 @@ class Engine:
             return self._c_decode(width, jobs, learned, live)
         return self._eager_decode(width, jobs, learned, live)
 
-    def _sampled(self, width: int, logits: torch.Tensor, producing: _Producing, filters: bool) -> torch.Tensor:
+    def _sampled(self, width: int, logits: torch.Tensor, producing: _Producing, draw: Draw) -> torch.Tensor:
         """A decode step's tokens, producing adapters and done flags of rows [0, W), flat (_flat), from its logits:
         fixed shapes whatever the batch holds, so a captured step holds them too."""
-        tokens, done = self.states.decode(width, logits, self.noise[:width], filters)
+        tokens, done = self.states.decode(width, logits, self.noise[:width], draw)
         return _flat(tokens, producing, done)
 
     def _eager_decode(self, width: int, jobs: list[_Job], learned: tuple[_LearnedRows, ...], live: int
@@ -1016,19 +1014,19 @@ class Engine:
             slots[rows] = torch.where(last[:, :, None], kept_s, slots[rows])
             weights[rows] = torch.where(last[:, :, None], kept_w, weights[rows])
 
-    def _replay(self, width: int, learned: tuple[_LearnedRows, ...], filters: bool) -> torch.Tensor:
-        """Replay the captured step of this width, these learned routers and filters or none (capturing it on
-        first use): its flat tokens, producing adapters and done flags (_sampled)."""
+    def _replay(self, width: int, learned: tuple[_LearnedRows, ...], draw: Draw) -> torch.Tensor:
+        """Replay the captured step of this width, these learned routers and this Draw (capturing it on first
+        use): its flat tokens, producing adapters and done flags (_sampled)."""
         def body() -> torch.Tensor:
-            return self._sampled(width, *self._decode_body(width, learned), filters)
+            return self._sampled(width, *self._decode_body(width, learned), draw)
 
         if not learned:
-            if (width, filters) not in self._graphs:
-                self._graphs[(width, filters)] = self._capture_step(body)
-                log.info("engine: captured the decode step for width %d", width)
-            graph, outputs = self._graphs[(width, filters)]
+            if (width, draw) not in self._graphs:
+                self._graphs[(width, draw)] = self._capture_step(body)
+                log.info("engine: captured the decode step for width %d (%s)", width, draw)
+            graph, outputs = self._graphs[(width, draw)]
         else:
-            key = (width, filters, *(table.key for table in learned))
+            key = (width, draw, *(table.key for table in learned))
             if key not in self._learned_graphs:
                 graph, outputs = self._capture_step(body)
                 self._learned_graphs[key] = (graph, outputs, learned)
@@ -1066,7 +1064,7 @@ class Engine:
         started = time.perf_counter()
         batch = self._indices()
         self._draw_noise(batch.sampling)
-        flat = self._decode(batch.width, batch.jobs, batch.learned, batch.live, batch.filters)
+        flat = self._decode(batch.width, batch.jobs, batch.learned, batch.live, batch.draw)
         self.steps += 1
         launched = self._to_host(batch.jobs, [job.row for job in batch.jobs], flat, batch.width, len(batch.jobs))
         previous, self._pending = self._pending, launched

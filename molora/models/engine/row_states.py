@@ -13,6 +13,8 @@ hold, so a row decodes exactly as it would alone.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from molora.models.engine.generation import (
@@ -27,6 +29,23 @@ from molora.models.engine.sampling import guide, sample
 from molora.models.engine.vocab import IMAGE, UnifiedVocab
 
 NO_LIMIT = 2 ** 62  # max_images of a request that sets none
+
+
+class Draw(NamedTuple):
+    """What choosing a step's tokens must compute, fixed while the running batch is (a captured step is kept per
+    width and Draw): `sampling` some row samples (else each token is its row's argmax of the masked, guided
+    logits, with no softmax and no noise: what sample() gives greedy rows); `filters` some sampling row uses
+    top-k / top-p; `guided` some row has a CFG twin (else no twin logits are read)."""
+
+    sampling: bool
+    filters: bool
+    guided: bool
+
+    @classmethod
+    def of(cls, configs: list[GenerationConfig]) -> Draw:
+        sampling = any(c.text.temperature > 0 or c.image.temperature > 0 for c in configs)
+        return cls(sampling, sampling and any(c.text.filters or c.image.filters for c in configs),
+                   any(c.uses_cfg for c in configs))
 
 
 class RowStates:
@@ -120,9 +139,9 @@ class RowStates:
         return phase, mask_row
 
     def choose(self, rows: torch.Tensor, logits: torch.Tensor, uncond_logits: torch.Tensor | None,
-               noise: torch.Tensor, filters: bool) -> torch.Tensor:
+               noise: torch.Tensor, draw: Draw) -> torch.Tensor:
         """Next token [n] of prompt rows `rows` from their logits [n, V] (twins' logits for guidance, or None
-        when no row is guided) and Exp(1) noise [n, V]. `filters`: some row uses top-k / top-p."""
+        when no row is guided) and Exp(1) noise [n, V] (read only when `draw.sampling`)."""
         vocab = self.vocab
         phase, mask_row = self.phase(rows)
         allowed = self.phase_masks[mask_row]
@@ -136,10 +155,12 @@ class RowStates:
             mixed = guide(scores, uncond_logits.float(), self.cfg_scale[rows][:, None])
             scores = torch.where(guided[:, None], mixed, scores)
         scores = scores.masked_fill(~allowed, float("-inf"))
+        if not draw.sampling:
+            return scores.argmax(dim=-1)
         mode = (phase != TEXT_PHASE).long()[:, None]
         temperature = self.temperature[rows].gather(1, mode).squeeze(1)
-        top_k = self.top_k[rows].gather(1, mode).squeeze(1) if filters else None
-        top_p = self.top_p[rows].gather(1, mode).squeeze(1) if filters else None
+        top_k = self.top_k[rows].gather(1, mode).squeeze(1) if draw.filters else None
+        top_p = self.top_p[rows].gather(1, mode).squeeze(1) if draw.filters else None
         if top_k is not None and top_p is not None and self.device.type == "cpu" and \
                 not bool(((top_k > 0) | (top_p < 1.0)).any()):
             # no row filters in this step's phases (say, text with top_p and every row drawing a picture without):
@@ -147,14 +168,14 @@ class RowStates:
             top_k = top_p = None
         return sample(scores, temperature, top_k, top_p, noise=noise)
 
-    def decode(self, width: int, logits: torch.Tensor, noise: torch.Tensor, filters: bool
+    def decode(self, width: int, logits: torch.Tensor, noise: torch.Tensor, draw: Draw
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step's (tokens [W], done [W]) for rows [0, W) from their logits [W, V] and Exp(1) noise
         [W, V], every running request's prompt row and twin moved past its token. Fixed shapes, whatever the batch
         holds (rows that are neither hold values nobody reads), so the engine captures it with the forward; every
         prompt row's numbers are those of choose / advance over it alone."""
         rows = self.rows[:width]
-        tokens = self.choose(rows, logits, logits[self.twin[:width]], noise, filters)
+        tokens = self.choose(rows, logits, logits[self.twin[:width]] if draw.guided else None, noise, draw)
         return tokens, self.advance(width, tokens, self.prompt[:width])
 
     def advance(self, width: int, tokens: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
