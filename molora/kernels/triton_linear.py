@@ -42,18 +42,26 @@ from molora.kernels.triton_common import (
     tl,
     triton,
 )
-from molora.kernels.triton_stacked import MAX_WIDTH, check_pad, shrink_split, stacked_config, stacked_shrink
+from molora.kernels.triton_stacked import MAX_WIDTH, stacked_config, stacked_shrink
 
 if HAS_TRITON:
-    from molora.kernels.triton_stacked import _shrink_tile  # a triton.jit function: defined only with triton
-
     @triton.jit
-    def _base_tile(pid_m, tile_n, x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, N, IN, OUT, O1, O2, O3, T1, T2, T3,
-                   sx0, sx1, sw0, sw1, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-        """The base GEMM of one output tile: column tile `tile_n` (projection p's columns, bounds 0, O1, O2, O3,
-        OUT; its first column tile T_p) of row tile `pid_m`. Returns (acc float32 [BLOCK_M, BLOCK_N], p, p's first
-        column lo, p's width, the tile's columns within p, their mask, the rows as int64, their mask)."""
+    def _stacked_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, b_ptr, part_ptr, out_ptr,
+                               N, IN, OUT, R, S, SPLIT_K, O1, O2, O3, T1, T2, T3, TILES_N,
+                               sx0, sx1, sw0, sw1, sb0, sb1, sb2,
+                               P: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                               SR_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                               EVEN_K: tl.constexpr, PDL: tl.constexpr):
+        """One output tile: projection p's columns (bounds 0, O1, O2, O3, OUT; its first column tile T_p) for a
+        row tile; the base GEMM over IN, then the stacked expand of the shrink's partials (summed over SPLIT_K)."""
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(N, BLOCK_M)
+        in_group = GROUP_M * TILES_N
+        first_m = (pid // in_group) * GROUP_M
+        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % group_m
+        tile_n = (pid % in_group) // group_m
         p = (tile_n >= T1).to(tl.int32) + (tile_n >= T2).to(tl.int32) + (tile_n >= T3).to(tl.int32)
         t_lo = tl.where(p >= 3, T3, tl.where(p >= 2, T2, tl.where(p >= 1, T1, 0)))
         lo = tl.where(p >= 3, O3, tl.where(p >= 2, O2, tl.where(p >= 1, O1, 0)))
@@ -78,20 +86,14 @@ if HAS_TRITON:
                 xt = tl.load(x_rows + offs_k[None, :] * sx1, mask=mm[:, None] & mk[None, :], other=0.0)
                 wt = tl.load(w_cols + offs_k[:, None] * sw1, mask=mk[:, None] & mn[None, :], other=0.0)
             acc += tl.dot(xt.to(DOT_DTYPE), wt.to(DOT_DTYPE), input_precision=PRECISION)
-        return acc, p, lo, width, offs_n, mn, offs_m64, mm
-
-    @triton.jit
-    def _delta_and_store(acc, p, lo, width, offs_n, mn, offs_m64, mm, b_ptr, part_ptr, out_ptr, N, R, S, SPLIT_K,
-                         sb0, sb1, sb2, P: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                         SR_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-        """acc + T_p [BLOCK_M, SR_PAD] (the shrink's split-K partials summed) @ Bf_p [SR_PAD, BLOCK_N], stored
-        into projection p's block of the flat output. The partials are read past L1 (another program of the same
-        launch may have written them: _one_launch_linear_kernel)."""
+        # the delta: T_p [BLOCK_M, SR_PAD] (the shrink's split-K partials summed) @ Bf_p [SR_PAD, BLOCK_N]
+        if PDL:  # launched beside the shrink: the base GEMM above ran meanwhile; wait for its partials now
+            tl.extra.cuda.gdc_wait()
         offs_c = tl.arange(0, SR_PAD)
         t = tl.zeros([BLOCK_M, SR_PAD], dtype=tl.float32)
         for ks in range(0, SPLIT_K):
             t += tl.load(part_ptr + (ks * N + offs_m64[:, None]) * (P * SR_PAD) + p * SR_PAD + offs_c[None, :],
-                         mask=mm[:, None], other=0.0, cache_modifier=".cg")
+                         mask=mm[:, None], other=0.0)
         c_slot = offs_c // R_PAD
         c_rank = offs_c % R_PAD
         mc = (c_slot < S) & (c_rank < R)
@@ -100,75 +102,6 @@ if HAS_TRITON:
         acc += tl.dot(t.to(DOT_DTYPE), bt.to(DOT_DTYPE), input_precision=PRECISION)
         out = out_ptr + lo.to(tl.int64) * N + offs_m64[:, None] * width + offs_n[None, :]
         tl.store(out, acc, mask=mm[:, None] & mn[None, :])
-
-    @triton.jit
-    def _stacked_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, b_ptr, part_ptr, out_ptr,
-                               N, IN, OUT, R, S, SPLIT_K, O1, O2, O3, T1, T2, T3, TILES_N,
-                               sx0, sx1, sw0, sw1, sb0, sb1, sb2,
-                               P: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                               SR_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                               EVEN_K: tl.constexpr, PDL: tl.constexpr):
-        """One output tile of the two-launch schedule (the shrink launched just before): the base GEMM over IN,
-        then the stacked expand of the shrink's partials."""
-        pid = tl.program_id(0)
-        tiles_m = tl.cdiv(N, BLOCK_M)
-        in_group = GROUP_M * TILES_N
-        first_m = (pid // in_group) * GROUP_M
-        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % in_group) % group_m
-        tile_n = (pid % in_group) // group_m
-        acc, p, lo, width, offs_n, mn, offs_m64, mm = _base_tile(
-            pid_m, tile_n, x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, N, IN, OUT, O1, O2, O3, T1, T2, T3,
-            sx0, sx1, sw0, sw1, DOT_DTYPE, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        if PDL:  # launched beside the shrink: the base GEMM above ran meanwhile; wait for its partials now
-            tl.extra.cuda.gdc_wait()
-        _delta_and_store(acc, p, lo, width, offs_n, mn, offs_m64, mm, b_ptr, part_ptr, out_ptr, N, R, S, SPLIT_K,
-                         sb0, sb1, sb2, P, DOT_DTYPE, PRECISION, SR_PAD, R_PAD, BLOCK_M)
-
-    @triton.jit
-    def _one_launch_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, a_ptr, slot_ptr, wt_ptr, scale_ptr,
-                                  b_ptr, part_ptr, out_ptr, sem_ptr,
-                                  N, IN, OUT, R, S, K_PER, SPLIT_K, C_TILES, O1, O2, O3, T1, T2, T3, TILES_N,
-                                  sx0, sx1, sw0, sw1, sap, sa0, sa1, sa2, ssp, sb0, sb1, sb2,
-                                  K: tl.constexpr, HAS_W: tl.constexpr, P: tl.constexpr,
-                                  DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SR_PAD: tl.constexpr,
-                                  R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, SHRINK_K: tl.constexpr,
-                                  EVEN_K: tl.constexpr):
-        """One row tile (N <= BLOCK_M) in one launch: C_TILES * SPLIT_K shrink jobs, then TILES_N output tiles.
-        Each program takes the next job from a ticket counter (sem[0]), so the shrink jobs go to programs that
-        already run, whatever order the GPU starts programs in; a shrink job writes its partials and counts itself
-        done (sem[1], release); an output tile runs its base GEMM, waits until every shrink job is done (acquire),
-        then adds the delta. The last program to finish (sem[2]) sets the three counters back to 0 for the next
-        call, so the caller keeps one zeroed int32 [3] per call site and never resets it."""
-        n_shrink = C_TILES * SPLIT_K
-        ticket = tl.atomic_add(sem_ptr, 1)
-        if ticket < n_shrink:
-            offs_m = tl.arange(0, BLOCK_M)
-            mm = offs_m < N
-            offs_m64 = offs_m.to(tl.int64)
-            offs_c = (ticket % C_TILES) * BLOCK_C + tl.arange(0, BLOCK_C)
-            ks = ticket // C_TILES
-            k_lo = ks * K_PER
-            part = _shrink_tile(x_ptr, a_ptr, slot_ptr, wt_ptr, scale_ptr, offs_m64, mm, offs_c, k_lo,
-                                tl.minimum(k_lo + K_PER, IN), R, S, sx0, sx1, sap, sa0, sa1, sa2, ssp,
-                                K, HAS_W, DOT_DTYPE, PRECISION, SR_PAD, R_PAD, BLOCK_M, BLOCK_C, SHRINK_K)
-            tl.store(part_ptr + (ks * N + offs_m64[:, None]) * (P * SR_PAD) + offs_c[None, :], part, mask=mm[:, None])
-            tl.atomic_add(sem_ptr + 1, 1, sem="release")
-        else:
-            acc, p, lo, width, offs_n, mn, offs_m64, mm = _base_tile(
-                0, ticket - n_shrink, x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, N, IN, OUT, O1, O2, O3, T1, T2, T3,
-                sx0, sx1, sw0, sw1, DOT_DTYPE, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-            done = tl.atomic_add(sem_ptr + 1, 0, sem="acquire")
-            while done < n_shrink:
-                done = tl.atomic_add(sem_ptr + 1, 0, sem="acquire")
-            _delta_and_store(acc, p, lo, width, offs_n, mn, offs_m64, mm, b_ptr, part_ptr, out_ptr, N, R, S,
-                             SPLIT_K, sb0, sb1, sb2, P, DOT_DTYPE, PRECISION, SR_PAD, R_PAD, BLOCK_M)
-        if tl.atomic_add(sem_ptr + 2, 1, sem="acq_rel") == n_shrink + TILES_N - 1:
-            tl.store(sem_ptr, 0)
-            tl.store(sem_ptr + 1, 0)
-            tl.store(sem_ptr + 2, 0)
 
 
 # Tiles (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): the small ones, unless the large ones still
@@ -192,16 +125,6 @@ WIDE_MIN_PROGRAMS = 64
 #   o 14.6 -> 12.8 (10.1); down 21.7 -> 20.9 (17.2); 8B q/k/v 39.3 -> 26.2 (36.6), gate/up 77.6 -> 71.6 (71.7),
 #   o 23.6 -> 20.6 (19.4), down 47.7 -> 44.7 (42.4); each within 4% of the best tiles of its shape at N = 1, 2, 16
 DECODE_MAX_TOKENS = 16
-# A call of one row tile (decode) with counters runs its shrink inside the GEMM's launch (_one_launch_linear_kernel):
-# the step's LoRA shrinks were 112 launches of ~4.1 us each on a Qwen3-1.7B step (H100, 2026-12-06). Read when a
-# call launches (a capture records the schedule it saw); set_one_launch(False) gives the two launches back.
-_ONE_LAUNCH = True
-
-
-def set_one_launch(enabled: bool) -> None:
-    """Switch the one-launch schedule of decode calls on or off (benchmarks compare the two)."""
-    global _ONE_LAUNCH
-    _ONE_LAUNCH = bool(enabled)
 DECODE_TILES = {1: (32, 256, 4, 4), 2: (64, 256, 4, 3), 3: (64, 256, 4, 4)}
 
 
@@ -248,14 +171,11 @@ def _check(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.Tensor, B: tor
 def stacked_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.Tensor, B: torch.Tensor,
                          slots: torch.Tensor, weights: torch.Tensor | None, scale: torch.Tensor,
                          bounds: tuple[int, ...], config: dict | None = None,
-                         shrink_config: dict | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                         shrink_config: dict | None = None) -> torch.Tensor:
     """Base linear plus routed delta of P projections sharing x [N, in]: W (P base weights [width_p, in], x's
     dtype), A [P, S, r, in], B [S, O, r], scale [P, S] (contiguous), slots [N, k] (-1: no adapter), weights [N, k]
     or None. Returns one flat buffer [N * O] in x's dtype, projection p's output the contiguous [N, width_p] block
     at N * bounds[p] (no bias). `config` / `shrink_config` override the GEMM's and the shrink's tiles.
-    `counters` (int32 [3] of zeros on x's device, kept by the caller for its calls, never shared by two calls that
-    may run at once; `linear_counters` makes one): a call of one row tile is one launch, its shrink inside
-    (_one_launch_linear_kernel), which leaves the counters at zero again; without them, two launches.
 
     A launcher, as stacked_lora_group is: it checks the weights and the shapes it lays out, not the routing inputs
     (slots' and weights' shapes, dtypes and devices, scale's shape) that the public ops check
@@ -275,6 +195,8 @@ def stacked_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.
     widths = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
     cfg = config or linear_config(n, tuple(widths))
     scfg = shrink_config or stacked_config(n, d_in, max(widths), stacked_width(s_count, r), p_count, False)
+    pdl = dependent_launch(x)
+    part = stacked_shrink(x, A, slots, weights, scale, scfg, pdl)
     bn = cfg["BLOCK_N"]
     starts = [0]
     for wd in widths:
@@ -283,25 +205,6 @@ def stacked_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.
     o1, o2, o3 = (list(bounds[1:-1]) + [d_out] * 3)[:3]
     w0, w1, w2, w3 = (W + (W[0],) * 3)[:4]
     dot_dtype, precision = dot_config(x.dtype)
-    if counters is not None and _ONE_LAUNCH and n <= cfg["BLOCK_M"]:
-        _check_counters(counters, x)
-        check_pad(A, scfg)
-        k_per, split_k = shrink_split(d_in, scfg)
-        sr_pad = scfg["SR_PAD"]
-        part = torch.empty(split_k, n, p_count * sr_pad, dtype=torch.float32, device=x.device)
-        c_tiles = p_count * sr_pad // scfg["BLOCK_C"]
-        w = weights.contiguous() if weights is not None else scale
-        _one_launch_linear_kernel[(c_tiles * split_k + starts[-1],)](
-            x, w0, w1, w2, w3, A, slots.contiguous(), w, scale, B, part, flat, counters, n, d_in, d_out, r,
-            s_count, k_per, split_k, c_tiles, o1, o2, o3, t1, t2, t3, starts[-1], x.stride(0), x.stride(1),
-            W[0].stride(0), W[0].stride(1), A.stride(0), A.stride(1), A.stride(2), A.stride(3), scale.stride(0),
-            B.stride(0), B.stride(1), B.stride(2), K=slots.shape[1], HAS_W=weights is not None, P=p_count,
-            DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=sr_pad, R_PAD=next_pow2(r), BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], BLOCK_C=scfg["BLOCK_C"], SHRINK_K=scfg["BLOCK_K"],
-            EVEN_K=d_in % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        return flat
-    pdl = dependent_launch(x)
-    part = stacked_shrink(x, A, slots, weights, scale, scfg, pdl)
     grid = (cdiv(n, cfg["BLOCK_M"]) * starts[-1],)
     _stacked_linear_kernel[grid](
         x, w0, w1, w2, w3, B, part, flat, n, d_in, d_out, r, s_count, part.shape[0], o1, o2, o3, t1, t2, t3,
@@ -311,14 +214,3 @@ def stacked_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.
         EVEN_K=d_in % cfg["BLOCK_K"] == 0, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         launch_pdl=pdl)
     return flat
-
-
-def linear_counters(device: torch.device | str) -> torch.Tensor:
-    """The counters a caller keeps for its one-launch calls of stacked_linear_group (int32 [3], zeros)."""
-    return torch.zeros(3, dtype=torch.int32, device=device)
-
-
-def _check_counters(counters: torch.Tensor, x: torch.Tensor) -> None:
-    if counters.shape != (3,) or counters.dtype != torch.int32 or counters.device != x.device:
-        raise KernelInputError(f"counters must be int32 [3] on {x.device} (linear_counters), got {counters.dtype} "
-                               f"{list(counters.shape)} on {counters.device}")

@@ -282,17 +282,10 @@ def _fused_args(x, A4, B, scale2, out, bounds, k, has_w, accumulate, cfg) -> tup
                   cfg["SR_PAD"], next_pow2(r), cfg["SHRINK_M"], cfg["BLOCK_K"], cfg["BLOCK_N"])
 
 
-def check_pad(A4: torch.Tensor, cfg: dict) -> None:
+def _check_pad(A4: torch.Tensor, cfg: dict) -> None:
     if A4.shape[1] * next_pow2(A4.shape[2]) > cfg["SR_PAD"]:
         raise KernelInputError(f"config SR_PAD={cfg['SR_PAD']} holds fewer than the hot set's "
                                f"{A4.shape[1] * next_pow2(A4.shape[2])} stacked columns")
-
-
-def shrink_split(d_in: int, cfg: dict) -> tuple[int, int]:
-    """(input columns per shrink program, how many programs split the input): cfg's SPLIT_K, each part a whole
-    number of BLOCK_K steps."""
-    k_per = cdiv(cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    return k_per, cdiv(d_in, k_per)
 
 
 def stacked_shrink(x: torch.Tensor, A4: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None,
@@ -300,13 +293,14 @@ def stacked_shrink(x: torch.Tensor, A4: torch.Tensor, slots: torch.Tensor, weigh
     """The shrink phase for P = A4.shape[0] projections sharing x: float32 partials [SPLIT_K, N, P * SR_PAD]
     whose sum over the first axis is the folded intermediate coef * (x Af^T) (see the module doc). `pdl`: the
     next launch, which reads the partials, is a dependent launch (triton_common.dependent_launch)."""
-    check_pad(A4, cfg)
+    _check_pad(A4, cfg)
     n, d_in = x.shape
     p_count, s_count, r, _ = A4.shape
     sr_pad = cfg["SR_PAD"]
     w = weights.contiguous() if weights is not None else scale2
     dot_dtype, precision = dot_config(x.dtype)
-    k_per, split_k = shrink_split(d_in, cfg)
+    k_per = cdiv(cdiv(d_in, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split_k = cdiv(d_in, k_per)
     part = torch.empty(split_k, n, p_count * sr_pad, dtype=torch.float32, device=x.device)
     grid = (cdiv(n, cfg["SHRINK_M"]), p_count * sr_pad // cfg["BLOCK_C"], split_k)
     _stacked_shrink_kernel[grid](
@@ -325,7 +319,7 @@ def _launch(x, A4, B, slots, weights, scale2, out, accumulate, bounds, blocks, c
     sr_pad = cfg["SR_PAD"]
     r_pad = next_pow2(r)
     if cfg["FUSED"]:
-        check_pad(A4, cfg)
+        _check_pad(A4, cfg)
         slots = slots.contiguous()
         w = weights.contiguous() if weights is not None else scale2
         grid, tail = _fused_args(x, A4, B, scale2, out, bounds, slots.shape[1], weights is not None, accumulate, cfg)
