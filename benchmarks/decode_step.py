@@ -23,7 +23,6 @@ that reading the weights once a step allows.
 
     python benchmarks/decode_step.py --learned --new 64
     python benchmarks/decode_step.py --picture --shape emu3-8b [--sdpa-too]
-    python benchmarks/decode_step.py --split-ab     # decode GEMMs of few tiles split over several programs a tile
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ from serving import (  # noqa: E402
 )
 
 from molora.kernels.graphs import graph_paths  # noqa: E402
-from molora.kernels.triton_linear import set_decode_split  # noqa: E402
 from molora.models.engine.core import Done, Engine, EngineConfig  # noqa: E402
 from molora.models.engine.generation import GenerationConfig, Request  # noqa: E402
 from molora.models.engine.synthetic import SHAPES, plain_model, random_adapters, random_routed_model  # noqa: E402
@@ -107,46 +105,6 @@ def engine_rows(routed, vocab, device: str, new: int, lean: bool, overlap: bool,
             print(f"engine ({name} forward), {label:26s} batch {batch:2d}: "
                   f"{best['tok_s']:9.1f} tok/s (median gap {statistics.median(best['gaps_ms']):.2f} ms)", flush=True)
     return rows, engine
-
-
-def split_ab(routed, vocab, device: str, new: int, rng: random.Random) -> dict:
-    """Decode GEMMs of few column tiles split over several programs a tile (kernels/triton_linear.py K_SPLITS, the
-    default) against one program a tile, in one run: two lean engines, each captured with its setting, timed in
-    turns (best of 3, batch 1 and 32, 2 adapters by vocabulary); then each one's captured steps (GPU ms of a replay)
-    and the kernels of its width-1 step."""
-    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, **GREEDY)
-    router = VocabRangeRouter(vocab, "txt", "img")
-    engines: dict[str, Engine] = {}
-    requests = {batch: [Request(prompt_ids(vocab, 32, rng), router) for _ in range(batch)] for batch in (1, 32)}
-    try:
-        for label, split in (("split", True), ("one program a tile", False)):
-            set_decode_split(split)  # read when a step is captured: in each engine's warm-up below
-            engines[label] = Engine(routed, vocab, device=device,
-                                    config=EngineConfig(max_rows=64, max_len=32 + new + 8))
-            for batch in (1, 32):
-                run_engine(engines[label], requests[batch], [config] * batch)
-        result: dict = {}
-        for batch in (1, 32):
-            runs: dict[str, list[float]] = {label: [] for label in engines}
-            for _ in range(3):
-                for label, engine in engines.items():
-                    runs[label].append(run_engine(engine, requests[batch], [config] * batch)["tok_s"])
-            best = {label: max(tok_s) for label, tok_s in runs.items()}
-            result.update({f"{label}, batch {batch}": round(tok_s, 1) for label, tok_s in best.items()})
-            result[f"ratio batch {batch}"] = round(best["split"] / best["one program a tile"], 3)
-            print(f"split / one program a tile, batch {batch}: {best['split']:.1f} / "
-                  f"{best['one program a tile']:.1f} tok/s = {result[f'ratio batch {batch}']:.3f}", flush=True)
-        for label, engine in engines.items() if device == "cuda" else ():
-            set_decode_split(label == "split")
-            result[f"replay_ms {label}"] = {w: round(ms, 3) for w, ms in replay_ms(engine).items()}
-            with graph_paths():
-                result[f"profile {label}"] = profile_step(engine, 1, f"{label}, width 1")
-            print(f"captured step GPU ms ({label}):", result[f"replay_ms {label}"], flush=True)
-    finally:
-        set_decode_split(True)
-        for engine in engines.values():
-            engine.close()
-    return result
 
 
 def greedy_tokens(engine: Engine, vocab, requests: list[Request], new: int) -> list[list[int]]:
@@ -302,8 +260,6 @@ def main() -> None:
                         help="only learned top-2 rows (random gates) against vocabulary routing, default engine")
     parser.add_argument("--compiled-decision", action="store_true",
                         help="--learned: torch.compile's decision on CUDA, not the one-launch Triton kernel")
-    parser.add_argument("--split-ab", action="store_true",
-                        help="decode GEMMs split over several programs a tile vs one (see split_ab)")
     args = parser.parse_args()
     device, new = args.device, args.new
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -331,11 +287,6 @@ def main() -> None:
     table: dict = {}
 
     rng = random.Random(0)
-    if args.split_ab:
-        results["split_ab"] = split_ab(routed, vocab, device, new, rng)
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=1))
-        return
     if args.learned:  # learned rows (captured like the others): how far they are from vocabulary routing
         decision.ONE_LAUNCH = not args.compiled_decision
         results["decision"] = "compiled" if args.compiled_decision else "one launch"

@@ -791,54 +791,6 @@ def test_cuda_dependent_launch_gives_the_plain_launches_results_in_captured_grap
         assert rel_err(outs[1], want()) <= 2.5e-2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("n,k,d_in", [(1, 1, 2048), (5, 2, 4096), (16, 1, 1100)])
-def test_cuda_split_decode_linear_gives_the_unsplit_values_eagerly_and_captured(n, k, d_in):
-    """A decode call with counters (its inputs split over several programs a tile, the last one to finish a tile
-    summing their partials) against the call without them and the reference, eagerly and captured: replays with
-    new slots and weights give the eager split call's bits, and every call leaves the counters at zero. A tile
-    finished before all its partials were written would differ."""
-    from molora.kernels import routed_lora_group_reference
-    from molora.kernels.graphs import capture_graph
-    from molora.kernels.triton_linear import _k_splits, decode_config, linear_counters, stacked_linear_group
-
-    x, A, B, scale, g = make(n, d_in, 384, 4, 16, torch.bfloat16, seed=n + d_in)
-    x, A, B, scale = x.cuda(), A.cuda(), B.cuda(), scale.cuda()
-    A3, B3, s3 = torch.stack([A, A.flip(0), A]), torch.cat([B, B[:, :64]], 1), torch.stack([scale, scale * 2, scale])
-    bounds = (0, 384, 416, 448)
-    W = [torch.randn(hi - lo, d_in, dtype=torch.bfloat16, device="cuda") / d_in ** 0.5
-         for lo, hi in zip(bounds, bounds[1:])]
-    slots = torch.randint(-1, 4, (n, k), generator=g).cuda()
-    weights = torch.rand(n, k, generator=g).cuda() if k > 1 else None
-    counters = linear_counters("cuda")
-    cfg = decode_config(3)
-    assert _k_splits(x, -(-384 // cfg["BLOCK_N"]) + 2, d_in, cfg["BLOCK_K"]) > 1  # (the call below does split)
-
-    def call(with_counters: bool = True) -> torch.Tensor:
-        return stacked_linear_group(x, W, A3, B3, slots, weights, s3, bounds,
-                                    counters=counters if with_counters else None)
-
-    def want() -> torch.Tensor:
-        deltas = routed_lora_group_reference(x, A3, B3, slots, weights, s3, bounds)
-        return torch.cat([(x.double() @ w.double().t()).flatten() + d.double().flatten() for w, d in zip(W, deltas)])
-
-    split, whole = call(), call(False)
-    torch.cuda.synchronize()
-    assert not counters.any(), counters
-    assert rel_err(split, whole) <= 1e-2 and rel_err(split, want()) <= 2.5e-2
-    graph, out = capture_graph(call)
-    for _ in range(4):
-        slots.copy_(torch.randint(-1, 4, (n, k), generator=g).cuda())
-        if weights is not None:
-            weights.copy_(torch.rand(n, k, generator=g).cuda())
-        graph.replay()
-        eager = call()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-        assert rel_err(out, want()) <= 2.5e-2
-        assert not counters.any(), counters
-
-
 @pytest.mark.parametrize("n,k", [(40, 2), (33, 1), (0, 1)])
 def test_cpu_stacked_form_matches_reference_adds_in_place_and_serves_groups(n, k):
     """The CPU's all-slots form above 2 r rows: one shrink GEMM against every slot, one expand GEMM."""

@@ -46,13 +46,22 @@ from molora.kernels.triton_stacked import MAX_WIDTH, stacked_config, stacked_shr
 
 if HAS_TRITON:
     @triton.jit
-    def _base_tile(pid_m, tile_n, k_lo, k_hi, x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, N, OUT, O1, O2, O3, T1, T2,
-                   T3, sx0, sx1, sw0, sw1, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-        """The base GEMM of one output tile over inputs [k_lo, k_hi): column tile `tile_n` (projection p's columns,
-        bounds 0, O1, O2, O3, OUT; its first column tile T_p) of row tile `pid_m`. Returns (acc float32
-        [BLOCK_M, BLOCK_N], p, p's first column lo, p's width, the tile's columns within p, their mask, the rows as
-        int64, their mask). EVEN_K: k_hi - k_lo is a whole number of BLOCK_K steps."""
+    def _stacked_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, b_ptr, part_ptr, out_ptr,
+                               N, IN, OUT, R, S, SPLIT_K, O1, O2, O3, T1, T2, T3, TILES_N,
+                               sx0, sx1, sw0, sw1, sb0, sb1, sb2,
+                               P: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                               SR_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                               EVEN_K: tl.constexpr, PDL: tl.constexpr):
+        """One output tile: projection p's columns (bounds 0, O1, O2, O3, OUT; its first column tile T_p) for a
+        row tile; the base GEMM over IN, then the stacked expand of the shrink's partials (summed over SPLIT_K)."""
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(N, BLOCK_M)
+        in_group = GROUP_M * TILES_N
+        first_m = (pid // in_group) * GROUP_M
+        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % group_m
+        tile_n = (pid % in_group) // group_m
         p = (tile_n >= T1).to(tl.int32) + (tile_n >= T2).to(tl.int32) + (tile_n >= T3).to(tl.int32)
         t_lo = tl.where(p >= 3, T3, tl.where(p >= 2, T2, tl.where(p >= 1, T1, 0)))
         lo = tl.where(p >= 3, O3, tl.where(p >= 2, O2, tl.where(p >= 1, O1, 0)))
@@ -67,24 +76,19 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         x_rows = x_ptr + offs_m64[:, None] * sx0
         w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * sw0
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for k0 in range(0, IN, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 xt = tl.load(x_rows + offs_k[None, :] * sx1, mask=mm[:, None], other=0.0)
                 wt = tl.load(w_cols + offs_k[:, None] * sw1, mask=mn[None, :], other=0.0)
             else:
-                mk = offs_k < k_hi
+                mk = offs_k < IN
                 xt = tl.load(x_rows + offs_k[None, :] * sx1, mask=mm[:, None] & mk[None, :], other=0.0)
                 wt = tl.load(w_cols + offs_k[:, None] * sw1, mask=mk[:, None] & mn[None, :], other=0.0)
             acc += tl.dot(xt.to(DOT_DTYPE), wt.to(DOT_DTYPE), input_precision=PRECISION)
-        return acc, p, lo, width, offs_n, mn, offs_m64, mm
-
-    @triton.jit
-    def _delta_and_store(acc, p, lo, width, offs_n, mn, offs_m64, mm, b_ptr, part_ptr, out_ptr, N, R, S, SPLIT_K,
-                         sb0, sb1, sb2, P: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                         SR_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-        """acc + T_p [BLOCK_M, SR_PAD] (the shrink's split-K partials summed) @ Bf_p [SR_PAD, BLOCK_N], stored
-        into projection p's block of the flat output."""
+        # the delta: T_p [BLOCK_M, SR_PAD] (the shrink's split-K partials summed) @ Bf_p [SR_PAD, BLOCK_N]
+        if PDL:  # launched beside the shrink: the base GEMM above ran meanwhile; wait for its partials now
+            tl.extra.cuda.gdc_wait()
         offs_c = tl.arange(0, SR_PAD)
         t = tl.zeros([BLOCK_M, SR_PAD], dtype=tl.float32)
         for ks in range(0, SPLIT_K):
@@ -98,51 +102,6 @@ if HAS_TRITON:
         acc += tl.dot(t.to(DOT_DTYPE), bt.to(DOT_DTYPE), input_precision=PRECISION)
         out = out_ptr + lo.to(tl.int64) * N + offs_m64[:, None] * width + offs_n[None, :]
         tl.store(out, acc, mask=mm[:, None] & mn[None, :])
-
-    @triton.jit
-    def _stacked_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, b_ptr, part_ptr, out_ptr, ws_ptr, count_ptr,
-                               N, IN, OUT, R, S, SPLIT_K, O1, O2, O3, T1, T2, T3, TILES_N, K_SPLITS, K_PER,
-                               sx0, sx1, sw0, sw1, sb0, sb1, sb2,
-                               P: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                               SR_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                               EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
-        """One output tile (the shrink launched just before): the base GEMM over IN, then the stacked expand of the
-        shrink's partials. SPLIT (decode calls of few column tiles): K_SPLITS programs per tile, each over K_PER
-        inputs, write float32 partials to ws; the last of them to count itself in (count_ptr[tile], which it sets
-        back to 0) sums them in split order (the same bits whichever program comes last) and finishes the tile."""
-        pid = tl.program_id(0)
-        split = pid % K_SPLITS
-        tile = pid // K_SPLITS
-        tiles_m = tl.cdiv(N, BLOCK_M)
-        in_group = GROUP_M * TILES_N
-        first_m = (tile // in_group) * GROUP_M
-        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % in_group) % group_m
-        tile_n = (tile % in_group) // group_m
-        k_lo = split * K_PER
-        acc, p, lo, width, offs_n, mn, offs_m64, mm = _base_tile(
-            pid_m, tile_n, k_lo, tl.minimum(k_lo + K_PER, IN), x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, N, OUT, O1,
-            O2, O3, T1, T2, T3, sx0, sx1, sw0, sw1, DOT_DTYPE, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        if SPLIT:
-            cell = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            tile_ws = ws_ptr + tile.to(tl.int64) * K_SPLITS * (BLOCK_M * BLOCK_N)
-            tl.store(tile_ws + split * (BLOCK_M * BLOCK_N) + cell, acc, mask=mm[:, None])
-            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == K_SPLITS - 1:
-                tl.store(count_ptr + tile, 0)
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for s in range(0, K_SPLITS):
-                    acc += tl.load(tile_ws + s * (BLOCK_M * BLOCK_N) + cell, mask=mm[:, None], other=0.0,
-                                   cache_modifier=".cg")
-                if PDL:  # launched beside the shrink: wait for its partials now
-                    tl.extra.cuda.gdc_wait()
-                _delta_and_store(acc, p, lo, width, offs_n, mn, offs_m64, mm, b_ptr, part_ptr, out_ptr, N, R, S,
-                                 SPLIT_K, sb0, sb1, sb2, P, DOT_DTYPE, PRECISION, SR_PAD, R_PAD, BLOCK_M)
-        else:
-            if PDL:  # launched beside the shrink: the base GEMM above ran meanwhile; wait for its partials now
-                tl.extra.cuda.gdc_wait()
-            _delta_and_store(acc, p, lo, width, offs_n, mn, offs_m64, mm, b_ptr, part_ptr, out_ptr, N, R, S, SPLIT_K,
-                             sb0, sb1, sb2, P, DOT_DTYPE, PRECISION, SR_PAD, R_PAD, BLOCK_M)
 
 
 # Tiles (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): the small ones, unless the large ones still
@@ -166,22 +125,6 @@ WIDE_MIN_PROGRAMS = 64
 #   o 14.6 -> 12.8 (10.1); down 21.7 -> 20.9 (17.2); 8B q/k/v 39.3 -> 26.2 (36.6), gate/up 77.6 -> 71.6 (71.7),
 #   o 23.6 -> 20.6 (19.4), down 47.7 -> 44.7 (42.4); each within 4% of the best tiles of its shape at N = 1, 2, 16
 DECODE_MAX_TOKENS = 16
-# A decode call whose column tiles leave SMs idle (q/k/v, o and down of a 1.7B block: 64 tiles on 132 SMs) splits
-# its inputs over up to MAX_K_SPLITS programs per tile, so ~SPLIT_PROGRAMS_PER_SM programs per SM stream the weight;
-# needs the caller's counters (one per tile). Read when a call launches (a capture records what it saw);
-# set_decode_split(False) gives one program per tile back (benchmarks compare the two).
-MAX_K_SPLITS = 4
-SPLIT_PROGRAMS_PER_SM = 2
-COUNTERS = 512  # tiles a caller's counters serve (linear_counters)
-_DECODE_SPLIT = True
-
-
-def set_decode_split(enabled: bool) -> None:
-    """Switch the split decode calls on or off."""
-    global _DECODE_SPLIT
-    _DECODE_SPLIT = bool(enabled)
-
-
 DECODE_TILES = {1: (32, 256, 4, 4), 2: (64, 256, 4, 3), 3: (64, 256, 4, 4)}
 
 
@@ -228,14 +171,11 @@ def _check(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.Tensor, B: tor
 def stacked_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.Tensor, B: torch.Tensor,
                          slots: torch.Tensor, weights: torch.Tensor | None, scale: torch.Tensor,
                          bounds: tuple[int, ...], config: dict | None = None,
-                         shrink_config: dict | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                         shrink_config: dict | None = None) -> torch.Tensor:
     """Base linear plus routed delta of P projections sharing x [N, in]: W (P base weights [width_p, in], x's
     dtype), A [P, S, r, in], B [S, O, r], scale [P, S] (contiguous), slots [N, k] (-1: no adapter), weights [N, k]
     or None. Returns one flat buffer [N * O] in x's dtype, projection p's output the contiguous [N, width_p] block
     at N * bounds[p] (no bias). `config` / `shrink_config` override the GEMM's and the shrink's tiles.
-    `counters` (linear_counters: zeros on x's device, kept by the caller for its calls, which never run two at a
-    time): a decode call of few column tiles then splits its inputs over several programs per tile (K_SPLITS),
-    which leave the counters at zero again; without them, one program per tile.
 
     A launcher, as stacked_lora_group is: it checks the weights and the shapes it lays out, not the routing inputs
     (slots' and weights' shapes, dtypes and devices, scale's shape) that the public ops check
@@ -255,6 +195,8 @@ def stacked_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.
     widths = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
     cfg = config or linear_config(n, tuple(widths))
     scfg = shrink_config or stacked_config(n, d_in, max(widths), stacked_width(s_count, r), p_count, False)
+    pdl = dependent_launch(x)
+    part = stacked_shrink(x, A, slots, weights, scale, scfg, pdl)
     bn = cfg["BLOCK_N"]
     starts = [0]
     for wd in widths:
@@ -263,48 +205,12 @@ def stacked_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.
     o1, o2, o3 = (list(bounds[1:-1]) + [d_out] * 3)[:3]
     w0, w1, w2, w3 = (W + (W[0],) * 3)[:4]
     dot_dtype, precision = dot_config(x.dtype)
-    tiles = cdiv(n, cfg["BLOCK_M"]) * starts[-1]
-    splits = _k_splits(x, tiles, d_in, cfg["BLOCK_K"]) if counters is not None and n <= DECODE_MAX_TOKENS else 1
-    if splits > 1:
-        _check_counters(counters, x)
-    k_per = cdiv(cdiv(d_in, splits), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    # (the split partials: float32 [tiles, splits, BLOCK_M, BLOCK_N]; x stands in when there are none)
-    ws = torch.empty(tiles * splits * cfg["BLOCK_M"] * bn, dtype=torch.float32, device=x.device) if splits > 1 else x
-    pdl = dependent_launch(x)
-    part = stacked_shrink(x, A, slots, weights, scale, scfg, pdl)
-    _stacked_linear_kernel[(tiles * splits,)](
-        x, w0, w1, w2, w3, B, part, flat, ws, counters if splits > 1 else x, n, d_in, d_out, r, s_count,
-        part.shape[0], o1, o2, o3, t1, t2, t3, starts[-1], splits, k_per, x.stride(0), x.stride(1), W[0].stride(0),
-        W[0].stride(1), B.stride(0), B.stride(1), B.stride(2), P=p_count, DOT_DTYPE=dot_dtype, PRECISION=precision,
-        SR_PAD=scfg["SR_PAD"], R_PAD=next_pow2(r), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg["GROUP_M"], EVEN_K=d_in % cfg["BLOCK_K"] == 0, SPLIT=splits > 1, PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl)
+    grid = (cdiv(n, cfg["BLOCK_M"]) * starts[-1],)
+    _stacked_linear_kernel[grid](
+        x, w0, w1, w2, w3, B, part, flat, n, d_in, d_out, r, s_count, part.shape[0], o1, o2, o3, t1, t2, t3,
+        starts[-1], x.stride(0), x.stride(1), W[0].stride(0), W[0].stride(1), B.stride(0), B.stride(1),
+        B.stride(2), P=p_count, DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=scfg["SR_PAD"],
+        R_PAD=next_pow2(r), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        EVEN_K=d_in % cfg["BLOCK_K"] == 0, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        launch_pdl=pdl)
     return flat
-
-
-def _k_splits(x: torch.Tensor, tiles: int, d_in: int, block_k: int) -> int:
-    """Programs per output tile of a decode call: doubled while ~SPLIT_PROGRAMS_PER_SM programs per SM are not
-    reached, up to MAX_K_SPLITS, each split keeping at least two K steps; 1 when switched off."""
-    if not _DECODE_SPLIT or tiles > COUNTERS:
-        return 1
-    target = 64 if interpreting() else SPLIT_PROGRAMS_PER_SM * _multiprocessors(x.get_device())
-    splits = 1
-    while splits < MAX_K_SPLITS and tiles * splits * 2 <= target and d_in >= splits * 2 * 2 * block_k:
-        splits *= 2
-    return splits
-
-
-@functools.lru_cache(maxsize=16)
-def _multiprocessors(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def linear_counters(device: torch.device | str) -> torch.Tensor:
-    """The counters a caller keeps for its split decode calls of stacked_linear_group (int32 [COUNTERS], zeros)."""
-    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-
-
-def _check_counters(counters: torch.Tensor, x: torch.Tensor) -> None:
-    if counters.shape != (COUNTERS,) or counters.dtype != torch.int32 or counters.device != x.device:
-        raise KernelInputError(f"counters must be int32 [{COUNTERS}] on {x.device} (linear_counters), got "
-                               f"{counters.dtype} {list(counters.shape)} on {counters.device}")

@@ -47,7 +47,7 @@ from molora.kernels.dispatch import (
 )
 from molora.kernels.graphs import call_key, load_graph_path
 from molora.kernels.torch_ops import pack_exact_rows, routed_linear_torch_slots
-from molora.kernels.triton_linear import linear_counters, stacked_linear_group
+from molora.kernels.triton_linear import stacked_linear_group
 from molora.kernels.triton_stacked import FusedLaunch
 from molora.routing.context import CallRouting, SharedOutputs, current_routing
 from molora.routing.errors import RoutingError
@@ -131,18 +131,6 @@ class ProjectionGroup:
         # kernels' FusedLaunch for these tensors, made on the first eager decode call: key None for the whole
         # group, p for member p called on its own input (the group's members turned out not to share x)
         self._launches: dict[int | None, FusedLaunch] = {}
-        self._counters: torch.Tensor | None = None  # the split decode GEMMs' (_counters_for)
-
-    def _counters_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The counters of this group's split decode GEMMs on x's device (kernels/triton_linear.py: its calls run one
-        after another on the stream, so one set serves them all), made on the first call outside a capture (a
-        capture's warm-up); None while a stream captures before they exist (no split then)."""
-        counters = self._counters
-        if counters is None or counters.device != x.device:
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                return None
-            counters = self._counters = linear_counters(x.device)
-        return counters
 
     def pack_exact_rows(self) -> bool:
         """Copy the members' stacked base weight into the CPU engine's exact-row GEMM form (kernels/torch_ops.py
@@ -245,7 +233,7 @@ class ProjectionGroup:
         elif not torch.is_grad_enabled() and fuses_base(x2, A.shape[1], A.shape[2], A.shape[0]) and \
                 (base := _weights_of_one_layout(members)) is not None:
             # one GEMM per call: every member's base GEMM with its delta inside (no autograd: no backward there)
-            flat = stacked_linear_group(x2, base, A, B, slots, weights, scale, bounds, counters=self._counters_for(x2))
+            flat = stacked_linear_group(x2, base, A, B, slots, weights, scale, bounds)
             return _with_bias(members, flat_blocks(flat, x2.shape[0], bounds), lead)
         else:
             meta = routing.meta(block) if path == "grouped" or path == "torch" else None
