@@ -4,7 +4,9 @@ reliability).
     python -m benchmarks.app_load --users 8 --sequential --same-length   # S1 (CPU): 8 at once vs one by one
     python -m benchmarks.app_load --users 20 --minutes 3 --cancel 0.2    # bounded load test
 
-The app (embedded model, `app.server.serve`) runs in this process on a free 127.0.0.1 port. Each user is its own
+The app (embedded model, `app.server.serve`) runs in this process on a free 127.0.0.1 port; the visitors' clients
+run in a second process (as browsers on other machines would: in the server's process their threads would take
+its interpreter lock; `--clients-in-server` puts them there, as before 2026-12-06). Each user is its own
 gradio_client session with its own adapters, routing mode, seed, length and best_of; with --cancel a share of the
 requests is cancelled part-way (what the Stop button and a closed tab do). Every completed output is compared with
 the same request run alone afterwards (the solo run), and the process's resident memory is read before and after.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import multiprocessing
 import random
 import resource
 import socket
@@ -23,7 +26,7 @@ import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 from gradio_client import Client
@@ -85,6 +88,20 @@ def run(client: Client, req: dict, cancel_after: float | None = None) -> tuple[d
     return {"text": text, "tokens": tokens, "images": images}, time.perf_counter() - started
 
 
+def visit(url: str, requests: list[dict], cancels: list[float | None], together: bool
+          ) -> tuple[list[tuple[dict | None, float]], float]:
+    """The visitors: each request in its own new session, all at once (`together`) or one after another in one
+    session; ([(output, seconds)], wall seconds). Sessions are opened before the clock starts."""
+    clients = [connect(url) for _ in requests] if together else [connect(url)] * len(requests)
+    started = time.perf_counter()
+    if together:
+        with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+            results = list(pool.map(lambda args_: run(*args_), zip(clients, requests, cancels)))
+    else:
+        results = [run(client, req, cancel) for client, req, cancel in zip(clients, requests, cancels)]
+    return results, time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--users", type=int, default=8)
@@ -95,6 +112,9 @@ def main() -> None:
     parser.add_argument("--no-solo", dest="solo", action="store_false", help="skip the solo runs (memory only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--same-length", action="store_true", help="every request a picture and text, 300 tokens")
+    parser.add_argument("--clients-in-server", action="store_true",
+                        help="run the visitors' clients in the server's process (before 2026-12-06: their threads "
+                             "then share its interpreter lock with the engine)")
     args = parser.parse_args()
     configure_cpu_threads(None)
     rng = random.Random(args.seed)
@@ -102,6 +122,11 @@ def main() -> None:
     warm_up(pipe)
     port = free_port()
     demo = serve(pipe, host="127.0.0.1", port=port, block=False)
+    # the visitors' clients stand for browsers on other machines: by default they run in a process of their own,
+    # so their threads do not take the server's interpreter lock (they still share the two cores)
+    pool = ThreadPoolExecutor(1) if args.clients_in_server else \
+        ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    visitors = pool.submit
     url = f"http://127.0.0.1:{port}/"
     try:
         rss_before = rss_mib()
@@ -116,11 +141,8 @@ def main() -> None:
         while True:
             requests = [make_request(rng, args.same_length) for _ in range(args.users)]
             cancels = [rng.uniform(0.2, 2.0) if rng.random() < args.cancel else None for _ in requests]
-            clients = [connect(url) for _ in requests]  # sessions first: a page load is not what is measured
-            started = time.perf_counter()
-            with ThreadPoolExecutor(max_workers=args.users) as pool:
-                results = list(pool.map(lambda args_: run(*args_), zip(clients, requests, cancels)))
-            wall += time.perf_counter() - started
+            results, seconds = visitors(visit, url, requests, cancels, True).result()
+            wall += seconds
             rounds += 1
             rss_rounds.append(rss_mib())
             with lock:
@@ -140,14 +162,11 @@ def main() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back: what is left is really held
         rss_trimmed = rss_mib()
         # the solo runs: the same requests, one at a time
-        solo_client = connect(url)
-        solo_started = time.perf_counter()
-        mismatches, solo_seconds = 0, []
-        for req, out, _ in (done if args.solo else []):
-            alone, seconds = run(solo_client, req)
-            solo_seconds.append(seconds)
-            mismatches += alone != out
-        solo_wall = max(time.perf_counter() - solo_started, 1e-9)
+        solo_requests = [req for req, _, _ in done] if args.solo else []
+        alone, solo_wall = visitors(visit, url, solo_requests, [None] * len(solo_requests), False).result()
+        solo_wall = max(solo_wall, 1e-9)
+        solo_seconds = [seconds for _, seconds in alone]
+        mismatches = sum(out != solo for (_, out, _), (solo, _) in zip(done, alone))
         latencies = [s for _, _, s in done]
         print(f"users {args.users}, rounds {rounds}, completed {len(done)}, cancelled {cancelled}")
         print(f"together: {wall:.1f} s wall; per-user latency p50 {statistics.median(latencies):.2f} s, "
@@ -164,6 +183,7 @@ def main() -> None:
               + (f"{rss_mib():.0f} MiB after the solo runs; " if args.solo else "") + "after each round: "
               f"{', '.join(f'{r:.0f}' for r in rss_rounds)} MiB")
     finally:
+        pool.shutdown(cancel_futures=True)
         demo.close()
 
 
