@@ -28,3 +28,16 @@ def test_the_picture_benchmark_decodes_one_whole_guided_picture(tmp_path: Path):
     sdpa = json.loads(out.read_text())["picture_sdpa"]  # --sdpa-too: the same picture through sdpa
     assert sdpa["steps"] == picture["steps"] and not sdpa["split_attention"] and picture["split_attention"]
     assert "E3 split-K / sdpa seconds:" in run.stdout
+
+
+def test_the_app_load_benchmark_serves_visitors_from_a_client_process_and_checks_their_solo_runs():
+    """S1's benchmark (benchmarks/app_load.py) on the embedded model: the visitors' clients run in a process of
+    their own (spawned: `visit` must travel to it), two at once and then one by one, and each output is compared
+    with its solo run."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.app_load", "--users", "2", "--sequential",
+                          "--same-length"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "users 2, rounds 1, completed 2, cancelled 0" in run.stdout, run.stdout
+    assert "one by one:" in run.stdout and "throughput ratio" in run.stdout
+    assert "outputs equal to their solo runs: 2/2" in run.stdout, run.stdout
+    assert "engine idle after the load (no running, waiting or pinned): True" in run.stdout
