@@ -125,7 +125,18 @@ def main() -> None:
                 set_packing(groups, packed)
         return timed
 
+    def one_thread(run):  # the C step in one thread: no GEMM helper (C1's "one thread each" against transformers)
+        def timed(seed: int) -> tuple[float, int, int]:
+            c_step.threads, threads = 1, c_step.threads
+            try:
+                return run(seed)
+            finally:
+                c_step.threads = threads
+        return timed
+
     rows = {"engine (C step)": with_forward(lean, c_step)} if c_step is not None else {}
+    if c_step is not None and c_step.threads > 1:
+        rows["engine (C step, one thread)"] = one_thread(with_forward(lean, c_step))
     if c_step is not None and pipe.gates is not None:
         rows["engine (C step), learned routing"] = with_forward(lean, c_step, "learned")
     rows |= {"engine (lean decoder, torch's step)": with_forward(lean), "engine (transformers forward)": with_forward(None),
@@ -184,6 +195,10 @@ def main() -> None:
           f"{medians[default] / reference:.2f}x transformers' eager generate (target <= 0.40x, <= 1.0 s); torch's step "
           f"{torch_step / reference:.2f}x, transformers forward in the engine "
           f"{medians['engine (transformers forward)'] / reference:.2f}x")
+    if "engine (C step, one thread)" in medians:
+        alone = medians["engine (C step, one thread)"]
+        print(f"the C step in one thread (no GEMM helper, one thread each): {alone:.2f} s = {alone / reference:.2f}x; "
+              f"with the helper {medians[default] / alone:.2f}x of that")
 
 
 if __name__ == "__main__":

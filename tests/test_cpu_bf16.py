@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from molora.kernels import cpu_bf16
+from molora.kernels import cpu_bf16, cpu_decode
 from molora.kernels.torch_ops import cpu_linear, pack_exact_rows
 
 needs_kernel = pytest.mark.skipif(not cpu_bf16.available(), reason="no C compiler with AVX-512 here")
@@ -102,3 +102,56 @@ def test_a_machine_where_the_kernel_cannot_be_built_keeps_onednn_with_one_log_li
             cpu_bf16.gemm_bf16w(torch.randn(2, 256), weight.bfloat16().view(4, 16, 256).transpose(1, 2).contiguous())
     finally:
         cpu_bf16.library.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.usefixtures("one_torch_thread")
+def test_the_two_core_gemm_gives_the_one_thread_numbers_and_two_callers_at_once_share_the_helper_safely():
+    """molora_gemm_bf16w_team (the C step's GEMM: a helper thread computes half the output blocks of a call of few
+    rows, or the caller takes them back) against molora_gemm_bf16w, bit for bit, at the embedded model's shapes and
+    row counts on both sides of TEAM_MAX_ROWS; then from two threads at once (one job at a time: the other
+    computes alone), and with the helper off."""
+    import ctypes
+    import threading
+
+    built = cpu_bf16.library()
+    team = built.molora_gemm_bf16w_team
+    team.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+
+    def both(x: torch.Tensor, copy: torch.Tensor, d_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+        plain, shared = torch.zeros(x.shape[0], d_out), torch.full((x.shape[0], d_out), float("nan"))
+        built.molora_gemm_bf16w(x.data_ptr(), copy.data_ptr(), plain.data_ptr(), x.shape[0], d_out, x.shape[1])
+        team(x.data_ptr(), copy.data_ptr(), shared.data_ptr(), x.shape[0], d_out, x.shape[1])
+        return plain, shared
+
+    shapes = [(768, 256), (256, 1024), (2048, 256), (1088, 256), (48, 7)]
+    copies = {shape: cpu_bf16.bf16_weight(_bf16_valued(*shape, seed=sum(shape))) for shape in shapes}
+    try:
+        assert built.molora_gemm_team(1) == 1
+        for (d_out, d_in), copy in copies.items():
+            for rows in (1, 2, 3, 4, 5, 9):
+                x = torch.randn(rows, d_in, generator=torch.Generator().manual_seed(rows)) * 3
+                plain, shared = both(x, copy, d_out)
+                assert torch.equal(plain, shared), (d_out, d_in, rows)
+        failures = []
+
+        def caller(seed: int) -> None:
+            for i in range(200):
+                d_out, d_in = shapes[(seed + i) % 4]
+                x = torch.randn(2, d_in, generator=torch.Generator().manual_seed(seed * 1000 + i))
+                plain, shared = both(x, copies[(d_out, d_in)], d_out)
+                if not torch.equal(plain, shared):
+                    failures.append((seed, i))
+
+        callers = [threading.Thread(target=caller, args=(seed,)) for seed in (1, 2)]
+        for thread in callers:
+            thread.start()
+        for thread in callers:
+            thread.join()
+        assert not failures, failures[:5]
+    finally:
+        built.molora_gemm_team(0)
+        cpu_decode._TEAM["on"] = False  # (the engine's next step switches it on again where it wants it)
+    x = torch.randn(2, 256)
+    plain, shared = both(x, copies[(2048, 256)], 2048)
+    assert torch.equal(plain, shared)

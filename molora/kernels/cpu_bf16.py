@@ -53,7 +53,7 @@ def library() -> ctypes.CDLL | None:
     try:
         folder = tempfile.mkdtemp(prefix="molora-gemm-")
         target = os.path.join(folder, "molora_cpu.so")
-        subprocess.run([*compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", target,
+        subprocess.run([*compiler, "-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-o", target,
                         *(str(source) for source in SOURCES), "-lm"], check=True, capture_output=True, timeout=60)
         built = ctypes.CDLL(target)
     except (OSError, subprocess.SubprocessError) as err:
@@ -69,6 +69,8 @@ def library() -> ctypes.CDLL | None:
     function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                          ctypes.c_long]
     function.restype = None
+    built.molora_gemm_team.argtypes = [ctypes.c_int]
+    built.molora_gemm_team.restype = ctypes.c_int
     step = built.molora_decode_step
     step.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 5 + [ctypes.c_long] * 2 + \
         [ctypes.c_void_p] * 3  # (..., k, gate sets, their GateSet array, decided slots, decided weights)

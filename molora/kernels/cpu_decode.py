@@ -235,8 +235,9 @@ def decode_step(weights: StepWeights, rows: torch.Tensor, ids: torch.Tensor, pos
     """One token for each batch row in `rows` [n] (distinct): row r feeds ids[r] at positions[r] with LoRA slot
     slots[r] (-1: none; or, with `learned`, its gates' top-k of each block), writes its K/V at (cache row r,
     positions[r]) and its logits into logits[r] (float32 [W, vocab]); the other rows of `logits` are left as they
-    are. `threads` > 1: the rows go in up to that many parts of PART_MIN_ROWS or more, side by side (the same
-    numbers)."""
+    are. `threads` > 1: the rows go in up to that many parts of PART_MIN_ROWS or more, side by side; a step of too
+    few rows for parts (a lone visitor) has each GEMM's output blocks shared with a helper thread instead
+    (gemm_bf16w.c molora_gemm_bf16w_team: each thread reads half the weights). The same numbers either way."""
     built = library()
     if built is None:
         raise RuntimeError("the CPU decode step is not built on this machine (kernels/cpu_bf16.py)")
@@ -264,6 +265,7 @@ def decode_step(weights: StepWeights, rows: torch.Tensor, ids: torch.Tensor, pos
                                         part.data_ptr(), ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                                         logits.data_ptr(), *args)
     count = min(threads, rows.shape[0] // PART_MIN_ROWS)
+    _gemm_team(built, threads > 1)
     if count > 1:
         # each row's numbers come from its own operations whatever the other rows are, and every write of a row
         # (its K/V, logits, decisions, routing state) is its own: the rows can go in parts, one thread each
@@ -279,6 +281,15 @@ def decode_step(weights: StepWeights, rows: torch.Tensor, ids: torch.Tensor, pos
         raise MemoryError(f"the C decode step could not allocate its scratch for {rows.shape[0]} rows")
     if status:
         raise RuntimeError(f"the C decode step returned an unknown status {status}")
+
+
+_TEAM = {"on": False, "pid": 0}  # what molora_gemm_team was last told, in which process
+
+
+def _gemm_team(built: ctypes.CDLL, on: bool) -> None:
+    """Switch the C library's GEMM helper thread on or off where that changes (a forked child starts off)."""
+    if _TEAM["on"] != on or _TEAM["pid"] != os.getpid():
+        _TEAM.update(on=bool(built.molora_gemm_team(int(on))), pid=os.getpid())
 
 
 @functools.cache

@@ -33,7 +33,7 @@
 
 #include "vec16.h"
 
-void molora_gemm_bf16w(const float *x, const uint16_t *w, float *y, long n, long o, long k);
+void molora_gemm_bf16w_team(const float *x, const uint16_t *w, float *y, long n, long o, long k);
 
 /* One learned gate set (routing/routers.py LearnedGates, as LearnedGroup.decide applies it at one position per
    row), in the order the sets apply: a later set's decision replaces an earlier one's on the rows it gates. Per
@@ -229,7 +229,7 @@ typedef struct {
 static void routed_linear(const Group *g, const long *widths, const float *x, float *y, long n,
                           const long *choice_slot, const float *choice_weight, long k, long slots, long rank,
                           long *members, float *t) {
-    molora_gemm_bf16w(x, g->weight, y, n, g->out, g->in);
+    molora_gemm_bf16w_team(x, g->weight, y, n, g->out, g->in);
     for (long s = 0; s < slots; s++) {
         long count = 0;
         for (long e = 0; e < n * k; e++)
@@ -424,7 +424,7 @@ int molora_decode_step(const long *dims, const float *reals, void *const *tensor
             for (long c = 0; c < d; c++) x[i * d + c] += proj[i * d + c];
     }
     for (long i = 0; i < n; i++) rms_norm(x + i * d, final_norm, h + i * d, d, eps);
-    molora_gemm_bf16w(h, head, out, n, vpad, d);
+    molora_gemm_bf16w_team(h, head, out, n, vpad, d);
     for (long i = 0; i < n; i++) memcpy(logits + rows[i] * vocab, out + i * vpad, sizeof(float) * vocab);
     free(scratch);
     free(longs);

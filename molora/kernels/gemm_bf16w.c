@@ -41,8 +41,120 @@ static inline __attribute__((always_inline)) void block(const float *x, const ui
         case 1: block(x, w, y, o, k, i, b, 1, VECS); break;                      \
     }
 
+/* output blocks [first, last) of y (16 outputs each; row stride o) */
+static void blocks_of(const float *x, const uint16_t *w, float *y, long n, long o, long k, long first, long last) {
+    long i, b;
+    for (b = first; b + 4 <= last; b += 4) { EVERY_ROW(4) }
+    for (; b < last; b++) { EVERY_ROW(1) }
+}
+
 void molora_gemm_bf16w(const float *x, const uint16_t *w, float *y, long n, long o, long k) {
-    long i, b, blocks = o / 16;
-    for (b = 0; b + 4 <= blocks; b += 4) { EVERY_ROW(4) }
-    for (; b < blocks; b++) { EVERY_ROW(1) }
+    blocks_of(x, w, y, n, o, k, 0, o / 16);
+}
+
+/* The two-core GEMM of a step of few rows (molora_gemm_bf16w_team): a lone visitor's step is bound by reading its
+   weights, so the two cores each read half of them, the caller the first half of the output blocks and one helper
+   thread the second. Either may compute the second half: the caller, done with its own, takes it back when the
+   helper has not started it (a helper kept off its core by other work never makes the caller wait), so the call is
+   never much slower than one thread. Every output is one FMA chain in either thread: the same numbers as
+   molora_gemm_bf16w. One job at a time (a second caller meanwhile computes alone); the helper spins briefly, then
+   sleeps until the next job. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sched.h>
+#ifdef __x86_64__
+#include <immintrin.h>
+#define RELAX() _mm_pause()
+#else
+#define RELAX() sched_yield()
+#endif
+
+enum { IDLE, POSTED, CLAIMED, DONE };
+enum { SPIN = 20000, TEAM_MAX_ROWS = 4, TEAM_MIN_BLOCKS = 16 };
+
+static struct {
+    const float *x;
+    const uint16_t *w;
+    float *y;
+    long n, o, k, first, last;
+} job;
+static atomic_int job_state = IDLE, job_owner = 0, team_on = 0, helper_asleep = 0;
+static pthread_mutex_t team_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t team_wake = PTHREAD_COND_INITIALIZER;
+
+static void *helper(void *unused) {
+    (void)unused;
+    for (;;) {
+        int spins = 0;
+        while (atomic_load_explicit(&job_state, memory_order_acquire) != POSTED) {
+            if (++spins < SPIN) { RELAX(); continue; }
+            pthread_mutex_lock(&team_lock);
+            atomic_store(&helper_asleep, 1);
+            while (atomic_load(&job_state) != POSTED) pthread_cond_wait(&team_wake, &team_lock);
+            atomic_store(&helper_asleep, 0);
+            pthread_mutex_unlock(&team_lock);
+        }
+        int posted = POSTED;
+        if (atomic_compare_exchange_strong(&job_state, &posted, CLAIMED)) {
+            blocks_of(job.x, job.w, job.y, job.n, job.o, job.k, job.first, job.last);
+            atomic_store_explicit(&job_state, DONE, memory_order_release);
+        }
+    }
+    return NULL;
+}
+
+static int helper_started = 0;
+
+/* a forked child has no helper thread (and may hold a copy of a lock the helper held): one thread there */
+static void after_fork_in_child(void) {
+    helper_started = 0;
+    atomic_store(&team_on, 0);
+    atomic_store(&helper_asleep, 0);
+    atomic_store(&job_state, IDLE);
+    atomic_store(&job_owner, 0);
+    pthread_mutex_init(&team_lock, NULL);
+    pthread_cond_init(&team_wake, NULL);
+}
+
+/* Switch the helper on (starting its thread once) or off; returns whether it is on. */
+int molora_gemm_team(int on) {
+    static int fork_handler = 0;
+    if (!fork_handler) {
+        pthread_atfork(NULL, NULL, after_fork_in_child);
+        fork_handler = 1;
+    }
+    int started = helper_started;
+    if (on && !started) {
+        pthread_t thread;
+        if (pthread_create(&thread, NULL, helper, NULL) != 0) return 0;
+        pthread_detach(thread);
+        helper_started = 1;
+    }
+    atomic_store(&team_on, on != 0);
+    return on != 0;
+}
+
+void molora_gemm_bf16w_team(const float *x, const uint16_t *w, float *y, long n, long o, long k) {
+    long blocks = o / 16, half = blocks / 2;
+    int free_slot = 0;
+    if (!atomic_load(&team_on) || n > TEAM_MAX_ROWS || blocks < TEAM_MIN_BLOCKS ||
+        !atomic_compare_exchange_strong(&job_owner, &free_slot, 1)) {
+        blocks_of(x, w, y, n, o, k, 0, blocks);
+        return;
+    }
+    job.x = x; job.w = w; job.y = y; job.n = n; job.o = o; job.k = k; job.first = half; job.last = blocks;
+    atomic_store_explicit(&job_state, POSTED, memory_order_release);
+    if (atomic_load(&helper_asleep)) {
+        pthread_mutex_lock(&team_lock);
+        pthread_cond_signal(&team_wake);
+        pthread_mutex_unlock(&team_lock);
+    }
+    blocks_of(x, w, y, n, o, k, 0, half);
+    int posted = POSTED;
+    if (atomic_compare_exchange_strong(&job_state, &posted, CLAIMED))  /* not started: take it back */
+        blocks_of(x, w, y, n, o, k, half, blocks);
+    else
+        while (atomic_load_explicit(&job_state, memory_order_acquire) != DONE) RELAX();
+    atomic_store(&job_state, IDLE);
+    atomic_store(&job_owner, 0);
 }
