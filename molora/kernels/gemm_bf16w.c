@@ -116,22 +116,26 @@ static void after_fork_in_child(void) {
     pthread_cond_init(&team_wake, NULL);
 }
 
-/* Switch the helper on (starting its thread once) or off; returns whether it is on. */
+/* Switch the helper on (starting its thread once) or off; returns whether it is on. (Callers come through ctypes,
+   which lets go of the GIL: two engines may call at once, so the start is made under the lock.) */
 int molora_gemm_team(int on) {
     static int fork_handler = 0;
+    pthread_mutex_lock(&team_lock);
     if (!fork_handler) {
         pthread_atfork(NULL, NULL, after_fork_in_child);
         fork_handler = 1;
     }
-    int started = helper_started;
-    if (on && !started) {
+    if (on && !helper_started) {
         pthread_t thread;
-        if (pthread_create(&thread, NULL, helper, NULL) != 0) return 0;
-        pthread_detach(thread);
-        helper_started = 1;
+        if (pthread_create(&thread, NULL, helper, NULL) == 0) {
+            pthread_detach(thread);
+            helper_started = 1;
+        }
     }
-    atomic_store(&team_on, on != 0);
-    return on != 0;
+    int now_on = on && helper_started;
+    atomic_store(&team_on, now_on);
+    pthread_mutex_unlock(&team_lock);
+    return now_on;
 }
 
 void molora_gemm_bf16w_team(const float *x, const uint16_t *w, float *y, long n, long o, long k) {
