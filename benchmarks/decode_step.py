@@ -109,7 +109,15 @@ def engine_rows(routed, vocab, device: str, new: int, lean: bool, overlap: bool,
     return rows, engine
 
 
-PREFETCH_SIZES = {"off": 0, "8 MiB": 8 << 20, "16 MiB": 16 << 20, "32 MiB": 32 << 20}
+# label: (bytes, the call's own weights read evict-first)
+PREFETCH_SIZES = {"off": (0, False), "8 MiB": (8 << 20, False), "16 MiB": (16 << 20, False),
+                  "32 MiB": (32 << 20, False), "16 MiB, evict-first": (16 << 20, True)}
+
+
+def set_prefetch(label: str) -> None:
+    nbytes, evict_first = PREFETCH_SIZES[label]
+    triton_linear.set_prefetch_bytes(nbytes)
+    triton_linear.set_stream_evict_first(evict_first)
 
 
 def prefetch_ab(routed, vocab, device: str, new: int, rng: random.Random) -> dict:
@@ -121,10 +129,10 @@ def prefetch_ab(routed, vocab, device: str, new: int, rng: random.Random) -> dic
     router = VocabRangeRouter(vocab, "txt", "img")
     engines: dict[str, Engine] = {}
     requests = {batch: [Request(prompt_ids(vocab, 32, rng), router) for _ in range(batch)] for batch in (1, 32)}
-    default = triton_linear.PREFETCH_BYTES
+    default = triton_linear.PREFETCH_BYTES, triton_linear.STREAM_EVICT_FIRST
     try:
-        for label, nbytes in PREFETCH_SIZES.items():
-            triton_linear.set_prefetch_bytes(nbytes)  # read when a step is captured: in each engine's warm-up below
+        for label in PREFETCH_SIZES:
+            set_prefetch(label)  # read when a step is captured: in each engine's warm-up below
             engines[label] = Engine(routed, vocab, device=device,
                                     config=EngineConfig(max_rows=64, max_len=32 + new + 8))
             for batch in (1, 32):
@@ -142,13 +150,14 @@ def prefetch_ab(routed, vocab, device: str, new: int, rng: random.Random) -> dic
                 print(f"prefetch {label} / off, batch {batch}: {max(runs[label]):.1f} / {max(runs['off']):.1f} "
                       f"tok/s = {ratio:.3f}", flush=True)
         for label, engine in engines.items() if device == "cuda" else ():
-            triton_linear.set_prefetch_bytes(PREFETCH_SIZES[label])  # (the profile runs an eager step)
+            set_prefetch(label)  # (the profile runs an eager step)
             result[f"replay_ms {label}"] = {w: round(ms, 3) for w, ms in replay_ms(engine).items()}
             with graph_paths():
                 result[f"profile {label}"] = profile_step(engine, 1, f"prefetch {label}, width 1")
             print(f"captured step GPU ms (prefetch {label}):", result[f"replay_ms {label}"], flush=True)
     finally:
-        triton_linear.set_prefetch_bytes(default)
+        triton_linear.set_prefetch_bytes(default[0])
+        triton_linear.set_stream_evict_first(default[1])
         for engine in engines.values():
             engine.close()
     return result

@@ -55,7 +55,7 @@ if HAS_TRITON:
                                SR_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                                EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                               THREADS: tl.constexpr):
+                               THREADS: tl.constexpr, W_EVICT: tl.constexpr):
         """One output tile: projection p's columns (bounds 0, O1, O2, O3, OUT; its first column tile T_p) for a
         row tile; the base GEMM over IN, then the stacked expand of the shrink's partials (summed over SPLIT_K);
         then, with PREFETCH, this program's share of the next GEMM's first PF_ELEMS weights asked into L2."""
@@ -84,11 +84,12 @@ if HAS_TRITON:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 xt = tl.load(x_rows + offs_k[None, :] * sx1, mask=mm[:, None], other=0.0)
-                wt = tl.load(w_cols + offs_k[:, None] * sw1, mask=mn[None, :], other=0.0)
+                wt = tl.load(w_cols + offs_k[:, None] * sw1, mask=mn[None, :], other=0.0, eviction_policy=W_EVICT)
             else:
                 mk = offs_k < IN
                 xt = tl.load(x_rows + offs_k[None, :] * sx1, mask=mm[:, None] & mk[None, :], other=0.0)
-                wt = tl.load(w_cols + offs_k[:, None] * sw1, mask=mk[:, None] & mn[None, :], other=0.0)
+                wt = tl.load(w_cols + offs_k[:, None] * sw1, mask=mk[:, None] & mn[None, :], other=0.0,
+                             eviction_policy=W_EVICT)
             acc += tl.dot(xt.to(DOT_DTYPE), wt.to(DOT_DTYPE), input_precision=PRECISION)
         # the delta: T_p [BLOCK_M, SR_PAD] (the shrink's split-K partials summed) @ Bf_p [SR_PAD, BLOCK_N]
         if PDL:  # launched beside the shrink: the base GEMM above ran meanwhile; wait for its partials now
@@ -152,6 +153,15 @@ DECODE_TILES = {1: (32, 256, 4, 4), 2: (64, 256, 4, 3), 3: (64, 256, 4, 4)}
 # there. Decode calls only (up to DECODE_MAX_TOKENS tokens), CUDA devices of compute capability 9.0 or later (the
 # bulk prefetch instruction), not under the interpreter. 0 switches it off (set_prefetch_bytes).
 PREFETCH_BYTES = 16 << 20
+# With a prefetch, the call's own weights stream with the evict-first hint (they are read once; the prefetched
+# lines should outlive them): set_stream_evict_first.
+STREAM_EVICT_FIRST = False
+
+
+def set_stream_evict_first(enabled: bool) -> None:
+    """Whether decode calls that prefetch read their own weights with the evict-first hint."""
+    global STREAM_EVICT_FIRST
+    STREAM_EVICT_FIRST = bool(enabled)
 
 
 def set_prefetch_bytes(nbytes: int) -> None:
@@ -257,5 +267,6 @@ def stacked_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.
         B.stride(2), P=p_count, DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=scfg["SR_PAD"],
         R_PAD=next_pow2(r), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         EVEN_K=d_in % cfg["BLOCK_K"] == 0, PDL=pdl, PREFETCH=pf_elems > 0, THREADS=32 * cfg["num_warps"],
+        W_EVICT="evict_first" if pf_elems and STREAM_EVICT_FIRST else "",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl)
     return flat
