@@ -23,7 +23,6 @@ that reading the weights once a step allows.
 
     python benchmarks/decode_step.py --learned --new 64
     python benchmarks/decode_step.py --picture --shape emu3-8b [--sdpa-too]
-    python benchmarks/decode_step.py --prefetch-ab        # the decode GEMMs' L2 prefetch of the next weight, by size
 """
 
 from __future__ import annotations
@@ -55,7 +54,6 @@ from serving import (  # noqa: E402
     sync,
 )
 
-from molora.kernels import triton_linear  # noqa: E402
 from molora.kernels.graphs import graph_paths  # noqa: E402
 from molora.models.engine.core import Done, Engine, EngineConfig  # noqa: E402
 from molora.models.engine.generation import GenerationConfig, Request  # noqa: E402
@@ -107,60 +105,6 @@ def engine_rows(routed, vocab, device: str, new: int, lean: bool, overlap: bool,
             print(f"engine ({name} forward), {label:26s} batch {batch:2d}: "
                   f"{best['tok_s']:9.1f} tok/s (median gap {statistics.median(best['gaps_ms']):.2f} ms)", flush=True)
     return rows, engine
-
-
-# label: (bytes, the call's own weights read evict-first)
-PREFETCH_SIZES = {"off": (0, False), "8 MiB": (8 << 20, False), "16 MiB": (16 << 20, False),
-                  "32 MiB": (32 << 20, False), "16 MiB, evict-first": (16 << 20, True)}
-
-
-def set_prefetch(label: str) -> None:
-    nbytes, evict_first = PREFETCH_SIZES[label]
-    triton_linear.set_prefetch_bytes(nbytes)
-    triton_linear.set_stream_evict_first(evict_first)
-
-
-def prefetch_ab(routed, vocab, device: str, new: int, rng: random.Random) -> dict:
-    """The decode GEMMs' L2 prefetch of the next GEMM's weight (kernels/triton_linear.py PREFETCH_BYTES) at each
-    size of PREFETCH_SIZES, in one run: one lean engine per size, each captured with it, timed in turns (best of 3,
-    batch 1 and 32, 2 adapters by vocabulary); then each one's captured width-1 and width-32 steps (GPU ms of a
-    replay) and the kernels of its width-1 step."""
-    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, **GREEDY)
-    router = VocabRangeRouter(vocab, "txt", "img")
-    engines: dict[str, Engine] = {}
-    requests = {batch: [Request(prompt_ids(vocab, 32, rng), router) for _ in range(batch)] for batch in (1, 32)}
-    default = triton_linear.PREFETCH_BYTES, triton_linear.STREAM_EVICT_FIRST
-    try:
-        for label in PREFETCH_SIZES:
-            set_prefetch(label)  # read when a step is captured: in each engine's warm-up below
-            engines[label] = Engine(routed, vocab, device=device,
-                                    config=EngineConfig(max_rows=64, max_len=32 + new + 8))
-            for batch in (1, 32):
-                run_engine(engines[label], requests[batch], [config] * batch)
-        result: dict = {}
-        for batch in (1, 32):
-            runs: dict[str, list[float]] = {label: [] for label in engines}
-            for _ in range(3):
-                for label, engine in engines.items():
-                    runs[label].append(run_engine(engine, requests[batch], [config] * batch)["tok_s"])
-            for label in engines:
-                result[f"{label}, batch {batch}"] = round(max(runs[label]), 1)
-                ratio = max(runs[label]) / max(runs["off"])
-                result[f"{label} / off, batch {batch}"] = round(ratio, 3)
-                print(f"prefetch {label} / off, batch {batch}: {max(runs[label]):.1f} / {max(runs['off']):.1f} "
-                      f"tok/s = {ratio:.3f}", flush=True)
-        for label, engine in engines.items() if device == "cuda" else ():
-            set_prefetch(label)  # (the profile runs an eager step)
-            result[f"replay_ms {label}"] = {w: round(ms, 3) for w, ms in replay_ms(engine).items()}
-            with graph_paths():
-                result[f"profile {label}"] = profile_step(engine, 1, f"prefetch {label}, width 1")
-            print(f"captured step GPU ms (prefetch {label}):", result[f"replay_ms {label}"], flush=True)
-    finally:
-        triton_linear.set_prefetch_bytes(default[0])
-        triton_linear.set_stream_evict_first(default[1])
-        for engine in engines.values():
-            engine.close()
-    return result
 
 
 def greedy_tokens(engine: Engine, vocab, requests: list[Request], new: int) -> list[list[int]]:
@@ -316,8 +260,6 @@ def main() -> None:
                         help="only learned top-2 rows (random gates) against vocabulary routing, default engine")
     parser.add_argument("--compiled-decision", action="store_true",
                         help="--learned: torch.compile's decision on CUDA, not the one-launch Triton kernel")
-    parser.add_argument("--prefetch-ab", action="store_true",
-                        help="the decode GEMMs' L2 prefetch of the next weight at each size (see prefetch_ab)")
     args = parser.parse_args()
     device, new = args.device, args.new
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -345,11 +287,6 @@ def main() -> None:
     table: dict = {}
 
     rng = random.Random(0)
-    if args.prefetch_ab:
-        results["prefetch_ab"] = prefetch_ab(routed, vocab, device, new, rng)
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=1))
-        return
     if args.learned:  # learned rows (captured like the others): how far they are from vocabulary routing
         decision.ONE_LAUNCH = not args.compiled_decision
         results["decision"] = "compiled" if args.compiled_decision else "one launch"

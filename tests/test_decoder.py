@@ -72,25 +72,6 @@ def test_lean_decoder_gives_transformers_logits_through_the_row_cache(make):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_each_projection_group_names_the_group_whose_gemm_the_forward_runs_next(monkeypatch):
-    """ProjectionGroup.next_group (what a decode GEMM asks the L2 for) follows the order the lean forward calls the
-    groups in: q/k/v, o, gate/up, down, the next block's q/k/v; the last down names none."""
-    from molora.routing.lora import ProjectionGroup
-
-    routed = _qwen3()
-    for adapter in random_adapters(routed, ["a", "b"], rank=8, std=0.2):
-        routed.add_adapter(adapter)
-    decoder = LeanDecoder(routed.model)
-    called = []
-    outputs = ProjectionGroup.outputs
-    monkeypatch.setattr(ProjectionGroup, "outputs", lambda self, *a, **kw: called.append(self) or outputs(self, *a, **kw))
-    ids = torch.randint(5, routed.model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3))
-    _steps(routed, decoder, ids, torch.zeros(2, 6, dtype=torch.long))
-    step = called[len(called) // 2:]  # the decode call's (the prefill's are the same groups)
-    assert len(step) == 4 * len(decoder.blocks) and len(set(map(id, step))) == len(step)
-    assert [group.next_group for group in step] == step[1:] + [None]
-
-
 def test_decode_rows_past_the_live_ones_skip_attention_and_leave_the_live_rows_bit_identical(monkeypatch):
     routed = _qwen3()  # grouped KV heads: the query rows of a KV head fold into one attention call
     for adapter in random_adapters(routed, ["a", "b"], rank=8, std=0.2):

@@ -791,54 +791,6 @@ def test_cuda_dependent_launch_gives_the_plain_launches_results_in_captured_grap
         assert rel_err(outs[1], want()) <= 2.5e-2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("n,k,nbytes", [(1, 1, None), (16, 2, None), (3, 1, 1000)])
-def test_cuda_decode_calls_prefetching_the_next_weight_give_the_same_bits_eagerly_and_captured(n, k, nbytes):
-    """A decode call that asks the L2 for the next GEMM's weight (the default size, and a size that leaves
-    programs with partial and empty shares) against the call without it, eagerly and captured with new slots on
-    every replay: the same bits, the reference's values, and the next weight untouched."""
-    from molora.kernels import routed_lora_group_reference
-    from molora.kernels.graphs import capture_graph
-    from molora.kernels.triton_linear import PREFETCH_BYTES, prefetch_elements, set_prefetch_bytes, stacked_linear_group
-
-    x, A, B, scale, g = make(n, 2048, 384, 4, 16, torch.bfloat16, seed=n)
-    x, A, B, scale = x.cuda(), A.cuda(), B.cuda(), scale.cuda()
-    A3, B3, s3 = torch.stack([A, A.flip(0), A]), torch.cat([B, B[:, :64]], 1), torch.stack([scale, scale * 2, scale])
-    bounds = (0, 384, 416, 448)
-    W = [torch.randn(hi - lo, 2048, dtype=torch.bfloat16, device="cuda") / 2048 ** 0.5
-         for lo, hi in zip(bounds, bounds[1:])]
-    following = torch.randn(6144, 2048, dtype=torch.bfloat16, device="cuda")
-    kept = following.clone()
-    slots = torch.randint(-1, 4, (n, k), generator=g).cuda()
-    weights = torch.rand(n, k, generator=g).cuda() if k > 1 else None
-    default = PREFETCH_BYTES
-    set_prefetch_bytes(default if nbytes is None else nbytes)
-    try:
-        hopper = torch.cuda.get_device_capability()[0] >= 9
-        assert prefetch_elements(x, n, following) == (min(following.numel(), (nbytes or default) // 2) // 8 * 8
-                                                      if hopper else 0)
-        assert prefetch_elements(x, 17, following) == 0 and prefetch_elements(x, n, following.float()) == 0
-
-        def call(prefetch: bool = True) -> torch.Tensor:
-            return stacked_linear_group(x, W, A3, B3, slots, weights, s3, bounds,
-                                        prefetch=following if prefetch else None)
-
-        def want() -> torch.Tensor:
-            deltas = routed_lora_group_reference(x, A3, B3, slots, weights, s3, bounds)
-            return torch.cat([(x.double() @ w.double().t()).flatten() + d.double().flatten()
-                              for w, d in zip(W, deltas)])
-
-        assert torch.equal(call(), call(False)) and rel_err(call(), want()) <= 2.5e-2
-        graph, out = capture_graph(call)
-        for _ in range(3):
-            slots.copy_(torch.randint(-1, 4, (n, k), generator=g).cuda())
-            graph.replay()
-            assert torch.equal(out, call(False)) and rel_err(out, want()) <= 2.5e-2
-        assert torch.equal(following, kept)
-    finally:
-        set_prefetch_bytes(default)
-
-
 @pytest.mark.parametrize("n,k", [(40, 2), (33, 1), (0, 1)])
 def test_cpu_stacked_form_matches_reference_adds_in_place_and_serves_groups(n, k):
     """The CPU's all-slots form above 2 r rows: one shrink GEMM against every slot, one expand GEMM."""

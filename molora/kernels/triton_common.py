@@ -56,8 +56,7 @@ def set_dependent_launch(enabled: bool) -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def sm90_or_later(device_index: int) -> bool:
-    """Whether CUDA device `device_index` is Hopper or later (compute capability 9.0+)."""
+def _sm90_or_later(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
@@ -65,7 +64,7 @@ def dependent_launch(x: torch.Tensor) -> bool:
     """Whether the two-phase launchers chain their phases by programmatic dependent launch for tensors like x: on a
     CUDA device of compute capability 9.0 or later, with a triton that has the ops, not under the interpreter,
     unless switched off."""
-    return _DEPENDENT_LAUNCH and _HAS_GDC and not _INTERPRETING and x.is_cuda and sm90_or_later(x.get_device())
+    return _DEPENDENT_LAUNCH and _HAS_GDC and not _INTERPRETING and x.is_cuda and _sm90_or_later(x.get_device())
 
 
 def interpreting() -> bool:

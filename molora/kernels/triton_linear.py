@@ -38,7 +38,6 @@ from molora.kernels.triton_common import (
     dot_config,
     interpreting,
     next_pow2,
-    sm90_or_later,
     stacked_width,
     tl,
     triton,
@@ -48,17 +47,14 @@ from molora.kernels.triton_stacked import MAX_WIDTH, stacked_config, stacked_shr
 if HAS_TRITON:
     @triton.jit
     def _stacked_linear_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, b_ptr, part_ptr, out_ptr,
-                               pf_ptr, PF_ELEMS,
                                N, IN, OUT, R, S, SPLIT_K, O1, O2, O3, T1, T2, T3, TILES_N,
                                sx0, sx1, sw0, sw1, sb0, sb1, sb2,
                                P: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
                                SR_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                               EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                               THREADS: tl.constexpr, W_EVICT: tl.constexpr):
+                               EVEN_K: tl.constexpr, PDL: tl.constexpr):
         """One output tile: projection p's columns (bounds 0, O1, O2, O3, OUT; its first column tile T_p) for a
-        row tile; the base GEMM over IN, then the stacked expand of the shrink's partials (summed over SPLIT_K);
-        then, with PREFETCH, this program's share of the next GEMM's first PF_ELEMS weights asked into L2."""
+        row tile; the base GEMM over IN, then the stacked expand of the shrink's partials (summed over SPLIT_K)."""
         pid = tl.program_id(0)
         tiles_m = tl.cdiv(N, BLOCK_M)
         in_group = GROUP_M * TILES_N
@@ -84,12 +80,11 @@ if HAS_TRITON:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 xt = tl.load(x_rows + offs_k[None, :] * sx1, mask=mm[:, None], other=0.0)
-                wt = tl.load(w_cols + offs_k[:, None] * sw1, mask=mn[None, :], other=0.0, eviction_policy=W_EVICT)
+                wt = tl.load(w_cols + offs_k[:, None] * sw1, mask=mn[None, :], other=0.0)
             else:
                 mk = offs_k < IN
                 xt = tl.load(x_rows + offs_k[None, :] * sx1, mask=mm[:, None] & mk[None, :], other=0.0)
-                wt = tl.load(w_cols + offs_k[:, None] * sw1, mask=mk[:, None] & mn[None, :], other=0.0,
-                             eviction_policy=W_EVICT)
+                wt = tl.load(w_cols + offs_k[:, None] * sw1, mask=mk[:, None] & mn[None, :], other=0.0)
             acc += tl.dot(xt.to(DOT_DTYPE), wt.to(DOT_DTYPE), input_precision=PRECISION)
         # the delta: T_p [BLOCK_M, SR_PAD] (the shrink's split-K partials summed) @ Bf_p [SR_PAD, BLOCK_N]
         if PDL:  # launched beside the shrink: the base GEMM above ran meanwhile; wait for its partials now
@@ -107,20 +102,6 @@ if HAS_TRITON:
         acc += tl.dot(t.to(DOT_DTYPE), bt.to(DOT_DTYPE), input_precision=PRECISION)
         out = out_ptr + lo.to(tl.int64) * N + offs_m64[:, None] * width + offs_n[None, :]
         tl.store(out, acc, mask=mm[:, None] & mn[None, :])
-        if PREFETCH:
-            _prefetch_l2(pf_ptr, PF_ELEMS, pid, tl.num_programs(0), THREADS)
-
-    @triton.jit
-    def _prefetch_l2(base_ptr, elems, pid, programs, THREADS: tl.constexpr):
-        """Ask the L2 for program `pid`'s share of base_ptr[:elems] (16-bit elements, elems a multiple of 8): one
-        bulk prefetch of a 16-byte multiple a thread (cp.async.bulk.prefetch.L2, sm_90; no registers, no wait)."""
-        chunk = tl.cdiv(tl.cdiv(elems, programs * THREADS), 8) * 8
-        start = (pid * THREADS + tl.arange(0, THREADS)).to(tl.int64) * chunk
-        count = tl.minimum(tl.maximum(elems - start, 0), chunk)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [(base_ptr + start).to(tl.int64, bitcast=True), (count * 2).to(tl.int32)], dtype=tl.int32,
-            is_pure=False, pack=1)
 
 
 # Tiles (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): the small ones, unless the large ones still
@@ -145,38 +126,6 @@ WIDE_MIN_PROGRAMS = 64
 #   o 23.6 -> 20.6 (19.4), down 47.7 -> 44.7 (42.4); each within 4% of the best tiles of its shape at N = 1, 2, 16
 DECODE_MAX_TOKENS = 16
 DECODE_TILES = {1: (32, 256, 4, 4), 2: (64, 256, 4, 3), 3: (64, 256, 4, 4)}
-
-
-# A decode GEMM streams its weights from HBM; the small kernels between two of them (norms, rotary, attention, the
-# next shrink) leave HBM nearly idle. So a decode call told the next GEMM's weight asks the L2 for its first
-# PREFETCH_BYTES as each program ends (the L2 holds 50 MB on an H100 / H200), and the next GEMM reads them from
-# there. Decode calls only (up to DECODE_MAX_TOKENS tokens), CUDA devices of compute capability 9.0 or later (the
-# bulk prefetch instruction), not under the interpreter. 0 switches it off (set_prefetch_bytes).
-PREFETCH_BYTES = 16 << 20
-# With a prefetch, the call's own weights stream with the evict-first hint (they are read once; the prefetched
-# lines should outlive them): set_stream_evict_first.
-STREAM_EVICT_FIRST = False
-
-
-def set_stream_evict_first(enabled: bool) -> None:
-    """Whether decode calls that prefetch read their own weights with the evict-first hint."""
-    global STREAM_EVICT_FIRST
-    STREAM_EVICT_FIRST = bool(enabled)
-
-
-def set_prefetch_bytes(nbytes: int) -> None:
-    """How many bytes of the next GEMM's weight a decode call asks into L2 (0: none) for the calls that follow."""
-    global PREFETCH_BYTES
-    PREFETCH_BYTES = max(0, int(nbytes))
-
-
-def prefetch_elements(x: torch.Tensor, n: int, weight: torch.Tensor | None) -> int:
-    """How many elements of `weight` a call on x of n tokens asks into L2 (a multiple of 8: 16-byte chunks)."""
-    if weight is None or PREFETCH_BYTES == 0 or n > DECODE_MAX_TOKENS or interpreting() or not x.is_cuda or \
-            not weight.is_cuda or weight.element_size() != 2 or not weight.is_contiguous() or \
-            not sm90_or_later(x.get_device()):
-        return 0
-    return min(weight.numel(), PREFETCH_BYTES // 2) // 8 * 8
 
 
 @functools.lru_cache(maxsize=256)
@@ -222,13 +171,11 @@ def _check(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.Tensor, B: tor
 def stacked_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.Tensor, B: torch.Tensor,
                          slots: torch.Tensor, weights: torch.Tensor | None, scale: torch.Tensor,
                          bounds: tuple[int, ...], config: dict | None = None,
-                         shrink_config: dict | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                         shrink_config: dict | None = None) -> torch.Tensor:
     """Base linear plus routed delta of P projections sharing x [N, in]: W (P base weights [width_p, in], x's
     dtype), A [P, S, r, in], B [S, O, r], scale [P, S] (contiguous), slots [N, k] (-1: no adapter), weights [N, k]
     or None. Returns one flat buffer [N * O] in x's dtype, projection p's output the contiguous [N, width_p] block
-    at N * bounds[p] (no bias). `config` / `shrink_config` override the GEMM's and the shrink's tiles. `prefetch`:
-    the weight the next GEMM reads (a contiguous 16-bit tensor), whose first bytes a decode call asks into L2 at
-    its end (see PREFETCH_BYTES; ignored where prefetches() is False).
+    at N * bounds[p] (no bias). `config` / `shrink_config` override the GEMM's and the shrink's tiles.
 
     A launcher, as stacked_lora_group is: it checks the weights and the shapes it lays out, not the routing inputs
     (slots' and weights' shapes, dtypes and devices, scale's shape) that the public ops check
@@ -259,14 +206,11 @@ def stacked_linear_group(x: torch.Tensor, W: tuple[torch.Tensor, ...], A: torch.
     w0, w1, w2, w3 = (W + (W[0],) * 3)[:4]
     dot_dtype, precision = dot_config(x.dtype)
     grid = (cdiv(n, cfg["BLOCK_M"]) * starts[-1],)
-    pf_elems = prefetch_elements(x, n, prefetch)
     _stacked_linear_kernel[grid](
-        x, w0, w1, w2, w3, B, part, flat, prefetch if pf_elems else x, pf_elems,
-        n, d_in, d_out, r, s_count, part.shape[0], o1, o2, o3, t1, t2, t3,
+        x, w0, w1, w2, w3, B, part, flat, n, d_in, d_out, r, s_count, part.shape[0], o1, o2, o3, t1, t2, t3,
         starts[-1], x.stride(0), x.stride(1), W[0].stride(0), W[0].stride(1), B.stride(0), B.stride(1),
         B.stride(2), P=p_count, DOT_DTYPE=dot_dtype, PRECISION=precision, SR_PAD=scfg["SR_PAD"],
         R_PAD=next_pow2(r), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        EVEN_K=d_in % cfg["BLOCK_K"] == 0, PDL=pdl, PREFETCH=pf_elems > 0, THREADS=32 * cfg["num_warps"],
-        W_EVICT="evict_first" if pf_elems and STREAM_EVICT_FIRST else "",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl)
+        EVEN_K=d_in % cfg["BLOCK_K"] == 0, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        launch_pdl=pdl)
     return flat

@@ -80,9 +80,6 @@ class ProjectionGroup:
         self.bounds = tuple(bounds)
         self.widths = tuple(layer.out_features for layer in self.members)
         self.size = len(self.members)
-        # the group whose GEMM a decode step runs next (set by the engine's decoder, which knows the order): a
-        # decode call asks the L2 for the start of its base weight (kernels/triton_linear.py PREFETCH_BYTES)
-        self.next_group: ProjectionGroup | None = None
         # the base weight's copy for the CPU's exact-row GEMMs (kernels/torch_ops.py pack_exact_rows: bfloat16 for our
         # kernel or oneDNN-packed), and the weight's (address, version) it was made from: None until the engine asks
         self.packed: torch.Tensor | None = None
@@ -236,9 +233,7 @@ class ProjectionGroup:
         elif not torch.is_grad_enabled() and fuses_base(x2, A.shape[1], A.shape[2], A.shape[0]) and \
                 (base := _weights_of_one_layout(members)) is not None:
             # one GEMM per call: every member's base GEMM with its delta inside (no autograd: no backward there)
-            following = self.next_group
-            flat = stacked_linear_group(x2, base, A, B, slots, weights, scale, bounds,
-                                        prefetch=following.weight if following is not None else None)
+            flat = stacked_linear_group(x2, base, A, B, slots, weights, scale, bounds)
             return _with_bias(members, flat_blocks(flat, x2.shape[0], bounds), lead)
         else:
             meta = routing.meta(block) if path == "grouped" or path == "torch" else None

@@ -70,22 +70,6 @@ class LeanDecoder:
         self.compile = compile
         self.split_attention = split_attention
         self._fused_on: torch.device | None = None
-        self._chain_groups()
-
-    def _chain_groups(self) -> None:
-        """Tell each routed projection group which group's GEMM this forward runs next (q/k/v, o, gate/up, down,
-        then the next block's q/k/v; members of one group run in one call), so a decode GEMM can ask the L2 for the
-        next one's weights (routing/lora.py ProjectionGroup.next_group)."""
-        groups = []
-        for block in self.blocks:
-            attn, mlp = block.self_attn, block.mlp
-            for layer in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                          mlp.down_proj):
-                group = getattr(layer, "group", None)  # (a RoutedLoRALinear's)
-                if group is not None and (not groups or groups[-1] is not group):
-                    groups.append(group)
-        for group, following in zip(groups, groups[1:] + [None]):
-            group.next_group = following
 
     @staticmethod
     def unsupported(model: nn.Module) -> str | None:
