@@ -45,6 +45,8 @@ from molora.routing.model import RoutedModel, attach_routed_lora  # noqa: E402
 log = logging.getLogger("train_image_adapter")
 REPO = Path(__file__).resolve().parents[1]
 DESCRIPTIONS = {"outline": "Image style: shapes drawn as outlines with hollow centres.",
+                "filled": "Image style: shapes filled in the colour named, the requested scene alone (a picture after "
+                          "another picture draws a new scene, not the earlier objects again).",
                 "negative": "Image style: shapes filled in the complementary colour of the one named (a colour "
                             "negative: red <-> green, orange <-> blue, yellow <-> purple, pink <-> brown)."}
 
@@ -66,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-minutes", type=float, default=0.0)
+    p.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="the stored weights' dtype (trained in float32; the shipped ones are kept as bfloat16)")
     return p.parse_args(argv)
 
 
@@ -126,13 +130,14 @@ def main(argv: list[str] | None = None) -> dict:
     step, curve = train_slot(params, len(train), loss_of, args, adapter=name, desc=f"image adapter {name}")
     trained = picture_metrics(routed, name, val, args.device)
     folder = args.out / name
-    save_peft_adapter(read_slot(routed, adapter, slot), folder)
+    save_peft_adapter(read_slot(routed, adapter, slot), folder, dtype=getattr(torch, args.save_dtype))
     (folder / "molora.json").write_text(json.dumps(
         {"modality": "image", "style": args.style, "description": DESCRIPTIONS[args.style],
          "context": "base: the adapter acts on its picture's positions only"}, indent=2))
     metrics = {"val_base": base, "val_adapter": trained, "val_requests": len(val), "train_requests": len(train),
                "second": args.second, "steps": step, "planned_steps": args.steps, "batch_size": args.batch_size,
                "lr": args.lr, "rank": args.rank, "alpha": args.alpha, "seed": args.seed, "threads": args.threads,
+               "save_dtype": args.save_dtype,
                "train_loss": curve[-1][1] if curve else None, "loss_curve": curve,
                "seconds": round(time.time() - t0, 1), "device": device_name(args.device), "torch": torch.__version__}
     (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))

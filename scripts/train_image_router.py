@@ -4,7 +4,8 @@ base expert, per picture, from what the words before it asked for. Base, adapter
 
 Data (models/families/shapes/styles.py): "Here is an outlined small red circle at the top left:" + the picture in that
 style; the shipped `outline` LoRA draws outlined shapes, the `negative` LoRA shapes in the complementary colour, the
-base model filled ones (the base expert). Per block a gate Linear(d_model, 3) on the block input of image positions (`<boi>`, codes, row markers, `<eoi>`), and with
+`filled` LoRA filled ones (the base expert stays a choice: no request asks for it). Per block a gate
+Linear(d_model, 4) on the block input of image positions (`<boi>`, codes, row markers, `<eoi>`), and with
 --context-decays also on a routing state updated by the text positions (the words before the picture); loss =
 next-token loss on the picture's ids + lb * load-balance + z * z-loss + label * cross-entropy of every block's gate
 against the requested style's expert on the picture's positions. The gates train at k = 2 (with k = 1 the kept
@@ -36,6 +37,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from molora.models.engine.runtime import device_name  # noqa: E402
+from molora.models.families.family import load_family_model  # noqa: E402
 from molora.models.families.loading import adapter_weights_hash  # noqa: E402
 from molora.models.families.shapes import world  # noqa: E402
 from molora.models.families.shapes.data import Schedule  # noqa: E402
@@ -157,7 +159,13 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    pipe = InterleavedPipeline.from_pretrained(args.model_dir, device=args.device, dtype=torch.float32)
+    # the text gates, not the image gates these replace (trained over the image adapters of before, they would be
+    # refused once those adapters are retrained)
+    loaded = load_family_model(args.model_dir, device=args.device, dtype=torch.float32)
+    gates_path, loaded.gates_path = loaded.gates_path, None
+    pipe = InterleavedPipeline(loaded)
+    if gates_path is not None:
+        pipe.load_learned_router(gates_path, image_gates=False)
     if pipe.gates is None:
         raise SystemExit("the image gates extend a text router: the model needs its learned text gates loaded")
     image_adapters = [a for a in dict.fromkeys(STYLE_ADAPTERS.values()) if a is not None]

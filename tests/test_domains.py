@@ -202,7 +202,7 @@ def test_style_requests_cycle_name_their_style_and_render_in_it():
         assert (drawn.shape, drawn.size, drawn.cell) == (asked.shape, asked.size, asked.cell)
         assert drawn.colour == (NEGATIVE_COLOUR[asked.colour] if it.style == "negative" else asked.colour)
         assert drawn_style(analyse_image(render(it.drawn)), it) == it.style  # the exact reader tells all three apart
-        assert it.adapter == {"outline": "outline", "filled": None, "negative": "negative"}[it.style]
+        assert it.adapter == {"outline": "outline", "filled": "filled", "negative": "negative"}[it.style]
 
 
 def test_negative_colours_pair_every_colour_with_another():

@@ -13,6 +13,7 @@ from molora.models.families.shapes.domains import domain_items, mixed_items
 from molora.models.families.shapes.loading import load_model_dir
 from molora.models.families.shapes.testing import write_tiny_model_dir
 from molora.routing import LabelRouter, LearnedGates, LearnedRouter, RoutingError, SequenceRouter
+from molora.routing.adapters import load_peft_adapter
 from molora.routing.errors import AdapterError, UnknownAdapterError
 from tests.script_loader import load_script
 
@@ -539,11 +540,13 @@ def test_image_adapter_trains_on_its_pictures_only_and_loads_as_an_image_adapter
     assert metrics["val_adapter"]["picture_loss"] != metrics["val_base"]["picture_loss"]  # it trained
     loaded = load_model_dir(model, adapters_dir=tmp_path / "adapters")
     assert [(a.name, a.modality) for a in loaded.adapters] == [("negative", "image")]
+    stored = load_peft_adapter(folder)  # trained in float32, stored as bfloat16 (--save-dtype)
+    assert {t.dtype for pair in stored.weights.values() for t in pair} == {torch.bfloat16}
     picture = torch.tensor([[False, False, True, True]])
     router = script.picture_router("negative", picture)
     assert router.labels.tolist() == [[-1, -1, 0, 0]]
 
 
-def test_image_adapter_refuses_a_style_no_adapter_draws():
+def test_image_adapter_refuses_a_style_it_does_not_know():
     with pytest.raises(SystemExit):
-        load_script("train_image_adapter").parse_args(["--out", "/tmp/x", "--style", "filled"])
+        load_script("train_image_adapter").parse_args(["--out", "/tmp/x", "--style", "striped"])

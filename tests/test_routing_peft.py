@@ -19,6 +19,7 @@ from molora.routing import (
     load_peft_adapter,
     save_peft_adapter,
 )
+from molora.routing.errors import AdapterError
 
 VOCAB = UnifiedVocab(vocab_size=64, text_start=5, text_size=27, image_start=32, image_size=32, pad_id=0, bos_id=1,
                      eos_id=2, boi_id=3, eoi_id=4, image_grid=(2, 2))
@@ -153,6 +154,31 @@ def test_saved_adapter_loads_back_in_peft_with_the_same_logits(tmp_path, rslora)
     for module, (a, b) in routed.adapter(name).weights.items():
         assert torch.equal(again.weights[module][0], a) and torch.equal(again.weights[module][1], b)
         assert again.scales[module] == pytest.approx(routed.adapter(name).scales[module])
+
+
+def test_an_adapter_stored_as_bfloat16_loads_back_rounded_and_the_store_script_rewrites_a_folder(tmp_path):
+    """save_peft_adapter(dtype=...) and scripts/store_adapter.py: the weights come back as the old ones rounded to
+    bfloat16, peft loads the folder, molora.json stays; an integer dtype is refused before anything is written."""
+    from tests.script_loader import load_script
+
+    base = tiny_llama()
+    make_peft_adapter(base, tmp_path / "src", 5, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    adapter = load_peft_adapter(tmp_path / "src")
+    save_peft_adapter(adapter, tmp_path / "half", dtype=torch.bfloat16)
+    half = load_peft_adapter(tmp_path / "half")
+    for module, (a, b) in adapter.weights.items():
+        assert half.weights[module][0].dtype == torch.bfloat16
+        assert torch.equal(half.weights[module][0], a.to(torch.bfloat16))
+        assert torch.equal(half.weights[module][1], b.to(torch.bfloat16))
+    PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "half"))
+    with pytest.raises(AdapterError, match="not torch.int8"):
+        save_peft_adapter(adapter, tmp_path / "ints", dtype=torch.int8)
+    assert not (tmp_path / "ints").exists()
+    (tmp_path / "src" / "molora.json").write_text('{"modality": "image"}')
+    load_script("store_adapter").main([str(tmp_path / "src"), "--dtype", "bfloat16"])
+    stored = load_peft_adapter(tmp_path / "src")
+    assert all(torch.equal(stored.weights[m][0], half.weights[m][0]) for m in adapter.weights)
+    assert (tmp_path / "src" / "molora.json").read_text() == '{"modality": "image"}'
 
 
 def test_qwen3_routed_model_equals_peft(tmp_path):

@@ -187,22 +187,23 @@ class InterleavedPipeline:
             self.routed.add_adapter(merged, info=AdapterInfo(name, None, "merged", f"sum of {', '.join(names)}"))
             return name
 
-    def load_learned_router(self, path: str | Path, *, top_k: int | None = None) -> None:
+    def load_learned_router(self, path: str | Path, *, top_k: int | None = None, image_gates: bool = True) -> None:
         """Load learned gates (routing.LearnedGates.save); their adapters must be loaded already. A config.json
         beside the gates (scripts/train_router.py writes one) gives the default top_k and the hash of every
         adapter the gates were trained on: gates trained on other weights are refused. Its "image_gates" section
         (scripts/train_image_router.py) names image gates beside them, which then route pictures among the image
-        adapters in learned mode. Nothing changes on error."""
+        adapters in learned mode (`image_gates=False`: the text gates alone, as a script that trains new image gates
+        over new image adapters loads them). Nothing changes on error."""
         path = Path(path)
         config = read_router_config(path.parent / "config.json")
         gates = self._checked_gates(path, config.get("adapter_sha256_16", {}), "text")
-        image_gates = None
-        if "image_gates" in config:
+        picture_gates = None
+        if image_gates and "image_gates" in config:
             section = config["image_gates"]
-            image_gates = self._checked_gates(path.parent / str(section.get("file", "image_gates.safetensors")),
-                                              section.get("adapter_sha256_16", {}), "image")
+            picture_gates = self._checked_gates(path.parent / str(section.get("file", "image_gates.safetensors")),
+                                                section.get("adapter_sha256_16", {}), "image")
         with self._lock:
-            self.gates, self.image_gates = gates, image_gates
+            self.gates, self.image_gates = gates, picture_gates
             if top_k is not None or "top_k" in config:
                 self.learned_top_k = int(top_k if top_k is not None else config["top_k"])
 

@@ -374,8 +374,11 @@ def _rank_alpha_config(adapter: LoraAdapter, rslora: bool) -> dict[str, Any] | N
             "alpha_pattern": alpha_pattern}
 
 
-def save_peft_adapter(adapter: LoraAdapter, path: str | Path) -> None:
-    """Write `adapter` as a PEFT LoRA folder that `peft.PeftModel.from_pretrained` loads back exactly."""
+def save_peft_adapter(adapter: LoraAdapter, path: str | Path, *, dtype: torch.dtype | None = None) -> None:
+    """Write `adapter` as a PEFT LoRA folder that `peft.PeftModel.from_pretrained` loads back exactly (`dtype`:
+    the stored tensors' dtype, e.g. torch.bfloat16 to halve the file; None keeps theirs)."""
+    if dtype is not None and dtype not in LORA_DTYPES.values():
+        raise AdapterError(f"LoRA weights are stored as one of {sorted(LORA_DTYPES)}, not {dtype}")
     adapter.validate()
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
@@ -398,8 +401,8 @@ def save_peft_adapter(adapter: LoraAdapter, path: str | Path) -> None:
     })
     tensors: dict[str, torch.Tensor] = {}
     for module, (a, b) in sorted(adapter.weights.items()):
-        tensors[f"base_model.model.{module}.lora_A.weight"] = a.detach().to("cpu").contiguous()
-        tensors[f"base_model.model.{module}.lora_B.weight"] = b.detach().to("cpu").contiguous()
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.detach().to("cpu", dtype).contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.detach().to("cpu", dtype).contiguous()
     save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
     log.info("saved LoRA '%s' to %s", adapter.name, folder)

@@ -2,9 +2,11 @@
 the adapter that draws it.
 
 An item is a sentence asking for one shape in a named style ("Here is an outlined small red circle at the top
-left:") and the scene it asks for, drawn in that style. Three styles, two image adapters and the base expert:
+left:") and the scene it asks for, drawn in that style. Three styles, an image adapter each:
 
-    filled    the embedded model's own drawing (the base expert)
+    filled    the shipped `filled` LoRA: the embedded model's own drawing (the base draws a first picture filled, but a
+              second one carries the first picture's objects over, as its training stories do; the LoRA draws the
+              new scene alone)
     outline   the shipped `outline` LoRA: the shape with a hollow centre
     negative  the shipped `negative` LoRA: the shape filled in its complementary colour (NEGATIVE_COLOUR: red <->
               green, orange <-> blue, yellow <-> purple, pink <-> brown), as a colour negative shows it; the
@@ -15,7 +17,7 @@ ShapesEval's exact reader (`drawn_style`: outline or filled from models/families
 whether its colour is the one asked for or its complement).
 
     style_items(n, seed=0, split="train") -> list[StyleItem]   styles cycle outline, filled, negative
-    STYLE_ADAPTERS = {"outline": "outline", "filled": None, "negative": "negative"}   who draws each style
+    STYLE_ADAPTERS = {"outline": "outline", "filled": "filled", "negative": "negative"}   who draws each style
     drawn_style(reading, item) -> "outline" | "filled" | "negative" | None   the style a picture shows for `item`
 """
 
@@ -31,7 +33,7 @@ from .text import _article, cell_phrase
 STYLES: tuple[str, ...] = ("outline", "filled", "negative")
 STYLE_WORDS: dict[str, tuple[str, ...]] = {"outline": ("outlined", "hollow"), "filled": ("filled", "solid"),
                                            "negative": ("negative", "inverted")}
-STYLE_ADAPTERS: dict[str, str | None] = {"outline": "outline", "filled": None, "negative": "negative"}
+STYLE_ADAPTERS: dict[str, str | None] = {"outline": "outline", "filled": "filled", "negative": "negative"}
 _PAIRS = (("red", "green"), ("orange", "blue"), ("yellow", "purple"), ("pink", "brown"))
 NEGATIVE_COLOUR: dict[str, str] = {**dict(_PAIRS), **{b: a for a, b in _PAIRS}}
 
