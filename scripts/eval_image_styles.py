@@ -112,7 +112,7 @@ def run_row(pipe: InterleavedPipeline, items: list[StyleItem], batch: list[list]
             extra.append(more)
             carried.append(again)
         content_ok.append(score_text_to_image(EvalPrompt("text_to_image", item.prompt, item.drawn), picture))
-        # every generated picture token drawn by the asked style's adapter (None: the base expert, "filled"); the
+        # every generated picture token drawn by the asked style's adapter (None would be the base expert); the
         # routing records cover generated tokens only, not a second-picture prompt's given first picture
         drawn_by = {r.adapter for r in doc.routing if r.modality == "image"}
         adapter_ok.append(picture is not None and drawn_by == {item.adapter})

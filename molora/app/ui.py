@@ -98,7 +98,7 @@ LEARNED_EXAMPLES: list[tuple[str, int]] = [
 
 # (prompt, seed): a picture whose style the words ask for, for the learned router's image gates (shown when the
 # router ships them): "outlined" / "hollow" -> the outline LoRA, "negative" / "inverted" -> the negative LoRA
-# (the shape in its colour's complement), "filled" / "solid" -> the base model's own style. Held-out requests of
+# (the shape in its colour's complement), "filled" / "solid" -> the filled LoRA. Held-out requests of
 # models/families/shapes/styles.py; tests/test_app_examples.py checks each picture's content and style as a click
 # draws it (the shipped model drew the earlier "solid small purple star" as a triangle).
 LEARNED_PICTURE_EXAMPLES: list[tuple[str, int]] = [
