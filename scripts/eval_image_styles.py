@@ -9,7 +9,10 @@ the picture shows what the style draws for the words (shape, size, cell; the nam
 
     one picture        the sentence -> one picture
     second picture     a document that already holds a picture in ANOTHER style, then the sentence -> the
-                       second picture (per-picture routing inside one document); also how many second pictures
+                       second picture (per-picture routing inside one document), in two rows: the first picture in
+                       the style after the asked one in the cycle outline -> filled -> negative (the orders the
+                       image gates and LoRAs train on) and in the style before it (the other order, never
+                       trained on; the report also pools all six orders); also how many second pictures
                        hold more objects than asked, and how many redraw the first picture's object (its shape in
                        its cell): the base model's stories keep earlier objects in later pictures
 
@@ -52,14 +55,22 @@ log = logging.getLogger("eval_image_styles")
 ROWS = ("base", "outline everywhere", "oracle (requested style's expert)", "learned image gates")
 
 
-def requests(seeds: list[str], n: int) -> tuple[list[StyleItem], list[StyleItem]]:
-    """Every seed's `n` held-out requests, pooled, and for each the request whose picture comes first in the
-    second-picture rows (seed "<seed>-first"; style_items cycles the styles, so first request i+1 asks for another
-    style than request i)."""
+# The second-picture rows: the first picture in the style after the asked one in STYLES' cycle (outline before
+# filled, filled before negative, negative before outline: the orders the image gates and LoRAs are trained on,
+# scripts/train_image_router.py encode), then in the style before it (the other three orders).
+SECOND_KINDS = {"second picture": 1, "second picture, other order": 2}
+
+
+def requests(seeds: list[str], n: int, shift: int = 1) -> tuple[list[StyleItem], list[StyleItem]]:
+    """Every seed's `n` held-out requests, pooled, and for each the request whose picture comes first in a
+    second-picture row (seed "<seed>-first"; style_items cycles the styles, so first request i + shift asks for the
+    style `shift` steps after request i's: 1 and 2 give the two other styles)."""
     items, firsts = [], []
     for seed in seeds:
         items += style_items(n, seed=seed, split="heldout")
-        firsts += style_items(n + 1, seed=f"{seed}-first", split="heldout")[1:]
+        firsts += style_items(n + shift, seed=f"{seed}-first", split="heldout")[shift:]
+    if shift % len(STYLES) and any(it.style == first.style for it, first in zip(items, firsts)):
+        raise AssertionError("style_items no longer cycles the styles from a fixed start; pick the firsts by style")
     return items, firsts
 
 
@@ -154,9 +165,11 @@ def main(argv: list[str] | None = None) -> dict:
     pipe = InterleavedPipeline.from_pretrained(args.model, device=args.device)
     if pipe.image_gates is None and "learned image gates" in args.rows:  # (the other rows name their adapters)
         raise SystemExit("no image gates are loaded (train them: scripts/train_image_router.py)")
-    items, firsts = requests(seeds, args.n)
+    items, _ = requests(seeds, args.n)
     rows: dict = {}
-    for kind, second in (("one picture", False), ("second picture", True)):
+    for kind, shift in (("one picture", 0), *SECOND_KINDS.items()):
+        second = shift > 0
+        firsts = requests(seeds, args.n, shift)[1] if second else None
         batch = prompts(items, second, firsts)
         settings = {"base": ("none", None), "outline everywhere": ("vocab", "outline"),
                     "oracle (requested style's expert)": ("vocab", [it.adapter for it in items]),
@@ -201,6 +214,20 @@ def report(results: dict) -> str:
         asked = [" / ".join(f"{r[f'style_{s}']:.3f}" for s in STYLES) for r in (a, b)]
         lines.append(f"| {name} | {ci(a, 'style')} | {asked[0]} | {ci(a, 'content')} | {ci(a, 'adapter')} "
                      f"| {ci(b, 'style')} | {asked[1]} | {ci(b, 'content')} | {ci(b, 'adapter')} |")
+    other = rows.get("second picture, other order")
+    if other:
+        lines += ["", "Second pictures in the other order (the first picture in the style before the asked one in "
+                  "the cycle outlined -> filled -> negative: orders the image gates and LoRAs are not trained on), "
+                  "and every second picture pooled (all six orders)",
+                  "| row | style | outlined / filled / negative asked | content | asked style's adapter | all orders "
+                  "pooled: style |", "|---|---|---|---|---|---|"]
+        for name, r in other.items():
+            both = [rows["second picture"][name]["ci95"]["style"], r["ci95"]["style"]]
+            k, n = sum(c["k"] for c in both), sum(c["n"] for c in both)
+            lo, hi = wilson_interval(k, n)
+            asked = " / ".join(f"{r[f'style_{s}']:.3f}" for s in STYLES)
+            lines.append(f"| {name} | {ci(r, 'style')} | {asked} | {ci(r, 'content')} | {ci(r, 'adapter')} "
+                         f"| {k / max(1, n):.3f} ({lo:.3f}–{hi:.3f}) |")
     second = rows["second picture"]
     if any("extra_objects" in r["ci95"] for r in second.values()):
         lines += ["", "Second pictures: more objects than asked / the first picture's object drawn again (its shape "
@@ -213,10 +240,11 @@ def report(results: dict) -> str:
                     for tail in ("", *(f"_{s}" for s in STYLES))) + " |")
     if len(seeds) > 1:
         n = setup["n"]
-        lines += ["", "Style rate per seed (one picture / second picture)", "| row | " + " | ".join(seeds) + " |",
+        kinds = [k for k in ("one picture", *SECOND_KINDS) if k in rows]
+        lines += ["", f"Style rate per seed ({' / '.join(kinds)})", "| row | " + " | ".join(seeds) + " |",
                   "|---|" + "---|" * len(seeds)]
         for name in rows["one picture"]:
-            hits = [rows[k][name]["style_hits"] for k in ("one picture", "second picture")]
+            hits = [rows[k][name]["style_hits"] for k in kinds]
             lines.append(f"| {name} | " + " | ".join(
                 " / ".join(f"{h[i * n:(i + 1) * n].count('1') / n:.3f}" for h in hits) for i in range(len(seeds)))
                 + " |")

@@ -78,21 +78,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def first_requests(items: list[StyleItem], *, seed: int | str, split: str, second: float) -> list[StyleItem | None]:
+    """For a `second` share of the items (seeded), the request whose sentence and picture come first: another
+    request in one of the two other styles, either with even odds (style_items cycles the styles, so requests i + 1
+    and i + 2 of another list ask for the two styles other than request i's). Both orders, so the gates cannot
+    learn the style that follows a style in place of reading the words. None: the item stands alone."""
+    pool = style_items(len(items) + 2, seed=f"first:{seed}", split=split)
+    rng = random.Random(f"second:{seed}")
+    lead = [rng.random() < second for _ in items]
+    shifts = [1 + (rng.random() < 0.5) for _ in items]
+    return [pool[i + shift] if use else None for i, (use, shift) in enumerate(zip(lead, shifts))]
+
+
 def encode(tok: UnifiedTokenizer, vq: ImageTokenizer, items: list[StyleItem], experts: list[str | None], *,
            seed: int | str, split: str, second: float) -> list[tuple[list[int], int, int]]:
     """(ids, index of the scored picture's <boi>, the requested style's expert index) of each item: <bos> +
     sentence + picture; a `second` share of them first hold another request's sentence and picture in another
-    style (context, not scored), so the gates learn to follow the words, not the document's last picture."""
-    firsts = style_items(len(items) + 1, seed=f"first:{seed}", split=split)[1:]  # firsts[i]: another style
-    rng = random.Random(f"second:{seed}")
-    lead = [rng.random() < second for _ in items]
-    scenes = [it.drawn for it in items] + [f.drawn for f, use in zip(firsts, lead) if use]
+    style (context, not scored; first_requests), so the gates learn to follow the words, not the document's last
+    picture."""
+    firsts = first_requests(items, seed=seed, split=split, second=second)
+    scenes = [it.drawn for it in items] + [f.drawn for f in firsts if f is not None]
     codes = iter(vq.encode([world.render(scene) for scene in scenes]))
     pictures = [next(codes) for _ in items]
     out = []
-    for item, first, use, picture in zip(items, firsts, lead, pictures):
+    for item, first, picture in zip(items, firsts, pictures):
         head = [tok.vocab.bos_id]
-        if use:
+        if first is not None:
             head += [*tok.encode_text(first.prompt), *tok.image_span(next(codes))]
         head += tok.encode_text(item.prompt)
         out.append((head + tok.image_span(picture), len(head), experts.index(item.adapter)))

@@ -164,6 +164,8 @@ def test_image_style_requests_are_drawn_from_the_seed():
     assert ev.requests(["eval"], 6)[1] == style_items(7, seed="eval-first", split="heldout")[1:]  # as before
     pooled, pooled_firsts = ev.requests(["1", "2"], 6)
     assert pooled == one + other and pooled_firsts[:6] == firsts
+    same, others = ev.requests(["1"], 6, shift=2)  # the other order: the first picture in the third style
+    assert same == one and all(o.style not in (it.style, f.style) for o, f, it in zip(others, firsts, one))
 
 
 def test_second_pictures_count_extra_objects_and_the_first_pictures_object_drawn_again():
@@ -206,6 +208,10 @@ def test_image_style_report_gives_wilson_intervals_per_seed_and_flags_the_valida
     assert f"0.750 ({lo:.3f}–{hi:.3f})" in text and "| learned image gates | 0.500 / 0.500 | 1.000 / 1.000 |" in text
     alo, ahi = wilson_interval(20, 20)
     assert f"| 1.000 ({alo:.3f}–{ahi:.3f}) |" in text  # the asked style's adapter drew every picture
+    results["rows"]["second picture, other order"] = {"learned image gates": row}  # pooled with the trained order
+    text = ev.report(results)
+    plo, phi = wilson_interval(30, 40)
+    assert f"| 0.750 ({plo:.3f}–{phi:.3f}) |" in text and "0.500 / 0.500 / 0.500" in text  # per seed, three kinds
     results["setup"].update(seeds=["eval"], held_out=False)
     assert ev.report(results).startswith("NOT HELD OUT")
     with pytest.raises(SystemExit):

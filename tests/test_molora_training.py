@@ -547,6 +547,23 @@ def test_image_adapter_trains_on_its_pictures_only_and_loads_as_an_image_adapter
     assert router.labels.tolist() == [[-1, -1, 0, 0]]
 
 
+def test_image_training_puts_first_pictures_of_both_other_styles_before_a_second_one():
+    """scripts/train_image_router.py first_requests (the image gates' and image LoRAs' second pictures): seeded,
+    a `second` share of the items, each first request in another style, both other styles for every asked style
+    (the shipped gates of 2026-12-06 saw one order each and followed the order, not the words, in the other)."""
+    from molora.models.families.shapes.styles import style_items
+    script = load_script("train_image_router")
+    items = style_items(300, seed=0, split="train")
+    firsts = script.first_requests(items, seed=0, split="train", second=0.75)
+    assert firsts == script.first_requests(items, seed=0, split="train", second=0.75)
+    assert firsts != script.first_requests(items, seed=1, split="train", second=0.75)
+    used = [(it.style, f.style) for it, f in zip(items, firsts) if f is not None]
+    assert 0.65 < len(used) / len(items) < 0.85 and all(a != b for a, b in used)
+    assert {pair for pair in used} == {(a, b) for a in ("outline", "filled", "negative")
+                                       for b in ("outline", "filled", "negative") if a != b}
+    assert script.first_requests(items, seed=0, split="train", second=0.0) == [None] * len(items)
+
+
 def test_image_adapter_refuses_a_style_it_does_not_know():
     with pytest.raises(SystemExit):
         load_script("train_image_adapter").parse_args(["--out", "/tmp/x", "--style", "striped"])
