@@ -4,14 +4,17 @@ the LoRA in the hot-set slot and trained through the kernels' autograd, acting o
 other image adapters in one pass.
 
 Data (models/families/shapes/styles.py): the requests of one style ("Here is a negative small red circle at the top left:")
-and the picture that style draws (for `negative`, the shape filled in the complementary colour), half of them after
-another request's sentence and picture in another style (context, not trained on); next-token loss on the picture's
-ids only. A fresh PEFT-initialised LoRA (A kaiming-uniform, B zero, scale alpha / r) on every routed linear, AdamW,
-warmup + cosine. Writes OUT/<name>/ (PEFT format + molora.json, modality "image") and OUT/<name>/metrics.json:
-teacher-forced picture loss and code accuracy on held-out requests, base model against the adapter.
+and the picture that style draws (for `negative`, the shape filled in the complementary colour), a `--second` share
+of them after another request's sentence and picture in one of the other styles (context, not trained on;
+train_image_router.first_requests); next-token loss on the picture's ids only. A fresh PEFT-initialised LoRA (A
+kaiming-uniform, B zero, scale alpha / r) on every routed linear, AdamW, warmup + cosine, trained in float32 and
+stored as `--save-dtype`. Writes OUT/<name>/ (PEFT format + molora.json, modality "image") and
+OUT/<name>/metrics.json: teacher-forced picture loss and code accuracy on held-out requests, base model against the
+adapter.
 
-    python scripts/train_image_adapter.py --out assets/adapters --style negative --device cuda --threads 8
-                                                    # the shipped `negative` LoRA (H200, 84 s; its metrics.json)
+    python scripts/train_image_adapter.py --out assets/adapters --style negative --device cuda --threads 12 \
+        --rank 16 --alpha 32 --second 0.75 --steps 1600 --max-minutes 3.3
+                                # the shipped `negative` LoRA (H100, 171 s; `--style filled` the `filled` one)
     python scripts/train_image_adapter.py --out /tmp/ad --style negative --steps 2 --n-train 12 --n-val 4
 """
 

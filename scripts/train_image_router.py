@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-minutes", type=float, default=0.0)
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="image gates (a .safetensors) to go on training from, over the same or more adapters")
     return p.parse_args(argv)
 
 
@@ -187,6 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
     routed.requires_grad_(False)
     torch.manual_seed(args.seed)
     gates = LearnedGates.for_model(routed, image_adapters, base_expert=True, context_decays=args.context_decays)
+    if args.init_from is not None:  # go on from trained image gates (their context decays, not the flag's)
+        gates = LearnedGates.load(args.init_from, device=args.device).with_adapters(image_adapters)
     train_router = LearnedRouter(pipe.gates, top_k=pipe.learned_top_k, vocab=pipe.vocab, image_gates=gates,
                                  image_top_k=gates.num_experts)
     tok, vq = pipe.tokenizer, pipe.image_tokenizer
@@ -230,6 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
     config_path = args.out / "config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     hashes = {a: adapter_weights_hash(args.adapters_dir / a) for a in image_adapters}
+    before = config.get("image_gates")  # the image gates these replace: kept under "history", less their curve
+    history = [] if before is None else [*before.pop("history", []), {k: v for k, v in before.items() if k != "curve"}]
     config["image_gates"] = {
         "file": "image_gates.safetensors", "adapters": image_adapters, "base_expert": True, "top_k": 1,
         "styles": {style: adapter for style, adapter in STYLE_ADAPTERS.items()},
@@ -239,7 +245,9 @@ def main(argv: list[str] | None = None) -> dict:
         "train_records": len(train),
         "val_records": len(val), "data": "models/families/shapes/styles.py", "adapter_sha256_16": hashes,
         "seconds": round(time.time() - t0, 1), "device": device_name(args.device), "threads": args.threads,
-        "torch": torch.__version__, "curve": curve, "val": val_metrics}
+        "torch": torch.__version__, "init_from": str(args.init_from) if args.init_from else None,
+        "first_pictures": "either other style (first_requests)", "curve": curve, "val": val_metrics,
+        "history": history}
     config_path.write_text(json.dumps(config, indent=2))
     return config["image_gates"]
 
