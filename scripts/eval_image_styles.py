@@ -10,9 +10,9 @@ the picture shows what the style draws for the words (shape, size, cell; the nam
     one picture        the sentence -> one picture
     second picture     a document that already holds a picture in ANOTHER style, then the sentence -> the
                        second picture (per-picture routing inside one document), in two rows: the first picture in
-                       the style after the asked one in the cycle outline -> filled -> negative (the orders the
-                       image gates and LoRAs train on) and in the style before it (the other order, never
-                       trained on; the report also pools all six orders); also how many second pictures
+                       the style after the asked one in the cycle outline -> filled -> negative and in the style
+                       before it (the other order; the report also pools all six orders); also how many second
+                       pictures
                        hold more objects than asked, and how many redraw the first picture's object (its shape in
                        its cell): the base model's stories keep earlier objects in later pictures
 
@@ -56,8 +56,8 @@ ROWS = ("base", "outline everywhere", "oracle (requested style's expert)", "lear
 
 
 # The second-picture rows: the first picture in the style after the asked one in STYLES' cycle (outline before
-# filled, filled before negative, negative before outline: the orders the image gates and LoRAs are trained on,
-# scripts/train_image_router.py encode), then in the style before it (the other three orders).
+# filled, filled before negative, negative before outline: the only orders in the training data until stop 48),
+# then in the style before it (the other three orders; scripts/train_image_router.py first_requests draws both).
 SECOND_KINDS = {"second picture": 1, "second picture, other order": 2}
 
 
@@ -217,8 +217,7 @@ def report(results: dict) -> str:
     other = rows.get("second picture, other order")
     if other:
         lines += ["", "Second pictures in the other order (the first picture in the style before the asked one in "
-                  "the cycle outlined -> filled -> negative: orders the image gates and LoRAs are not trained on), "
-                  "and every second picture pooled (all six orders)",
+                  "the cycle outlined -> filled -> negative), and every second picture pooled (all six orders)",
                   "| row | style | outlined / filled / negative asked | content | asked style's adapter | all orders "
                   "pooled: style |", "|---|---|---|---|---|---|"]
         for name, r in other.items():
