@@ -188,9 +188,10 @@ def main(argv: list[str] | None = None) -> dict:
     routed = pipe.routed
     routed.requires_grad_(False)
     torch.manual_seed(args.seed)
-    gates = LearnedGates.for_model(routed, image_adapters, base_expert=True, context_decays=args.context_decays)
     if args.init_from is not None:  # go on from trained image gates (their context decays, not the flag's)
         gates = LearnedGates.load(args.init_from, device=args.device).with_adapters(image_adapters)
+    else:
+        gates = LearnedGates.for_model(routed, image_adapters, base_expert=True, context_decays=args.context_decays)
     train_router = LearnedRouter(pipe.gates, top_k=pipe.learned_top_k, vocab=pipe.vocab, image_gates=gates,
                                  image_top_k=gates.num_experts)
     tok, vq = pipe.tokenizer, pipe.image_tokenizer
