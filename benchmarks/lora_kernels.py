@@ -9,9 +9,9 @@ graph capture with slot values changed after capture); group (routed_lora_group 
 projection's reference); copy bandwidth; ranks (every path across N and r = 8..128, with and without prebuilt
 metadata, GB/s, the memory floor, and vLLM's numbers beside ours); topk; sweep (gather and grouped tiles per
 rank); setsweep (the grouped kernel's slot-set tiles, top-k); tune (stacked tiles); narrow (stacked tiles, r=16,
-k=1, N >= 256); sweep32 (grouped tiles at N = 32, r = 32..128); k1 (K1/K2); k3 (base linear + delta: per layer,
-and q/k/v sharing one group call as the routed layers make it, by path, with the delta on a side stream, and each
-kernel's GPU time); pdl (programmatic dependent launch off vs on for the two-phase calls, and K2 against one copy
+k=1, N >= 256); topkdecode (stacked tiles, r=16, top-2, N = 32: a batch-32 step's learned rows); sweep32
+(grouped tiles at N = 32, r = 32..128); k1 (K1/K2); k3 (base linear + delta: per layer, and q/k/v sharing one
+group call as the routed layers make it, by path, with the delta on a side stream, and each kernel's GPU time); pdl (programmatic dependent launch off vs on for the two-phase calls, and K2 against one copy
 of x); linear (the routed linear as one GEMM, kernels/triton_linear.py, against the base GEMMs and the
 group call: a tile sweep, or with --no-tune the dispatcher's range and the Qwen3-1.7B shapes); decode (the routed
 linear at N = 1, 2, 16 for every projection of a Qwen3-1.7B and an Emu3-8B block: decode tiles swept against the
@@ -73,7 +73,7 @@ def parse_args() -> argparse.Namespace:
                    "1, 32, 128, 256, 2048, 8192)")
     p.add_argument("--profile", action="store_true", help="eager: cProfile the routed 1.7B-shaped step (top 25)")
     p.add_argument("--only", default="", help="comma-separated sections to run (default: all): correct, group, "
-                   "topk, ranks, k3, linear, decode, k1, pdl, dense, eager, tune, narrow, sweep, setsweep, sweep32")
+                   "topk, ranks, k3, linear, decode, k1, pdl, dense, eager, tune, narrow, sweep, setsweep, sweep32, topkdecode")
     return p.parse_args()
 
 
@@ -426,6 +426,64 @@ def run_narrow_tuning() -> None:
                         {"EXPAND_M": [16, 32, 64, 128], "BLOCK_N": [64, 128], "OUT_SPLIT": [4, 8, 16, 32],
                          "num_warps": [4, 8]})
     RESULTS["narrow_tuning"] = tune
+
+
+def run_topk_decode_tuning() -> None:
+    """The two-phase stacked kernel's expand tiles at N = 32, top-2, r = 16 on 4 slots (64 columns): a batch-32
+    decode step's learned rows, on the Qwen3-1.7B projections that take the group call there (o: 2048 -> 2048, down:
+    6144 -> 2048, gate/up: 2048 -> 2 x 6144; q/k/v take the routed linear). The shrink keeps its tiles and warps
+    (both phases launch with num_warps, and the routed linear's shrink takes these tiles at decode sizes); one
+    projection's entry is the expand tiles with the least summed time over o and down. The gather and gemm paths
+    beside them. The winners go into STACKED_TILES."""
+    print("\n== stacked expand tiles, top-2 decode (N=32, r=16, 4 slots; median us; default = stacked_config) ==")
+    tune = {}
+    shapes = [("o", 64, (64,)), ("down", 128, (64,)), ("gate/up", 64, (128, 128))] if ARGS.dry_run else \
+        [("o", 2048, (2048,)), ("down", 6144, (2048,)), ("gate/up", 2048, (6144, 6144))]
+    n = 8 if ARGS.dry_run else 32
+    grid = DRY_TILES if ARGS.dry_run else {"EXPAND_M": [16, 32], "BLOCK_N": [32, 64, 128],
+                                           "OUT_SPLIT": [8, 16, 32, 64, 128]}
+    grid = {key: grid[key] for key in ("EXPAND_M", "BLOCK_N", "OUT_SPLIT")}
+    calls, bests = {}, {}
+    for name, d_in, outs in shapes:
+        x, A, B, scale, slots, w, bounds = group_inputs(n, outs, k=2, seed=31, d_in=d_in)
+        base = stacked_mod.stacked_config(n, d_in, max(outs), S * R, len(outs))
+
+        def call(cfg, x=x, A=A, B=B, scale=scale, slots=slots, w=w, bounds=bounds, outs=outs):
+            if len(outs) == 1:
+                return stacked_mod.stacked_lora(x, A[0], B, slots, w, scale[0], None, cfg)
+            return stacked_mod.stacked_lora_group(x, A, B, slots, w, scale, bounds, cfg)
+
+        def path_call(path):
+            if len(outs) == 1:
+                return lambda: dispatch.routed_lora_forward(x, A[0], B, slots, w, scale[0], None, None, path)
+            return lambda: dispatch.routed_lora_group_forward(x, A, B, slots, w, scale, bounds, None, path)
+        label = f"top2 {name} N{n}"
+        for path in ("stacked", "gather", "gemm"):
+            tune[f"{label} path {path}"] = bench_us(path_call(path))
+        print(f"  {label}: " + " ".join(f"{p} {tune[f'{label} path {p}']:.2f}" for p in ("stacked", "gather", "gemm")))
+        configs = {combo: {**base, **dict(zip(grid, combo))} for combo in itertools.product(*grid.values())}
+        line, best = time_configs(tune, label, configs, call)
+        print(f"  {label} {'/'.join(grid)} (default {'/'.join(str(base[key]) for key in grid)}) best {best[1]} "
+              f"{best[0]:.2f}: " + line)
+        ref = torch.cat(routed_lora_group_reference(x.float(), A.float(), B.float(), slots, w, scale, bounds), 1)
+        got = call(configs[best[1]])
+        got = got.view(n, -1) if len(outs) == 1 else \
+            torch.cat([blk.view(n, -1) for blk in got.split([n * o for o in outs])], 1)
+        err = (got.float() - ref).abs().max().item() / ref.abs().max().item()
+        print(f"  {label} best rel err {err:.2e} ({'ok' if err < 2e-2 else 'WRONG'})")
+        tune[f"{label} best rel err"] = err
+        calls[name], bests[name] = (call, base), best[1]
+    # one projection: one entry for o and down, the expand tiles with the least summed time over both
+    single = [name for name, _, outs in shapes if len(outs) == 1]
+    sums = {}
+    for combo in {bests[name] for name in single}:
+        sums[combo] = sum(bench_us(lambda c=calls[name]: c[0]({**c[1], **dict(zip(grid, combo))})) for name in single)
+    pick = min(sums, key=sums.get)
+    print(f"  one projection: summed us over {'/'.join(single)} " +
+          " ".join(f"{'/'.join(map(str, c))}={v:.1f}" for c, v in sums.items()) + f" -> {pick}")
+    tune["expand tiles"] = {"one projection": dict(zip(grid, pick)), "group": dict(zip(grid, bests["gate/up"]))}
+    print(f"  expand tiles: {tune['expand tiles']}")
+    RESULTS["topk_decode_tuning"] = tune
 
 
 # ----------------------------------------------------------------------------------------------- eager host cost
@@ -1320,8 +1378,9 @@ def main() -> None:
     print(f"\ncopy bandwidth (read + write): {bw / 1e12:.2f} TB/s   [{time.perf_counter() - t0:.0f} s]")
     sections = {"k3": run_k3, "linear": run_linear, "decode": lambda: run_decode_linear(bw), "ranks": lambda: run_rank_sweep(bw), "topk": run_topk, "sweep": run_sweep,
                 "setsweep": run_set_sweep, "narrow": run_narrow_tuning, "sweep32": run_small_sweep,
+                "topkdecode": run_topk_decode_tuning,
                 "k1": lambda: run_k1_k2(bw), "pdl": run_pdl, "dense": run_dense_gpu, "eager": run_eager}
-    sweeps = {"sweep", "setsweep", "narrow", "sweep32"}
+    sweeps = {"sweep", "setsweep", "narrow", "sweep32", "topkdecode"}
     for name, section in sections.items():
         if wanted(name) and not (ARGS.no_tune and name in sweeps):
             section()

@@ -70,11 +70,15 @@ def plan(args: argparse.Namespace) -> dict:
     probe = min(args.n_train, 2000)
     adapter_len = {d: mean_length(tok, domain_items(d, probe, seed=f"{args.seed}", split="train", foreign=0.4))
                    for d in DOMAINS}
+    n_mixed = args.n_per_domain if args.n_mixed is None else args.n_mixed
     probe = min(args.n_per_domain, 1000)
-    router_len = mean_length(tok, [it for d in DOMAINS for it in domain_items(d, probe, seed=f"router{args.seed}",
-                                                                              split="train")]
-                             + mixed_items(probe, seed=f"router{args.seed}", split="train", domains=DOMAINS))
-    adapter_ids = {d: args.adapter_steps * args.batch_size * mean for d, mean in adapter_len.items()}
+    domain_len = mean_length(tok, [it for d in DOMAINS for it in domain_items(d, probe, seed=f"router{args.seed}",
+                                                                              split="train")])
+    mixed_len = mean_length(tok, mixed_items(min(n_mixed, 1000), seed=f"router{args.seed}", split="train",
+                                             domains=DOMAINS))
+    mixed_share = n_mixed / (len(DOMAINS) * args.n_per_domain + n_mixed)  # train_router's items: n a domain + mixed
+    router_len = (1 - mixed_share) * domain_len + mixed_share * mixed_len
+    adapter_ids = {d: args.adapter_steps * args.adapter_batch_size * mean for d, mean in adapter_len.items()}
     router_ids = args.router_steps * args.batch_size * router_len
     domain_ids = sum(adapter_ids.values()) + router_ids
     per_step = base_ids_per_step(tok, args.fill_examples, args.tokens_per_batch, args.seed)
@@ -83,7 +87,9 @@ def plan(args: argparse.Namespace) -> dict:
     out = {
         "lm_steps": args.lm_steps, "tokens_per_batch": args.tokens_per_batch,
         "lm_ids_per_step_est": round(per_step, 1), "lm_ids_est": round(lm_ids),
-        "adapter_steps": args.adapter_steps, "router_steps": args.router_steps, "batch_size": args.batch_size,
+        "adapter_steps": args.adapter_steps, "router_steps": args.router_steps,
+        "adapter_batch_size": args.adapter_batch_size, "router_batch_size": args.batch_size,
+        "n_per_domain": args.n_per_domain, "n_mixed": n_mixed,
         "adapter_item_mean_ids": {d: round(v, 2) for d, v in adapter_len.items()},
         "router_item_mean_ids": round(router_len, 2),
         "adapter_ids_est": {d: round(v) for d, v in adapter_ids.items()}, "router_ids_est": round(router_ids),
@@ -221,9 +227,11 @@ def main(argv: list[str] | None = None) -> dict:
     pl.add_argument("--tokens-per-batch", type=int, default=65_536)
     pl.add_argument("--adapter-steps", type=int, required=True, help="per adapter (four adapters)")
     pl.add_argument("--router-steps", type=int, required=True)
-    pl.add_argument("--batch-size", type=int, default=32, help="the adapters' and the router's")
+    pl.add_argument("--batch-size", type=int, default=32, help="train_router.py --batch-size")
+    pl.add_argument("--adapter-batch-size", type=int, default=32, help="train_domain_adapters.py --batch-size")
     pl.add_argument("--n-train", type=int, default=12_000, help="train_domain_adapters.py --n-train")
     pl.add_argument("--n-per-domain", type=int, default=3000, help="train_router.py --n-per-domain")
+    pl.add_argument("--n-mixed", type=int, default=None, help="train_router.py --n-mixed (default --n-per-domain)")
     pl.add_argument("--fill-examples", type=int, default=20_000,
                     help="base-mixture examples whose length batches estimate the LM's ids a step")
     pl.add_argument("--seed", type=int, default=0)

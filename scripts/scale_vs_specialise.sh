@@ -4,8 +4,9 @@
 #   arm 1   a fresh 1x LM (hidden 256, 6 layers, MLP 1024: the embedded base's shape and data mixture) for LM_STEPS
 #           steps of 65,536 ids, then the four domain adapters on it (train_domain_adapters.py, AD_STEPS steps each,
 #           four processes at once), then a router over them (train_router.py, RT_STEPS steps, the
-#           previous shipped router's flags: three decays, --label-coef 1.0, no --start-weight, as many mixed
-#           requests as items a domain, which the plan and train_lm.py --domain-share assume)
+#           shipped recipe's flags (scripts/train_molora.sh): the shipped context decays, --label-coef 1.0,
+#           --start-weight 5, three mixed requests for each item of a domain, which the plan and train_lm.py
+#           --domain-router-mixed follow; the adapters at batch 128)
 #   arm 4x  an LM of about 4x the parameters (hidden 512, 8 heads of 64, 6 layers, MLP 2048), no adapters, trained
 #           from scratch for as many ids as the whole of arm 1: LM_STEPS + the adapters' and router's ids in LM steps,
 #           with those very train items mixed into its data in the same share of ids (train_lm.py --domain-share;
@@ -17,8 +18,9 @@
 #   TINY=1 DEVICE=cpu scripts/scale_vs_specialise.sh /tmp/scale      # a CPU smoke run at toy sizes (~1 min)
 #
 # BASE (default assets/model) lends its tokenizer.json, vocab.json and vq/: only the LMs are trained. Knobs:
-# LM_STEPS, AD_STEPS, RT_STEPS, N_EXAMPLES, N_EVAL, WORKERS (per LM process), DEVICE, BIG_LR, COMPILE (1: both LMs
-# under torch.compile), and the time limits LM_MAX_MIN, BIG_MAX_MIN, AD_MAX_MIN, RT_MAX_MIN (0 = none, the default: a
+# ARMS (default "arm1 big"; an arm left out keeps what OUT holds from an earlier run with the same knobs, and the
+# report reads it), LM_STEPS, AD_STEPS, RT_STEPS, N_EXAMPLES, N_EVAL, WORKERS (per LM process), DEVICE, BIG_LR,
+# COMPILE (1: both LMs under torch.compile), and the time limits LM_MAX_MIN, BIG_MAX_MIN, AD_MAX_MIN, RT_MAX_MIN (0 = none, the default: a
 # limit that cuts a run short makes the budgets unequal; OUT/summary.json records the steps each took). Logs: OUT/logs/.
 #
 # Timings measured on one H200 (16 cores; 2026-12-01, benchmarks/RESULTS.md "Specialisation vs scale"): plan 14 s;
@@ -47,8 +49,10 @@ else
   N_EXAMPLES=${N_EXAMPLES:-120000}
   LM_SHAPE=(--n-examples "$N_EXAMPLES" --tokens-per-batch 65536 --hidden 256 --heads 4 --layers 6 --intermediate 1024)
   BIG_SHAPE=(--n-examples "$N_EXAMPLES" --tokens-per-batch 65536 --hidden 512 --heads 8 --layers 6 --intermediate 2048)
-  AD_DATA=(--n-train 12000 --n-val 200); RT_DATA=(--n-per-domain 3000 --n-val 100)
-  PLAN_DATA=(--n-train 12000 --n-per-domain 3000 --tokens-per-batch 65536)
+  # the shipped recipe's data and batches (scripts/train_molora.sh): adapters at batch 128, the router on three
+  # mixed requests for each item of a domain
+  AD_DATA=(--n-train 60000 --n-val 200 --batch-size 128); RT_DATA=(--n-per-domain 3000 --n-mixed 9000 --n-val 100)
+  PLAN_DATA=(--n-train 60000 --adapter-batch-size 128 --n-per-domain 3000 --n-mixed 9000 --tokens-per-batch 65536)
   COMPILE_ARGS=(--compile)
 fi
 if [[ "${COMPILE:-1}" == "0" ]]; then COMPILE_ARGS=(); fi
@@ -63,15 +67,16 @@ stamp() { echo "=== $* ($(date -u +%H:%M:%S))"; }
 stamp plan
 $PY scripts/scale_vs_specialise.py plan --model-dir "$BASE" --lm-steps "$LM_STEPS" --adapter-steps "$AD_STEPS" \
   --router-steps "$RT_STEPS" "${PLAN_DATA[@]}" > "$OUT/plan.json"
-read -r BIG_STEPS SHARE ROUTER_SHARE < <($PY -c "import json,sys; p=json.load(open(sys.argv[1])); \
-print(p['big_steps'], p['domain_share'], p['domain_router_share'])" "$OUT/plan.json")
+read -r BIG_STEPS SHARE ROUTER_SHARE ROUTER_MIXED < <($PY -c "import json,sys; p=json.load(open(sys.argv[1])); \
+print(p['big_steps'], p['domain_share'], p['domain_router_share'], p['n_mixed'] / p['n_per_domain'])" "$OUT/plan.json")
 
 # the 4x base trains (then is scored) in the background while arm 1 runs its chain on the same GPU; a failure of
 # one arm is logged and the other still finishes, and the report reads whatever JSON files exist
 big_arm() {
   stamp "4x: $BIG_STEPS steps, domain share $SHARE (router part $ROUTER_SHARE)"
   $PY scripts/train_lm.py --model-dir "$OUT/big/model" "${BIG_SHAPE[@]}" --steps "$BIG_STEPS" --lr "$BIG_LR" \
-    --domain-share "$SHARE" --domain-router-share "$ROUTER_SHARE" --seed 0 --workers "$WORKERS" --device "$DEVICE" \
+    --domain-share "$SHARE" --domain-router-share "$ROUTER_SHARE" \
+    --domain-router-mixed "$ROUTER_MIXED" --seed 0 --workers "$WORKERS" --device "$DEVICE" \
     --val-every 0 --ckpt-every 0 --max-minutes "${BIG_MAX_MIN:-0}" "${COMPILE_ARGS[@]}" > "$OUT/logs/big_lm.log" 2>&1
   stamp "4x: eval"
   $PY scripts/scale_vs_specialise.py eval-base --model-dir "$OUT/big/model" --name base_4x --n "$N_EVAL" \
@@ -98,7 +103,7 @@ arm1() {
 
   stamp "arm 1: router, $RT_STEPS steps"
   $PY scripts/train_router.py --model-dir "$OUT/arm1/model" --adapters-dir "$OUT/arm1/adapters" \
-    --out "$OUT/arm1/router" --steps "$RT_STEPS" --context-decays 0.5 0.8 0.97 --label-coef 1.0 --top-k 2 \
+    --out "$OUT/arm1/router" --steps "$RT_STEPS" --label-coef 1.0 --start-weight 5 --top-k 2 \
     "${RT_DATA[@]}" --seed 0 --device "$DEVICE" --max-minutes "${RT_MAX_MIN:-0}" > "$OUT/logs/arm1_router.log" 2>&1
 
   stamp "arm 1: eval"
@@ -111,11 +116,12 @@ arm1() {
   stamp "arm 1: done"
 }
 
-big_arm & BIG_PID=$!
-arm1 & ARM1_PID=$!
 status=0
-wait "$ARM1_PID" || { status=1; stamp "arm 1 FAILED (logs in $OUT/logs)"; }
-wait "$BIG_PID" || { status=1; stamp "4x FAILED (logs in $OUT/logs)"; }
+ARMS=" ${ARMS:-arm1 big} "
+if [[ "$ARMS" == *" big "* ]]; then big_arm & BIG_PID=$!; fi
+if [[ "$ARMS" == *" arm1 "* ]]; then arm1 & ARM1_PID=$!; fi
+if [[ -n "${ARM1_PID:-}" ]]; then wait "$ARM1_PID" || { status=1; stamp "arm 1 FAILED (logs in $OUT/logs)"; }; fi
+if [[ -n "${BIG_PID:-}" ]]; then wait "$BIG_PID" || { status=1; stamp "4x FAILED (logs in $OUT/logs)"; }; fi
 $PY scripts/scale_vs_specialise.py report --run "$OUT"
 stamp "done: $OUT"
 exit $status

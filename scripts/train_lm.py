@@ -114,12 +114,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--domain-router-share", type=float, default=0.2,
                    help="with --domain-share: share of the domain ids drawn as train_router.py's data, the rest as "
                         "train_domain_adapters.py's")
+    p.add_argument("--domain-router-mixed", type=float, default=1.0,
+                   help="with --domain-share: mixed requests a domain item in train_router.py's data (its --n-mixed "
+                        "over --n-per-domain)")
     p.add_argument("--domain-seed", type=int, default=0,
                    help="with --domain-share: the --seed of the adapters and router whose train items are mirrored")
     p.add_argument("--tiny", action="store_true", help="tiny model and data (CPU smoke test)")
     args = p.parse_args(argv)
     if not 0.0 <= args.domain_share < 1.0 or not 0.0 <= args.domain_router_share <= 1.0:
         p.error("--domain-share must lie in [0, 1) and --domain-router-share in [0, 1]")
+    if args.domain_router_mixed < 0:
+        p.error("--domain-router-mixed must be >= 0")
     if args.tiny:
         args.n_examples, args.n_val, args.hidden, args.layers, args.heads = 48, 8, 32, 2, 2
         args.intermediate, args.tokens_per_batch = 64, 4096
@@ -149,13 +154,13 @@ def build_sequences(tok: UnifiedTokenizer, vq: ImageTokenizer, n: int, *, seed: 
     return seqs, [prompt_length(e, s, tok.vocab) for e, s in zip(examples, seqs, strict=True)]
 
 
-def domain_sequences(tok: UnifiedTokenizer, n_ids: int, *, router_share: float, seed: int
+def domain_sequences(tok: UnifiedTokenizer, n_ids: int, *, router_share: float, seed: int, router_mixed: float = 1.0
                      ) -> tuple[list[list[int]], list[int]]:
     """About `n_ids` ids of question-domain items (train split) and each one's prompt length (its answer's first
     index), encoded as train_domain_adapters.py and train_router.py read them ([<bos>] prompt answer [<eos>]).
 
-    A share `router_share` of the ids are train_router.py's items with --seed `seed` (per domain, and as many mixed
-    requests of two domains: its default --n-mixed), the rest train_domain_adapters.py's (per domain, 40% also
+    A share `router_share` of the ids are train_router.py's items with --seed `seed` (per domain, and `router_mixed`
+    mixed requests of two domains for each: its --n-mixed over --n-per-domain), the rest train_domain_adapters.py's (per domain, 40% also
     asking another domain's question): prefixes of the same seeded generators, so these are the items those scripts
     train on, up to the count that fills the budget. The counts come from the mean length of the first 64 items of each kind."""
     from molora.models.families.shapes.domain_batches import encode_item
@@ -166,12 +171,12 @@ def domain_sequences(tok: UnifiedTokenizer, n_ids: int, *, router_share: float, 
 
     def router_items(n: int) -> list:
         return ([it for d in DOMAINS for it in domain_items(d, n, seed=f"router{seed}", split="train")]
-                + mixed_items(n, seed=f"router{seed}", split="train", domains=DOMAINS))
+                + mixed_items(round(n * router_mixed), seed=f"router{seed}", split="train", domains=DOMAINS))
 
     items = []
     for make, share, kinds in ((adapter_items, 1.0 - router_share, len(DOMAINS)),
-                               (router_items, router_share, len(DOMAINS) + 1)):
-        probe = [len(encode_item(tok, it)) for it in make(64 // kinds + 1)]
+                               (router_items, router_share, len(DOMAINS) + router_mixed)):
+        probe = [len(encode_item(tok, it)) for it in make(round(64 / kinds) + 1)]
         n = round(n_ids * share / kinds / (sum(probe) / len(probe)))
         items += make(n) if n > 0 else []
     encoded = [encode_item(tok, it) for it in items]
@@ -285,7 +290,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.domain_share > 0:
         # the same global item list on every rank (sized from the global id count), each rank taking its share
         d_seqs, d_prompts = domain_sequences(tok, round(n_tokens * args.domain_share / (1.0 - args.domain_share)),
-                                             router_share=args.domain_router_share, seed=args.domain_seed)
+                                             router_share=args.domain_router_share, seed=args.domain_seed,
+                                             router_mixed=args.domain_router_mixed)
         d_ids = sum(len(s) for s in d_seqs)
         train += d_seqs[rank::world_size]
         prompts += d_prompts[rank::world_size]

@@ -57,6 +57,22 @@ def test_domain_sequences_are_the_adapters_and_routers_own_train_items(model_dir
     assert all(tok.vocab.bos_id == s[0] and tok.vocab.eos_id == s[-1] and 0 < p < len(s) for s, p in zip(seqs, prompts))
 
 
+def test_domain_sequences_follow_the_routers_mixed_requests_per_item(model_dir):
+    """--domain-router-mixed 3: train_router.py --n-mixed 3x --n-per-domain, the shipped recipe's data."""
+    train_lm = load_script("train_lm")
+    tok = UnifiedTokenizer.load(model_dir)
+    seqs, _ = train_lm.domain_sequences(tok, 20_000, router_share=0.5, seed=0, router_mixed=3.0)
+    mixed = [encode_item(tok, it).ids for it in mixed_items(len(seqs), seed="router0", split="train", domains=DOMAINS)]
+    n_mixed = next(k for k in range(len(seqs), 0, -1) if seqs[-k:] == mixed[:k])
+    n = round(n_mixed / 3)
+    assert n > 0 and n_mixed == round(n * 3.0)
+    # before the mixed requests: n items of the last domain, train_router.py's own (--seed 0)
+    last = [encode_item(tok, it).ids for it in domain_items(DOMAINS[-1], n, seed="router0", split="train")]
+    assert seqs[-n_mixed - n:-n_mixed] == last
+    router_ids = sum(len(s) for s in seqs[-n_mixed - len(DOMAINS) * n:])
+    assert abs(router_ids / sum(len(s) for s in seqs) - 0.5) < 0.05
+
+
 def test_domain_share_zero_adds_no_domain_items(model_dir, tmp_path):
     train_lm = load_script("train_lm")
     out = lm_dir(model_dir, tmp_path)
