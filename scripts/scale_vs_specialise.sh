@@ -28,7 +28,9 @@
 # ~140 s before step 50; then the 1x ran 18-21 steps/s and the 4x 12-16 steps/s side by side (20 alone); four adapters
 # at once ~5 steps/s each; the router ~5.8 steps/s; eval_molora's three rows ~40 s. Arm 1 is a serial chain, so the
 # defaults (1,000 / 400 / 400 steps) ended the whole study in 538 s (tenth session's run); 2,000 / 600 / 600 did not
-# fit in 555 s.
+# fit in 555 s. On one H100 with the shipped recipe (2026-12-06, benchmarks/RESULTS.md "Learned routing"): the two
+# compile warm-ups side by side took 133 s and arm 1 did not finish in 560 s; arm 1 alone (ARMS=arm1): LM 230 s,
+# the four adapters at batch 128 ~100 s at once, the router 96 s, then the eval's rows (not all within 549 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/scale}
