@@ -242,8 +242,12 @@ def test_measured_tiles_are_looked_up_by_shape(monkeypatch):
     stacked_mod.stacked_config.cache_clear()
     grouped_mod.grouped_config.cache_clear()
     try:
-        assert stacked_mod.measured_tiles(256, 64) == stacked_mod.STACKED_TILES[(64, False)][0][1]
-        assert stacked_mod.measured_tiles(2048, 64, proj=3) == stacked_mod.STACKED_TILES[(64, True)][1][1]
+        assert stacked_mod.measured_tiles(256, 64) == stacked_mod.STACKED_TILES[(64, False)][1][1]
+        assert stacked_mod.measured_tiles(2048, 64, proj=3) == stacked_mod.STACKED_TILES[(64, True)][2][1]
+        for proj in (1, 2, 3):  # up to 32 tokens the expand has its own tiles; the shrink's (and warps) stay
+            small, wide = stacked_mod.measured_tiles(32, 64, proj), stacked_mod.measured_tiles(256, 64, proj)
+            assert small != wide and small[:4] + small[7:] == wide[:4] + wide[7:]
+            assert stacked_mod.measured_tiles(1, 64, proj) == small and stacked_mod.measured_tiles(33, 64, proj) == wide
         assert stacked_mod.measured_tiles(256, 256, proj=3) == stacked_mod.STACKED_TILES[(256, False)][1][1]
         assert stacked_mod.measured_tiles(257, 256) is None and stacked_mod.measured_tiles(8, 128) is None
         cfg = stacked_mod.stacked_config(2048, 4096, 4096, 64, 3)
