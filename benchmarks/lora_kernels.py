@@ -11,8 +11,8 @@ metadata, GB/s, the memory floor, and vLLM's numbers beside ours); topk; sweep (
 rank); setsweep (the grouped kernel's slot-set tiles, top-k); tune (stacked tiles); narrow (stacked tiles, r=16,
 k=1, N >= 256); topkdecode (stacked tiles, r=16, top-2, N = 32: a batch-32 step's learned rows); sweep32
 (grouped tiles at N = 32, r = 32..128); k1 (K1/K2); k3 (base linear + delta: per layer, and q/k/v sharing one
-group call as the routed layers make it, by path, with the delta on a side stream, and each kernel's GPU time); pdl (programmatic dependent launch off vs on for the two-phase calls, and K2 against one copy
-of x); linear (the routed linear as one GEMM, kernels/triton_linear.py, against the base GEMMs and the
+group call as the routed layers make it, by path, with the delta on a side stream, and each kernel's GPU time);
+pdl (programmatic dependent launch off vs on for the two-phase calls, and K2 against one copy of x); linear (the routed linear as one GEMM, kernels/triton_linear.py, against the base GEMMs and the
 group call: a tile sweep, or with --no-tune the dispatcher's range and the Qwen3-1.7B shapes); decode (the routed
 linear at N = 1, 2, 16 for every projection of a Qwen3-1.7B and an Emu3-8B block: decode tiles swept against the
 captured step's path today and the base GEMMs); dense (GPU time of
@@ -73,7 +73,8 @@ def parse_args() -> argparse.Namespace:
                    "1, 32, 128, 256, 2048, 8192)")
     p.add_argument("--profile", action="store_true", help="eager: cProfile the routed 1.7B-shaped step (top 25)")
     p.add_argument("--only", default="", help="comma-separated sections to run (default: all): correct, group, "
-                   "topk, ranks, k3, linear, decode, k1, pdl, dense, eager, tune, narrow, sweep, setsweep, sweep32, topkdecode")
+                   "topk, ranks, k3, linear, decode, k1, pdl, dense, eager, tune, narrow, sweep, setsweep, sweep32, "
+                   "topkdecode")
     return p.parse_args()
 
 
@@ -465,20 +466,30 @@ def run_topk_decode_tuning() -> None:
         line, best = time_configs(tune, label, configs, call)
         print(f"  {label} {'/'.join(grid)} (default {'/'.join(str(base[key]) for key in grid)}) best {best[1]} "
               f"{best[0]:.2f}: " + line)
+        if best[1] is None:
+            print(f"  !! {label}: no configuration timed")
+            return
         ref = torch.cat(routed_lora_group_reference(x.float(), A.float(), B.float(), slots, w, scale, bounds), 1)
         got = call(configs[best[1]])
         got = got.view(n, -1) if len(outs) == 1 else \
             torch.cat([blk.view(n, -1) for blk in got.split([n * o for o in outs])], 1)
         err = (got.float() - ref).abs().max().item() / ref.abs().max().item()
         print(f"  {label} best rel err {err:.2e} ({'ok' if err < 2e-2 else 'WRONG'})")
+        if not err < 2e-2:
+            RESULTS.setdefault("errors", []).append(f"{label}: the best tiles' delta is wrong (rel err {err:.2e})")
         tune[f"{label} best rel err"] = err
         calls[name], bests[name] = (call, base), best[1]
     # one projection: one entry for o and down, the expand tiles with the least summed time over both
     single = [name for name, _, outs in shapes if len(outs) == 1]
     sums = {}
-    for combo in {bests[name] for name in single}:
+    for combo in dict.fromkeys(bests[name] for name in single):  # in shape order: ties go to the first
         sums[combo] = sum(bench_us(lambda c=calls[name]: c[0]({**c[1], **dict(zip(grid, combo))})) for name in single)
-    pick = min(sums, key=sums.get)
+        tune[f"one projection, summed over {'/'.join(single)} {'/'.join(map(str, combo))}"] = sums[combo]
+    timed = {combo: us for combo, us in sums.items() if us == us}  # NaN: a failed configuration
+    if not timed:
+        print("  !! no one-projection configuration timed")
+        return
+    pick = min(timed, key=timed.get)
     print(f"  one projection: summed us over {'/'.join(single)} " +
           " ".join(f"{'/'.join(map(str, c))}={v:.1f}" for c, v in sums.items()) + f" -> {pick}")
     tune["expand tiles"] = {"one projection": dict(zip(grid, pick)), "group": dict(zip(grid, bests["gate/up"]))}

@@ -172,8 +172,9 @@ def report(args: argparse.Namespace) -> dict:
             ("arm 1: 1x + adapters + router, ours top-2", arm1.get("ours_top2")),
             ("arm 1: oracle per span", arm1.get("oracle_span")),
             ("arm 4x: 4x base (domain items in its data), no adapters", big.get("base_4x"))]
-    # the training scripts' own validation, on other held-out items (same split and scoring, other seeds): a
-    # fallback when the eval above was cut short, and a check of it
+    # the training scripts' own validation, on other held-out items (same split and scoring, other seeds, and
+    # another mix: 30% of their one-domain items ask two questions, eval_molora's none): a fallback when the eval
+    # above was cut short, and a check of it
     own = {d: m["val_exact_match"] for d, m in adapters.items() if "val_exact_match" in m}
     rows.append(("arm 1: each adapter on its own spans, train_domain_adapters.py's validation", own or None))
     for k in ("top1", "top2"):
@@ -206,8 +207,9 @@ def report(args: argparse.Namespace) -> dict:
                                            "domain_share_actual", "train_seconds", "total_seconds", "epochs",
                                            "val_text_loss", "val_image_loss", "compiled", "lr")},
         "big_ids": lm4.get("ids_seen"),
-        "big_over_arm1_ids": round(lm4.get("ids_seen", 0) / arm1_ids, 4) if arm1_ids else None,
-        "big_over_1x_params": round(lm4.get("params", 0) / lm1["params"], 3) if lm1.get("params") else None,
+        "big_over_arm1_ids": round(lm4["ids_seen"] / arm1_ids, 4) if arm1_ids and lm4.get("ids_seen") else None,
+        "big_over_1x_params": round(lm4["params"] / lm1["params"], 3) if lm1.get("params") and lm4.get("params")
+        else None,
         "base_check": {"eval_molora_base": arm1.get("base"), "eval_base": check.get("base_1x")},
     }
     summary = {"plan": plan_, "budget": budget, "rows": {n: r for n, r in rows if r}}

@@ -18,9 +18,10 @@
 #   TINY=1 DEVICE=cpu scripts/scale_vs_specialise.sh /tmp/scale      # a CPU smoke run at toy sizes (~1 min)
 #
 # BASE (default assets/model) lends its tokenizer.json, vocab.json and vq/: only the LMs are trained. Knobs:
-# ARMS (default "arm1 big"; an arm left out keeps what OUT holds from an earlier run with the same knobs, and the
-# report reads it), LM_STEPS, AD_STEPS, RT_STEPS, N_EXAMPLES, N_EVAL, WORKERS (per LM process), DEVICE, BIG_LR,
-# COMPILE (1: both LMs under torch.compile), and the time limits LM_MAX_MIN, BIG_MAX_MIN, AD_MAX_MIN, RT_MAX_MIN (0 = none, the default: a
+# ARMS (default "arm1 big", the 4x also as "4x"; the report reads a left-out arm's files from an earlier run into
+# the same OUT with the same knobs: its eval.json and model/lm/metrics.json), LM_STEPS, AD_STEPS, RT_STEPS,
+# N_EXAMPLES, N_EVAL, WORKERS (per LM process), DEVICE, BIG_LR, COMPILE (1: both LMs under torch.compile), and the
+# time limits LM_MAX_MIN, BIG_MAX_MIN, AD_MAX_MIN, RT_MAX_MIN (0 = none, the default: a
 # limit that cuts a run short makes the budgets unequal; OUT/summary.json records the steps each took). Logs: OUT/logs/.
 #
 # Timings measured on one H200 (16 cores; 2026-12-01, benchmarks/RESULTS.md "Specialisation vs scale"): plan 14 s;
@@ -29,8 +30,9 @@
 # at once ~5 steps/s each; the router ~5.8 steps/s; eval_molora's three rows ~40 s. Arm 1 is a serial chain, so the
 # defaults (1,000 / 400 / 400 steps) ended the whole study in 538 s (tenth session's run); 2,000 / 600 / 600 did not
 # fit in 555 s. On one H100 with the shipped recipe (2026-12-06, benchmarks/RESULTS.md "Learned routing"): the two
-# compile warm-ups side by side took 133 s and arm 1 did not finish in 560 s; arm 1 alone (ARMS=arm1): LM 230 s,
-# the four adapters at batch 128 ~100 s at once, the router 96 s, then the eval's rows (not all within 549 s).
+# LMs' first steps (compile warm-ups side by side) took 133 s and 108 s, and arm 1 did not finish within 545 s; arm 1
+# alone (ARMS=arm1): LM 230 s, the four adapters at batch 128 ~100 s at once, the router 96 s, then the eval's rows
+# (not all within 548 s). There, run the arms in two calls (ARMS=big, then ARMS=arm1) into one OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/scale}
@@ -51,13 +53,17 @@ else
   N_EXAMPLES=${N_EXAMPLES:-120000}
   LM_SHAPE=(--n-examples "$N_EXAMPLES" --tokens-per-batch 65536 --hidden 256 --heads 4 --layers 6 --intermediate 1024)
   BIG_SHAPE=(--n-examples "$N_EXAMPLES" --tokens-per-batch 65536 --hidden 512 --heads 8 --layers 6 --intermediate 2048)
-  # the shipped recipe's data and batches (scripts/train_molora.sh): adapters at batch 128, the router on three
-  # mixed requests for each item of a domain
+  # the shipped recipe's batches (scripts/train_molora.sh): adapters at batch 128 (on 60,000 items a domain; the
+  # shipped ones drew from 120,000), the router on three mixed requests for each item of a domain
   AD_DATA=(--n-train 60000 --n-val 200 --batch-size 128); RT_DATA=(--n-per-domain 3000 --n-mixed 9000 --n-val 100)
   PLAN_DATA=(--n-train 60000 --adapter-batch-size 128 --n-per-domain 3000 --n-mixed 9000 --tokens-per-batch 65536)
   COMPILE_ARGS=(--compile)
 fi
 if [[ "${COMPILE:-1}" == "0" ]]; then COMPILE_ARGS=(); fi
+ARMS=${ARMS:-arm1 big}
+for arm in $ARMS; do
+  [[ "$arm" =~ ^(arm1|big|4x)$ ]] || { echo "ARMS: unknown arm '$arm' (arm1, big or 4x)" >&2; exit 2; }
+done
 BIG_LR=${BIG_LR:-1e-3}  # Pythia-70M's (hidden 512, 6 layers); the 1x keeps the shipped 2e-3
 mkdir -p "$OUT/logs" "$OUT/arm1/model" "$OUT/big/model" "$OUT/arm1/adapters"
 for arm in arm1 big; do
@@ -119,9 +125,13 @@ arm1() {
 }
 
 status=0
-ARMS=" ${ARMS:-arm1 big} "
-if [[ "$ARMS" == *" big "* ]]; then big_arm & BIG_PID=$!; fi
-if [[ "$ARMS" == *" arm1 "* ]]; then arm1 & ARM1_PID=$!; fi
+BIG_PID= ARM1_PID=
+for arm in $ARMS; do
+  case "$arm" in
+    arm1) arm1 & ARM1_PID=$! ;;
+    big|4x) big_arm & BIG_PID=$! ;;
+  esac
+done
 if [[ -n "${ARM1_PID:-}" ]]; then wait "$ARM1_PID" || { status=1; stamp "arm 1 FAILED (logs in $OUT/logs)"; }; fi
 if [[ -n "${BIG_PID:-}" ]]; then wait "$BIG_PID" || { status=1; stamp "4x FAILED (logs in $OUT/logs)"; }; fi
 $PY scripts/scale_vs_specialise.py report --run "$OUT"

@@ -154,15 +154,16 @@ def build_sequences(tok: UnifiedTokenizer, vq: ImageTokenizer, n: int, *, seed: 
     return seqs, [prompt_length(e, s, tok.vocab) for e, s in zip(examples, seqs, strict=True)]
 
 
-def domain_sequences(tok: UnifiedTokenizer, n_ids: int, *, router_share: float, seed: int, router_mixed: float = 1.0
-                     ) -> tuple[list[list[int]], list[int]]:
+def domain_sequences(tok: UnifiedTokenizer, n_ids: int, *, router_share: float, seed: int,
+                     router_mixed: float = 1.0) -> tuple[list[list[int]], list[int]]:
     """About `n_ids` ids of question-domain items (train split) and each one's prompt length (its answer's first
     index), encoded as train_domain_adapters.py and train_router.py read them ([<bos>] prompt answer [<eos>]).
 
     A share `router_share` of the ids are train_router.py's items with --seed `seed` (per domain, and `router_mixed`
-    mixed requests of two domains for each: its --n-mixed over --n-per-domain), the rest train_domain_adapters.py's (per domain, 40% also
-    asking another domain's question): prefixes of the same seeded generators, so these are the items those scripts
-    train on, up to the count that fills the budget. The counts come from the mean length of the first 64 items of each kind."""
+    mixed requests of two domains for each: its --n-mixed over --n-per-domain), the rest train_domain_adapters.py's
+    (per domain, 40% also asking another domain's question): prefixes of the same seeded generators, so these are the
+    items those scripts train on, up to the count that fills the budget. The counts come from the mean length of the
+    first ~64 items of each list."""
     from molora.models.families.shapes.domain_batches import encode_item
     from molora.models.families.shapes.domains import DOMAINS, domain_items, mixed_items
 
@@ -176,7 +177,7 @@ def domain_sequences(tok: UnifiedTokenizer, n_ids: int, *, router_share: float, 
     items = []
     for make, share, kinds in ((adapter_items, 1.0 - router_share, len(DOMAINS)),
                                (router_items, router_share, len(DOMAINS) + router_mixed)):
-        probe = [len(encode_item(tok, it)) for it in make(round(64 / kinds) + 1)]
+        probe = [len(encode_item(tok, it)) for it in make(int(64 // kinds) + 1)]
         n = round(n_ids * share / kinds / (sum(probe) / len(probe)))
         items += make(n) if n > 0 else []
     encoded = [encode_item(tok, it) for it in items]

@@ -73,6 +73,22 @@ def test_domain_sequences_follow_the_routers_mixed_requests_per_item(model_dir):
     assert abs(router_ids / sum(len(s) for s in seqs) - 0.5) < 0.05
 
 
+def test_plan_counts_the_routers_mixed_share_and_the_adapters_batch(model_dir):
+    """plan's router ids follow train_router.py's own item list (n a domain + --n-mixed mixed requests), its
+    adapter ids the adapters' batch, not the router's."""
+    plan = load_script("scale_vs_specialise").main(
+        ["plan", "--model-dir", str(model_dir), "--lm-steps", "1", "--adapter-steps", "2", "--router-steps", "3",
+         "--n-train", "40", "--adapter-batch-size", "8", "--n-per-domain", "20", "--n-mixed", "60",
+         "--tokens-per-batch", "4096", "--fill-examples", "24"])
+    tok = UnifiedTokenizer.load(model_dir)
+    items = load_script("train_router").shapes_data(tok, list(DOMAINS), 20, "router0", "train", 60)
+    assert plan["router_item_mean_ids"] == pytest.approx(sum(len(e.ids) for e in items) / len(items), abs=0.01)
+    assert plan["router_ids_est"] == pytest.approx(3 * 32 * plan["router_item_mean_ids"], abs=2)
+    for d in DOMAINS:
+        assert plan["adapter_ids_est"][d] == pytest.approx(2 * 8 * plan["adapter_item_mean_ids"][d], abs=2)
+    assert plan["n_mixed"] == 60 and plan["n_per_domain"] == 20
+
+
 def test_domain_share_zero_adds_no_domain_items(model_dir, tmp_path):
     train_lm = load_script("train_lm")
     out = lm_dir(model_dir, tmp_path)

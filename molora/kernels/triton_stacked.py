@@ -199,11 +199,12 @@ TARGET_PROGRAMS = 264
 #   N=2048 24.4 (35.1), N=8192 55.5 (75.5); q/k/v N=256 16.6 (22.8), N=2048 40.5 (68.4). Taller expand tiles won
 #   at every size (EXPAND_M 128 above 256 tokens: B's [64, BLOCK_N] tile read once per 128 rows, not per 32).
 # - 64 columns, top-2, N <= 32 (a batch-32 decode step's learned rows), expand tiles only: the shrink's tiles and warps
-#   stay those of the 256-token entry, so decode steps up to 16 tokens, whose routed linear takes only the shrink's
-#   tiles, are unchanged. H100, 2026-12-06 (--only topkdecode, Qwen3-1.7B shapes, shrink + expand): o 10.85 -> 10.37,
-#   down 12.64 -> 11.94, gate/up (a group) 16.22 -> 11.07: EXPAND_M 16 and more output slices, where the 256-token
-#   tiles left a 32-token call 16 expand programs walking 768 columns each. The captured width-32 learned step: the
-#   84 expands 571 -> 400 us, the step 3.87 -> 3.70 ms (benchmarks/RESULTS.md, E1).
+#   stay those of the 256-token entry, so the routed linear of graph-mode decode steps up to 16 tokens, which takes
+#   only the shrink's tiles, is unchanged; other two-phase calls up to 32 tokens take these expand tiles. H100,
+#   2026-12-06 (--only topkdecode, Qwen3-1.7B shapes, shrink + expand): o 10.85 -> 10.37, down 12.64 -> 12.00,
+#   gate/up (a group) 16.22 -> 11.07: EXPAND_M 16 and more output slices, where the 256-token tiles left a 32-token
+#   call 16 expand programs walking 768 columns each. The captured width-32 learned step: the 84 expands 571 -> 400
+#   us, the step 3.87 -> 3.70 ms (benchmarks/RESULTS.md, E1).
 STACKED_TILES: dict[tuple[int, bool], tuple[tuple[int, tuple[int, ...]], ...]] = {
     (256, False): ((64, (16, 64, 128, 4, 16, 128, 32, 4)), (256, (64, 64, 128, 4, 32, 128, 16, 4))),
     (64, False): ((32, (16, 64, 128, 8, 16, 128, 32, 8)), (256, (16, 64, 128, 8, 32, 128, 32, 8)),
