@@ -10,8 +10,14 @@ slots, N = 1 and 2 tokens; replayed 10 times, best of 5, against the bytes at th
     CUDA-core variants            the same shrink, then a GEMV on the CUDA cores (weights read 16 bytes a thread,
                                   a float32 [BLOCK_N, BLOCK_K] accumulator summed once; N = 1 and 2), by tiles:
                                   the alternative a decode GEMM could take, measured, not shipped
+    persistent chain              N = 1, base only: the whole chain's 112 GEMVs in ONE launch of one program an SM,
+                                  each program taking every PROGRAMS-th row tile of each GEMM in turn; "barrier":
+                                  a grid-wide barrier after every GEMM (as a real step's next GEMM waits for its
+                                  input), "no barrier" the bound without it. What fewer, longer launches could give
+                                  (a persistent per-block decode kernel), against cuBLAS's GEMVs less the copies
 
     python benchmarks/decode_gemv_chain.py --json decode_gemv_chain.json          # a CUDA device
+    python benchmarks/decode_gemv_chain.py --persistent-only                      # the persistent chain's rows
 """
 import argparse
 import itertools
@@ -77,6 +83,96 @@ def _cc_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, b_ptr, part_ptr, out_ptr,
         t1 = t1.to(x_ptr.dtype.element_ty).to(tl.float32)
         y1 += tl.sum(bt * t1[None, :], axis=1)
         tl.store(out_ptr + lo.to(tl.int64) * N + width + offs_n, y1, mask=mn)
+
+
+@triton.jit
+def _persistent_chain_kernel(w_table, x_table, y_table, in_table, out_table, n_gemms, counter_ptr, stall_ptr,
+                             PROGRAMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             BARRIER: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+    """y_g = W_g @ x_g for the n_gemms GEMVs of the tables (device pointers and sizes; d_in a multiple of BLOCK_K),
+    one launch of PROGRAMS programs, all resident (one an SM). With BARRIER, every program arrives on a global
+    counter after each GEMM and spins until all have (release / acquire at GPU scope); a spin that reaches
+    SPIN_LIMIT gives up and counts itself in stall_ptr, so a grid that is not all resident ends instead of hanging."""
+    pid = tl.program_id(0)
+    for g in range(0, n_gemms):
+        w_ptr = tl.multiple_of(tl.load(w_table + g).to(tl.pointer_type(tl.bfloat16)), 16)
+        x_ptr = tl.multiple_of(tl.load(x_table + g).to(tl.pointer_type(tl.bfloat16)), 16)
+        y_ptr = tl.multiple_of(tl.load(y_table + g).to(tl.pointer_type(tl.bfloat16)), 16)
+        d_in = tl.multiple_of(tl.load(in_table + g), BLOCK_K)  # (the hints let the weights load 16 bytes a thread)
+        d_out = tl.load(out_table + g)
+        for t in range(pid, tl.cdiv(d_out, BLOCK_N), PROGRAMS):
+            offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+            mn = offs_n < d_out
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, d_in, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * d_in + offs_k[None, :], mask=mn[:, None],
+                            other=0.0)
+                acc += w.to(tl.float32) * tl.load(x_ptr + offs_k).to(tl.float32)[None, :]
+            tl.store(y_ptr + offs_n, tl.sum(acc, axis=1).to(tl.bfloat16), mask=mn)
+        if BARRIER:
+            tl.debug_barrier()  # every thread's stores issued before the release
+            tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+            seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+            spins = 0
+            while (seen < (g + 1) * PROGRAMS) & (spins < SPIN_LIMIT):
+                seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+                spins += 1
+            if spins >= SPIN_LIMIT:
+                tl.atomic_add(stall_ptr, 1)
+            tl.debug_barrier()
+
+
+def persistent_rows(layers: list, floor_us: float, results: dict, configs: list, g) -> None:
+    """The persistent chain at N = 1 (base weights only), with and without its barriers, by tiles, into results."""
+    grps = [grp for layer in layers for grp in layer]
+    xs = {w: torch.randn(w, device="cuda", dtype=torch.bfloat16, generator=g) for w in {grp["d_in"] for grp in grps}}
+    ws = [grp["base"] for grp in grps]
+    ys = [torch.empty(w.shape[0], device="cuda", dtype=torch.bfloat16) for w in ws]
+
+    def table(values):
+        return torch.tensor(values, device="cuda", dtype=torch.int64)
+    tables = (table([w.data_ptr() for w in ws]), table([xs[grp["d_in"]].data_ptr() for grp in grps]),
+              table([y.data_ptr() for y in ys]), table([w.shape[1] for w in ws]), table([w.shape[0] for w in ws]))
+    refs = [torch.nn.functional.linear(xs[grp["d_in"]][None], w)[0] for grp, w in zip(grps, ws)]
+    counter = torch.zeros(1, device="cuda", dtype=torch.int32)
+    stall = torch.zeros(1, device="cuda", dtype=torch.int32)
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    cublas = results["N=1 cuBLAS base only (no delta, no shrink)"] - results["N=1 copies only"]
+    print(f"N=1 cuBLAS's GEMVs less the copies: {cublas:.0f} us ({floor_us / cublas:.2f} of copy bandwidth)",
+          flush=True)
+    for barrier in (False, True):
+        scored = []
+        for bn, bk, warps in configs:
+            label = f"persistent chain, {'barrier' if barrier else 'no barrier'}, bn={bn} bk={bk} w={warps}"
+
+            def launch(tiles=(bn, bk, warps), barrier=barrier):
+                counter.zero_()
+                _persistent_chain_kernel[(programs,)](*tables, len(ws), counter, stall, PROGRAMS=programs,
+                                                      BLOCK_N=tiles[0], BLOCK_K=tiles[1], BARRIER=barrier,
+                                                      SPIN_LIMIT=1 << 18, num_warps=tiles[2])
+            try:
+                stall.zero_()
+                launch()
+                torch.cuda.synchronize()
+                err = max(((y.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                          for y, r in zip(ys, refs))
+                graph, _ = capture_graph(launch)
+                us = replay_us(graph)
+            except Exception as exc:  # (a tile the compiler refuses)
+                print(label, "failed:", type(exc).__name__, str(exc)[:200], flush=True)
+                continue
+            stalls = int(stall.item())
+            results[f"N=1 {label}"] = round(us, 1)
+            results[f"N=1 {label} rel_err"] = err
+            results[f"N=1 {label} stalls"] = stalls
+            verdict = "WRONG" if err > 2e-2 else ("STALLED (not all resident)" if stalls else "ok")
+            print(f"N=1 {label}: {us:.0f} us a chain ({floor_us / us:.2f} of copy bandwidth; {cublas / us:.2f}x "
+                  f"cuBLAS's GEMVs) {verdict}", flush=True)
+            if verdict == "ok":
+                scored.append((us, label))
+        if scored:
+            print(f"N=1 best persistent chain, {'barrier' if barrier else 'no barrier'}: {min(scored)}", flush=True)
 
 
 def cc_linear(x, W, A, B, slots, scale, bounds, bn, bk, warps, stages):
@@ -188,6 +284,8 @@ def width_rows(n: int, layers: list, floor_us: float, results: dict, configs: li
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--persistent-only", action="store_true",
+                        help="N = 1's shipped, cuBLAS and copies rows, then the persistent chain (no CUDA-core tiles)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_gemv_chain.py times CUDA kernels: it needs a CUDA device")
@@ -210,8 +308,13 @@ def main():
     floor_us = weight_bytes / bw * 1e6
     print(f"{torch.cuda.get_device_name()}: weights {weight_bytes / 1e9:.3f} GB, copy {bw / 1e9:.0f} GB/s, "
           f"floor {floor_us:.0f} us a chain", flush=True)
-    best = width_rows(1, layers, floor_us, results, list(itertools.product((8, 16, 32), (256, 512), (4, 8), (1, 3))), g)
-    width_rows(2, layers, floor_us, results, best, g)  # the three best tiles of N = 1
+    if args.persistent_only:
+        width_rows(1, layers, floor_us, results, [], g)
+    else:
+        cc_tiles = list(itertools.product((8, 16, 32), (256, 512), (4, 8), (1, 3)))
+        best = width_rows(1, layers, floor_us, results, cc_tiles, g)
+        width_rows(2, layers, floor_us, results, best, g)  # the three best tiles of N = 1
+    persistent_rows(layers, floor_us, results, list(itertools.product((8, 16, 32), (256, 512, 1024), (4, 8))), g)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
