@@ -13,7 +13,9 @@ slots, N = 1 and 2 tokens; replayed 10 times, best of 5, against the bytes at th
     persistent chain              N = 1, base only: the whole chain's 112 GEMVs in ONE launch of one program an SM,
                                   each program taking every PROGRAMS-th row tile of each GEMM in turn; "barrier":
                                   a grid-wide barrier after every GEMM (as a real step's next GEMM waits for its
-                                  input), "no barrier" the bound without it. What fewer, longer launches could give
+                                  input), "no barrier" the bound without it, "next weights before it" the barrier
+                                  with the next GEMV's first weight chunk loaded before the wait. What fewer,
+                                  longer launches could give
                                   (a persistent per-block decode kernel), against cuBLAS's GEMVs less the copies
 
     python benchmarks/decode_gemv_chain.py --json decode_gemv_chain.json          # a CUDA device
@@ -86,30 +88,51 @@ def _cc_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, b_ptr, part_ptr, out_ptr,
 
 
 @triton.jit
+def _first_chunk(w_table, in_table, out_table, g, pid, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """GEMV g's weights for this program's first row tile, first BLOCK_K columns (zeros where it has no tile)."""
+    w_ptr = tl.multiple_of(tl.load(w_table + g).to(tl.pointer_type(tl.bfloat16)), 16)
+    d_in = tl.multiple_of(tl.load(in_table + g), BLOCK_K)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * d_in + offs_k[None, :],
+                   mask=(offs_n < tl.load(out_table + g))[:, None], other=0.0)
+
+
+@triton.jit
 def _persistent_chain_kernel(w_table, x_table, y_table, in_table, out_table, n_gemms, counter_ptr, stall_ptr,
                              PROGRAMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BARRIER: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+                             BARRIER: tl.constexpr, PREFETCH: tl.constexpr, SPIN_LIMIT: tl.constexpr):
     """y_g = W_g @ x_g for the n_gemms GEMVs of the tables (device pointers and sizes; d_in a multiple of BLOCK_K),
     one launch of PROGRAMS programs, all resident (one an SM). With BARRIER, every program arrives on a global
     counter after each GEMM and spins until all have (release / acquire at GPU scope); a spin that reaches
-    SPIN_LIMIT gives up and counts itself in stall_ptr, so a grid that is not all resident ends instead of hanging."""
+    SPIN_LIMIT gives up and counts itself in stall_ptr, so a grid that is not all resident ends instead of hanging.
+    PREFETCH: the loads of the next GEMV's first weight chunk are issued before the barrier (weights never wait for
+    the previous GEMV), so their HBM latency overlaps the wait."""
     pid = tl.program_id(0)
+    w_next = _first_chunk(w_table, in_table, out_table, 0, pid, BLOCK_N, BLOCK_K)
     for g in range(0, n_gemms):
         w_ptr = tl.multiple_of(tl.load(w_table + g).to(tl.pointer_type(tl.bfloat16)), 16)
         x_ptr = tl.multiple_of(tl.load(x_table + g).to(tl.pointer_type(tl.bfloat16)), 16)
         y_ptr = tl.multiple_of(tl.load(y_table + g).to(tl.pointer_type(tl.bfloat16)), 16)
         d_in = tl.multiple_of(tl.load(in_table + g), BLOCK_K)  # (the hints let the weights load 16 bytes a thread)
         d_out = tl.load(out_table + g)
+        w_first = w_next
         for t in range(pid, tl.cdiv(d_out, BLOCK_N), PROGRAMS):
             offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
             mn = offs_n < d_out
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, d_in, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
-                w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * d_in + offs_k[None, :], mask=mn[:, None],
-                            other=0.0)
+                if PREFETCH and t == pid and k0 == 0:
+                    w = w_first
+                else:
+                    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * d_in + offs_k[None, :], mask=mn[:, None],
+                                other=0.0)
                 acc += w.to(tl.float32) * tl.load(x_ptr + offs_k).to(tl.float32)[None, :]
             tl.store(y_ptr + offs_n, tl.sum(acc, axis=1).to(tl.bfloat16), mask=mn)
+        if PREFETCH:
+            w_next = _first_chunk(w_table, in_table, out_table, tl.minimum(g + 1, n_gemms - 1), pid, BLOCK_N,
+                                  BLOCK_K)
         if BARRIER:
             tl.debug_barrier()  # every thread's stores issued before the release
             tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
@@ -141,16 +164,17 @@ def persistent_rows(layers: list, floor_us: float, results: dict, configs: list,
     cublas = results["N=1 cuBLAS base only (no delta, no shrink)"] - results["N=1 copies only"]
     print(f"N=1 cuBLAS's GEMVs less the copies: {cublas:.0f} us ({floor_us / cublas:.2f} of copy bandwidth)",
           flush=True)
-    for barrier in (False, True):
+    for barrier, prefetch in ((False, False), (True, False), (True, True)):
+        mode = ("barrier" if barrier else "no barrier") + (", next weights before it" if prefetch else "")
         scored = []
         for bn, bk, warps in configs:
-            label = f"persistent chain, {'barrier' if barrier else 'no barrier'}, bn={bn} bk={bk} w={warps}"
+            label = f"persistent chain, {mode}, bn={bn} bk={bk} w={warps}"
 
-            def launch(tiles=(bn, bk, warps), barrier=barrier):
+            def launch(tiles=(bn, bk, warps), barrier=barrier, prefetch=prefetch):
                 counter.zero_()
                 _persistent_chain_kernel[(programs,)](*tables, len(ws), counter, stall, PROGRAMS=programs,
                                                       BLOCK_N=tiles[0], BLOCK_K=tiles[1], BARRIER=barrier,
-                                                      SPIN_LIMIT=1 << 18, num_warps=tiles[2])
+                                                      PREFETCH=prefetch, SPIN_LIMIT=1 << 18, num_warps=tiles[2])
             try:
                 stall.zero_()
                 launch()
@@ -172,7 +196,7 @@ def persistent_rows(layers: list, floor_us: float, results: dict, configs: list,
             if verdict == "ok":
                 scored.append((us, label))
         if scored:
-            print(f"N=1 best persistent chain, {'barrier' if barrier else 'no barrier'}: {min(scored)}", flush=True)
+            print(f"N=1 best persistent chain, {mode}: {min(scored)}", flush=True)
 
 
 def cc_linear(x, W, A, B, slots, scale, bounds, bn, bk, warps, stages):
@@ -314,7 +338,7 @@ def main():
         cc_tiles = list(itertools.product((8, 16, 32), (256, 512), (4, 8), (1, 3)))
         best = width_rows(1, layers, floor_us, results, cc_tiles, g)
         width_rows(2, layers, floor_us, results, best, g)  # the three best tiles of N = 1
-    persistent_rows(layers, floor_us, results, list(itertools.product((8, 16, 32), (256, 512, 1024), (4, 8))), g)
+    persistent_rows(layers, floor_us, results, list(itertools.product((8, 16, 32), (512, 1024), (4, 8))), g)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
