@@ -103,7 +103,8 @@ def engine_rows(routed, vocab, device: str, new: int, lean: bool, overlap: bool,
             best = max(done, key=lambda r: r["tok_s"])
             rows[(label, batch)] = best["tok_s"]
             print(f"engine ({name} forward), {label:26s} batch {batch:2d}: "
-                  f"{best['tok_s']:9.1f} tok/s (median gap {statistics.median(best['gaps_ms']):.2f} ms)", flush=True)
+                  f"{best['tok_s']:9.1f} tok/s (median gap {statistics.median(best['gaps_ms']):.2f} ms, "
+                  f"first token {statistics.median(best['first_ms']):.1f} ms)", flush=True)
     return rows, engine
 
 
@@ -118,7 +119,8 @@ def greedy_tokens(engine: Engine, vocab, requests: list[Request], new: int) -> l
 
 def graph_costs(engine: Engine) -> dict[str, dict]:
     """GPU time (20 replays) and kernels (profiler, 3 replays; their count and GPU time by name too) of each captured
-    decode step, static and learned."""
+    decode step, static and learned, and of each captured prefill (by rows x tokens; replaying one rewrites the
+    KV entries and routing states its rows already hold, with the same inputs)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -128,6 +130,10 @@ def graph_costs(engine: Engine) -> dict[str, dict]:
     graphs = {f"static, width {w}{modes(draw)}": g for (w, draw), (g, _) in engine._graphs.items()}
     graphs |= {f"learned, width {key[0]}{modes(key[1])}, tables {key[2:]}": g
                for key, (g, _, _) in engine._learned_graphs.items()}
+    graphs |= {f"prefill, {shape[0]} rows x {shape[1]} tokens": g
+               for shape, (g, _, _) in engine._prefill_graphs.items()}
+    graphs |= {f"learned prefill, {key[0][0]} rows x {key[0][1]} tokens, tables {key[1:]}": g
+               for key, (g, _, _) in engine._learned_prefills.items()}
     costs = {}
     for label, graph in sorted(graphs.items()):
         gpu_ms = graph_ms(graph)
@@ -140,7 +146,7 @@ def graph_costs(engine: Engine) -> dict[str, dict]:
         costs[label] = {"gpu_ms": round(gpu_ms, 3), "kernels": sum(names.values()), "kernel_names": names,
                         "kernel_us": {e.key: round(_device_us(e) / 3, 2) for e in events}}
         kernels = costs[label]["kernels"]
-        print(f"captured step {label}: {costs[label]['gpu_ms']:.3f} ms GPU, {kernels:.0f} kernels", flush=True)
+        print(f"captured {label}: {costs[label]['gpu_ms']:.3f} ms GPU, {kernels:.0f} kernels", flush=True)
     return costs
 
 
