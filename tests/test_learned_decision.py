@@ -155,14 +155,69 @@ def test_decode_block_is_one_compiled_call_per_gate_set(uncompiled, monkeypatch)
     assert len(eager.ops) >= 12 * 3
 
 
-def test_prefill_and_training_keep_the_eager_decide(uncompiled):
-    """Only decode-shaped calls without autograd take the compiled decision."""
+def test_training_and_picture_prefills_keep_the_eager_decide(uncompiled):
+    """Calls without autograd over every row take the compiled decision, decode steps and prefills alike; training
+    keeps the eager decide, and so does a prefill's per-picture gate set (its positions take the decision of their
+    picture's anchor)."""
     routing, hidden = decode_routing(0)
     group = routing.learned[0]
     assert group.fuses(hidden[0]) is False  # gradients enabled (training)
     with torch.no_grad():
         assert group.fuses(hidden[0])
-        assert not group.fuses(torch.randn(ROWS, 2, D))  # prefill: several positions per row
+        routing, hidden = prefill_routing(0)
+        assert [g.fuses(hidden[0]) for g in routing.learned] == [True, False, True]
+        assert routing.learned[1].per_picture and routing.learned[1].anchor is not None
+
+
+def prefill_routing(seed: int, positions: int = 5, device: str = "cpu") -> tuple[CallRouting, list[torch.Tensor]]:
+    """A captured prefill's routing as the engine builds it (every group covers all rows, members by mask, several
+    positions a row, routing states carried in for some rows' routers), and the blocks' inputs."""
+    vocab, first, second = routers()
+    for gates in (first.gates, first.image_gates, second.gates):
+        gates.to(device)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(vocab.text_start, vocab.vocab_size, (ROWS, positions), generator=g).to(device)
+    member = torch.tensor([True, False, True, False, True, True], device=device)
+    groups = []
+    for router, rows in ((first, member), (second, ~member)):
+        groups += LearnedGroup.for_router(router, None, ids, SLOT_OF, device, member=rows)
+    groups[0].state_in = torch.randn(ROWS, len(groups[0].gates.context_decays), D, generator=g).to(device)
+    static = torch.randint(-1, 4, (ROWS * positions,), generator=g).to(device)
+    routing = CallRouting(ROWS, positions, static, 4, learned=groups, k=2)
+    hidden = [torch.randn(ROWS, positions, D, generator=g).to(device) for _ in range(BLOCKS)]
+    return routing, hidden
+
+
+def prefill_decisions_alike(seed: int, device: str, monkeypatch, atol: float) -> None:
+    """A prefill's positions decided as rows of the compiled decision (text gates with a routing state carried in,
+    a second router's plain gates; the image gates' anchored positions eagerly) give the eager decide's slots,
+    experts and logits block after block, and the routing state after the last position."""
+    def route(routing, hidden):
+        with torch.no_grad():
+            for block, h in enumerate(hidden):
+                routing.route_block(block, h)
+        return routing
+
+    got = route(*prefill_routing(seed, device=device))
+    monkeypatch.setattr(decision, "COMPILED_DEVICES", set())
+    want = route(*prefill_routing(seed, device=device))
+    assert_same_decisions(got, want, atol=atol)
+    slots = torch.cat([got.block_slots[b][0].reshape(-1, 2) for b in range(BLOCKS)])
+    assert len(set(slots[:, 0].tolist())) >= 3 and (slots[:, 1] >= 0).any()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefill_decision_math_equals_eager_decide(uncompiled, monkeypatch, seed):
+    prefill_decisions_alike(seed, "cpu", monkeypatch, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_prefill_one_launch_decision_equals_eager_decide(monkeypatch):
+    """The same on CUDA, where the compiled decision is the one-launch Triton kernel (a captured prefill's)."""
+    monkeypatch.setattr(decision, "_failed", False)
+    for seed in (0, 1):
+        prefill_decisions_alike(seed, "cuda", monkeypatch, atol=1e-4)
+        monkeypatch.setattr(decision, "COMPILED_DEVICES", {"cuda"})
 
 
 def test_a_failing_compiler_falls_back_to_the_eager_decide(compiled_on_cpu, monkeypatch, caplog):

@@ -13,10 +13,11 @@ as long as the five kernels torch.compile makes of it; RESULTS.md, E1), elsewher
 ONE_LAUNCH off, torch.compile's (on CUDA five kernels: the norm's sums, the gate logits as a reduction fused with
 the norm, top-k, softmax, slots and select), the way LeanDecoder compiles its elementwise pieces; the static tables
 are made inside it, not cloned. The routing state of a decode step
-(block 0, one position per row) is compiled the same way (`state_step`). Only decode-shaped calls (one position
-per row, every row of the batch) without autograd on CUDA take it: the CPU keeps the eager decide, whose rows are
-exact (a row's numbers never depend on the batch), prefill and training too. A compile that fails falls back to the
-eager decide for the rest of the process.
+(block 0, one position per row) is compiled the same way (`state_step`). Calls over every row of the batch without
+autograd on CUDA take it: decode steps (one position per row) and the serving engine's captured prefills (each
+position a row of the decision; a picture's anchor, where a prefill has one, keeps the eager decide). The CPU keeps
+the eager decide, whose rows are exact (a row's numbers never depend on the batch), training too. A compile that
+fails falls back to the eager decide for the rest of the process.
 
 The top-k here is k rounds of argmax (a reduction inductor fuses; aten.topk would stay a separate kernel, fed by
 a separate cast): equal logits go to the lowest expert index. The eager decide and the CPU's C step
@@ -85,11 +86,11 @@ def block_decision(hidden: torch.Tensor, state: torch.Tensor | None, weight: tor
                    static: torch.Tensor, held_slots: torch.Tensor | None, held_weights: torch.Tensor | None,
                    held_use: torch.Tensor | None, k: int, k_max: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One gate set's decision over n positions (one per row): (slots [n, k_max], weights [n, k_max], logits [n, E],
+    """One gate set's decision over n positions: (slots [n, k_max], weights [n, k_max], logits [n, E],
     top-k experts [n, k]). Gated positions take the gate's top-k; the others keep `old_slots` / `old_weights`
     (another gate set's decision this block), or, when None, the static slot `static` [n] in column 0 with weight 1
     (-1 / 0 elsewhere: CallRouting.static_topk). `held_use` [n, 1]: take `held_slots` / `held_weights` [n, k] (a
-    picture's kept decision) instead. (A picture's anchor is the position itself: one position per row.)"""
+    picture's kept decision) instead. (No picture anchor: each position decides for itself.)"""
     logits = gate_logits(hidden, state, weight, as_reduction=True)
     top_val, top_idx = top_k_first(logits, k)
     w = torch.softmax(top_val, dim=-1)

@@ -410,10 +410,13 @@ class LearnedGroup:
         return groups
 
     def fuses(self, hidden: torch.Tensor) -> bool:
-        """Does this group decide `hidden` [B, T, d] with the compiled decision (routing/decision.py)? A decode
-        step's shape (one position per row, every row: the serving engine's steps) without autograd, on CUDA."""
-        return hidden.shape[1] == 1 and self.rows is None and not torch.is_grad_enabled() and \
-            fused.compiled_for(hidden.device)
+        """Does this group decide `hidden` [B, T, d] with the compiled decision (routing/decision.py)? Every row of
+        the batch (the serving engine's decode steps and captured prefills) without autograd, on CUDA; with more
+        than one position a row, only without a picture's anchor or held decisions (the per-picture gates': a
+        decode step's position is its own anchor, and its held decision one row of the table)."""
+        one_position = hidden.shape[1] == 1
+        return self.rows is None and (one_position or self.anchor is None and self.held is None) and \
+            not torch.is_grad_enabled() and fused.compiled_for(hidden.device)
 
     def decide(self, block: int, hidden: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tensor | None,
                k_max: int, static: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, BlockDecision]:
@@ -470,37 +473,38 @@ class LearnedGroup:
     def _decide_fused(self, block: int, hidden: torch.Tensor, slots: torch.Tensor | None,
                       weights: torch.Tensor | None, k_max: int, static: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, BlockDecision] | None:
-        """decide() of a decode step through the compiled decision: one position per row, so a picture's anchor is
-        the position itself and a held decision one row of the table. None when compiling failed."""
-        b = hidden.shape[0]
+        """decide() through the compiled decision, each of the B * T positions a row of it. None when compiling
+        failed."""
+        b, t = hidden.shape[:2]
         gates = self.gates
         weight = gates.gate_weight(block, hidden)
-        h = hidden.reshape(b, -1)
+        h = hidden.reshape(b * t, -1)
         if gates.context_decays and (block == 0 or self.state is None):
             if block != 0:
                 raise RoutingError("gates with context decays compute their routing state from block 0's input; "
                                    f"block {block} was routed first")
             updates = self.gated if self.updates is None else self.updates
-            if self.state_in is None:
-                state = routing_state(hidden, updates, gates.context_decays)[:, 0]
+            if t > 1 or self.state_in is None:
+                states = routing_state(hidden, updates, gates.context_decays, self.state_in)  # [b, T, S, d]
+                self.state, self.state_out = states.reshape(b * t, *states.shape[2:]), states[:, -1]
             else:
                 state = fused.run(fused.stepper(gates.context_decays), h, updates[:, 0], self.state_in)
                 if state is None:
                     return None
-            self.state = self.state_out = state
+                self.state = self.state_out = state
         held = (None, None, None)
         if self.held is not None:
             held_slots, held_weights, use = self.held
             held = (held_slots[:, block], held_weights[:, block], use.reshape(-1, 1))
         mask = self.gated.reshape(-1)
         args = (h, self.state if gates.context_decays else None, weight, self.expert_slots, mask,
-                None if slots is None else slots.view(b, k_max), None if weights is None else weights.view(b, k_max),
-                static, *held)
+                None if slots is None else slots.reshape(b * t, k_max),
+                None if weights is None else weights.reshape(b * t, k_max), static, *held)
         got = fused.run(fused.decider(self.top_k, k_max, args), *args)
         if got is None:
             return None
         new_s, new_w, logits, top_idx = got
-        return (new_s.view(b, 1, k_max), new_w.view(b, 1, k_max),
+        return (new_s.view(b, t, k_max), new_w.view(b, t, k_max),
                 BlockDecision(logits=logits, topk=top_idx, mask=mask, base_expert=gates.base_expert))
 
 
