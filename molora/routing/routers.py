@@ -433,13 +433,7 @@ class LearnedGroup:
         h = hidden if self.rows is None else hidden[self.rows]
         b, t = h.shape[0], h.shape[1]
         if self.gates.context_decays:
-            if block == 0 or self.state is None:
-                if block != 0:
-                    raise RoutingError("gates with context decays compute their routing state from block 0's input; "
-                                       f"block {block} was routed first")
-                updates = self.gated if self.updates is None else self.updates
-                states = routing_state(h, updates, self.gates.context_decays, self.state_in)  # [b, T, S, d]
-                self.state, self.state_out = states.reshape(b * t, *states.shape[2:]), states[:, -1]
+            self._route_state(block, h, compiled=False)
             logits = self.gates.logits(block, h.reshape(b * t, -1), self.state)
         else:
             logits = self.gates.logits(block, h.reshape(b * t, -1))
@@ -479,19 +473,8 @@ class LearnedGroup:
         gates = self.gates
         weight = gates.gate_weight(block, hidden)
         h = hidden.reshape(b * t, -1)
-        if gates.context_decays and (block == 0 or self.state is None):
-            if block != 0:
-                raise RoutingError("gates with context decays compute their routing state from block 0's input; "
-                                   f"block {block} was routed first")
-            updates = self.gated if self.updates is None else self.updates
-            if t > 1 or self.state_in is None:
-                states = routing_state(hidden, updates, gates.context_decays, self.state_in)  # [b, T, S, d]
-                self.state, self.state_out = states.reshape(b * t, *states.shape[2:]), states[:, -1]
-            else:
-                state = fused.run(fused.stepper(gates.context_decays), h, updates[:, 0], self.state_in)
-                if state is None:
-                    return None
-                self.state = self.state_out = state
+        if gates.context_decays and not self._route_state(block, hidden, compiled=True):
+            return None
         held = (None, None, None)
         if self.held is not None:
             held_slots, held_weights, use = self.held
@@ -506,6 +489,28 @@ class LearnedGroup:
         new_s, new_w, logits, top_idx = got
         return (new_s.view(b, t, k_max), new_w.view(b, t, k_max),
                 BlockDecision(logits=logits, topk=top_idx, mask=mask, base_expert=gates.base_expert))
+
+    def _route_state(self, block: int, h: torch.Tensor, compiled: bool) -> bool:
+        """At block 0 (or whenever none is held), this group's routing state from its rows' block inputs h
+        [b, T, d]: `state` [b * T, S, d] per position, `state_out` [b, S, d] after the last. One position a row
+        with a state carried in takes the compiled step when `compiled`; False when compiling it failed."""
+        if block != 0 and self.state is not None:
+            return True
+        if block != 0:
+            raise RoutingError("gates with context decays compute their routing state from block 0's input; "
+                               f"block {block} was routed first")
+        updates = self.gated if self.updates is None else self.updates
+        b, t = h.shape[:2]
+        if compiled and t == 1 and self.state_in is not None:
+            state = fused.run(fused.stepper(self.gates.context_decays), h.reshape(b, -1), updates[:, 0],
+                              self.state_in)
+            if state is None:
+                return False
+            self.state = self.state_out = state
+        else:
+            states = routing_state(h, updates, self.gates.context_decays, self.state_in)  # [b, T, S, d]
+            self.state, self.state_out = states.reshape(b * t, *states.shape[2:]), states[:, -1]
+        return True
 
 
 STATE_CHUNK = 256  # positions per step of the routing-state scan: memory [b, chunk, chunk] per decay
