@@ -23,6 +23,7 @@ that reading the weights once a step allows.
 
     python benchmarks/decode_step.py --learned --new 64
     python benchmarks/decode_step.py --picture --shape emu3-8b [--sdpa-too]
+    python benchmarks/decode_step.py --wide-decode-ab      # 17-32 token q/k/v calls: decode tiles or small tiles
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from serving import (  # noqa: E402
     sync,
 )
 
+import molora.kernels.triton_linear as triton_linear  # noqa: E402
 from molora.kernels.graphs import graph_paths  # noqa: E402
 from molora.models.engine.core import Done, Engine, EngineConfig  # noqa: E402
 from molora.models.engine.generation import GenerationConfig, Request  # noqa: E402
@@ -106,6 +108,56 @@ def engine_rows(routed, vocab, device: str, new: int, lean: bool, overlap: bool,
                   f"{best['tok_s']:9.1f} tok/s (median gap {statistics.median(best['gaps_ms']):.2f} ms, "
                   f"first token {statistics.median(best['first_ms']):.1f} ms)", flush=True)
     return rows, engine
+
+
+def set_wide_decode(tokens: int) -> None:
+    """Calls of up to `tokens` tokens take the decode tiles (kernels/triton_linear.py WIDE_DECODE_MAX_TOKENS; 16:
+    the small tiles above 16 tokens, as before). Read when a step is captured."""
+    triton_linear.WIDE_DECODE_MAX_TOKENS = tokens
+    triton_linear.linear_config.cache_clear()
+
+
+def wide_decode_ab(routed, vocab, device: str, new: int, rng: random.Random) -> dict:
+    """The routed q/k/v GEMMs of 17-32 token steps with the decode tiles and a row tile of 32 (the default) against
+    the small tiles of before, in one run: two lean engines, each captured with its tiles, timed in turns (best of
+    3, batch 1 and 32, 2 adapters by vocabulary); then each one's captured steps (GPU ms of a replay) and the
+    kernels of its width-32 step."""
+    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, **GREEDY)
+    router = VocabRangeRouter(vocab, "txt", "img")
+    variants = {"decode tiles to 32 tokens": 32, "small tiles above 16": 16}
+    engines: dict[str, Engine] = {}
+    requests = {batch: [Request(prompt_ids(vocab, 32, rng), router) for _ in range(batch)] for batch in (1, 32)}
+    shipped = triton_linear.WIDE_DECODE_MAX_TOKENS
+    try:
+        for label, tokens in variants.items():
+            set_wide_decode(tokens)
+            engines[label] = Engine(routed, vocab, device=device, config=EngineConfig(max_rows=64, max_len=32 + new + 8))
+            for batch in (1, 32):
+                run_engine(engines[label], requests[batch], [config] * batch)  # warm-up: captures
+        result: dict = {}
+        first, second = variants
+        for batch in (1, 32):
+            runs: dict[str, list[float]] = {label: [] for label in engines}
+            for _ in range(3):
+                for label, engine in engines.items():
+                    runs[label].append(run_engine(engine, requests[batch], [config] * batch)["tok_s"])
+            for label in engines:
+                result[f"{label}, batch {batch}"] = round(max(runs[label]), 1)
+            ratio = max(runs[first]) / max(runs[second])
+            result[f"ratio batch {batch}"] = round(ratio, 3)
+            print(f"{first} / {second}, batch {batch}: {max(runs[first]):.1f} / {max(runs[second]):.1f} tok/s = "
+                  f"{ratio:.3f}", flush=True)
+        for label, engine in engines.items() if device == "cuda" else ():
+            set_wide_decode(variants[label])
+            result[f"replay_ms {label}"] = {w: round(ms, 3) for w, ms in replay_ms(engine).items()}
+            with graph_paths():
+                result[f"profile {label}"] = profile_step(engine, 32, f"{label}, width 32")
+            print(f"captured step GPU ms ({label}):", result[f"replay_ms {label}"], flush=True)
+    finally:
+        set_wide_decode(shipped)
+        for engine in engines.values():
+            engine.close()
+    return result
 
 
 def greedy_tokens(engine: Engine, vocab, requests: list[Request], new: int) -> list[list[int]]:
@@ -266,6 +318,8 @@ def main() -> None:
                         help="only learned top-2 rows (random gates) against vocabulary routing, default engine")
     parser.add_argument("--compiled-decision", action="store_true",
                         help="--learned: torch.compile's decision on CUDA, not the one-launch Triton kernel")
+    parser.add_argument("--wide-decode-ab", action="store_true",
+                        help="17-32 token q/k/v calls with the decode tiles vs the small tiles (see wide_decode_ab)")
     args = parser.parse_args()
     device, new = args.device, args.new
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -293,6 +347,11 @@ def main() -> None:
     table: dict = {}
 
     rng = random.Random(0)
+    if args.wide_decode_ab:
+        results["wide_decode_ab"] = wide_decode_ab(routed, vocab, device, new, rng)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        return
     if args.learned:  # learned rows (captured like the others): how far they are from vocabulary routing
         decision.ONE_LAUNCH = not args.compiled_decision
         results["decision"] = "compiled" if args.compiled_decision else "one launch"

@@ -71,6 +71,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep-ranks", default="", help="comma-separated ranks of the ranks section (default: 8..128)")
     p.add_argument("--sweep-n", default="", help="comma-separated token counts of the ranks section (default: "
                    "1, 32, 128, 256, 2048, 8192)")
+    p.add_argument("--decode-n", default="1,2,16", help="comma-separated token counts of the decode section "
+                   "(above 16: one row tile of the next power of two)")
+    p.add_argument("--decode-shapes", default="", help="decode section: only shapes whose name starts with this "
+                   "(e.g. 1.7B)")
     p.add_argument("--profile", action="store_true", help="eager: cProfile the routed 1.7B-shaped step (top 25)")
     p.add_argument("--only", default="", help="comma-separated sections to run (default: all): correct, group, "
                    "topk, ranks, k3, linear, decode, k1, pdl, dense, eager, tune, narrow, sweep, setsweep, sweep32, "
@@ -1050,17 +1054,19 @@ DECODE_SHAPES = [("1.7B q/k/v", 2048, (2048, 1024, 1024)), ("1.7B gate/up", 2048
 
 
 def run_decode_linear(bw: float) -> None:
-    """The routed linear (kernels/triton_linear.py) at decode sizes, N = 1, 2 and 16, for every projection of a
-    Qwen3-1.7B and an Emu3-8B block (r = 16, 4 slots, k = 1): decode tiles (BLOCK_M 16, DECODE_GRID swept) against
-    what a captured step runs today (the dispatcher's path: the one-GEMM linear for q/k/v, cuBLAS onto the group
-    call's deltas for the others) and the base GEMMs alone; the best tiles checked against kernels/reference.py."""
+    """The routed linear (kernels/triton_linear.py) at decode sizes (--decode-n: N = 1, 2 and 16), for every
+    projection of a Qwen3-1.7B and an Emu3-8B block (r = 16, 4 slots, k = 1): decode tiles (one row tile: BLOCK_M 16,
+    or the next power of two above 16 tokens; DECODE_GRID swept) against what a captured step runs today (the
+    dispatcher's path: the one-GEMM linear where fuses_base says so, else cuBLAS onto the group call's deltas) and
+    the base GEMMs alone; the best tiles checked against kernels/reference.py."""
     print(f"\n== the routed linear at decode sizes (r={R}, {S} slots, k=1, bf16, median us; tiles "
           f"{'/'.join(DECODE_GRID)}) ==")
     res = {}
-    shapes = [("tiny", 64, (64, 32))] if ARGS.dry_run else DECODE_SHAPES
+    shapes = [("tiny", 64, (64, 32))] if ARGS.dry_run else \
+        [shape for shape in DECODE_SHAPES if shape[0].startswith(ARGS.decode_shapes)]
     grid = {key: [vals[0]] for key, vals in DECODE_GRID.items()} if ARGS.dry_run else DECODE_GRID
     for label, d_in, outs in shapes:
-        for n in ((1,) if ARGS.dry_run else (1, 2, 16)):
+        for n in ((1,) if ARGS.dry_run else [int(v) for v in ARGS.decode_n.split(",")]):
             x, A, B, scale, slots, _, bounds = group_inputs(n, outs, seed=41, d_in=d_in)
             Ws = [torch.randn(o, d_in, device=DEV, dtype=torch.bfloat16) / d_in ** 0.5 for o in outs]
             ys = [torch.empty(n, o, device=DEV, dtype=torch.bfloat16) for o in outs]
@@ -1079,7 +1085,7 @@ def run_decode_linear(bw: float) -> None:
             name = f"{label} N{n}"
             row = {"bases": bench_us(lambda: [torch.mm(x, W.t(), out=y) for W, y in zip(Ws, ys)]),
                    "today": bench_us(today)}
-            configs = {combo: {"BLOCK_M": 16, "GROUP_M": 1, **dict(zip(grid, combo))}
+            configs = {combo: {"BLOCK_M": max(16, triton.next_power_of_2(n)), "GROUP_M": 1, **dict(zip(grid, combo))}
                        for combo in itertools.product(*grid.values())}
             tune: dict = {}
             line, best = time_configs(tune, name, configs, linear)

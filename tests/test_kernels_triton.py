@@ -70,7 +70,8 @@ GROUP_CASES = {
 LINEAR_CASES = {**GROUP_CASES, "linear_even_k_fp16": (70, 32, (48, 16, 16), 4, 16, 2, "random", "float16"),
                 "decode_one_fp16": (1, 512, (80,), 4, 16, 1, "random_valid", "float16"),
                 "decode_two_fp32": (3, 300, (48, 100), 4, 16, 2, "random", "float32"),
-                "decode_three_fp16": (16, 256, (64, 32, 32), 4, 16, 1, "random", "float16")}
+                "decode_three_fp16": (16, 256, (64, 32, 32), 4, 16, 1, "random", "float16"),
+                "decode_wide_three_fp16": (27, 256, (64, 32, 32), 4, 16, 1, "random", "float16")}
 
 # Training on the GPU runs the Triton forward and the torch-path backward (kernels/autograd.py); float64 always
 # takes the torch path, so these fp32 cases are what covers that mix. Reference: kernels/reference.py under torch
@@ -241,7 +242,7 @@ def _run_linear_case(name: str, seed: int) -> dict:
     refs = routed_lora_group_reference(x, A, B, slots, weights, scale, tuple(bounds))
     real_empty = torch.empty
     torch.empty = lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))  # (every float buffer is written)
-    config = linear_mod.decode_config(len(outs)) if name.startswith("decode_") else None
+    config = linear_mod.decode_config(len(outs), 16 if n <= 16 else 32) if name.startswith("decode_") else None
     try:
         flat = linear_mod.stacked_linear_group(x, W, A, B, slots, weights, scale, tuple(bounds), config)
     finally:
