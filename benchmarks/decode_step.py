@@ -23,7 +23,8 @@ that reading the weights once a step allows.
 
     python benchmarks/decode_step.py --learned --new 64
     python benchmarks/decode_step.py --picture --shape emu3-8b [--sdpa-too]
-    python benchmarks/decode_step.py --wide-decode-ab      # 17-32 token q/k/v calls: decode tiles or small tiles
+    python benchmarks/decode_step.py --wide-decode-ab      # 17-32 token calls: every group one GEMM, or q/k/v only
+    python benchmarks/decode_step.py --elementwise-bound   # the step without its norm / activation kernels
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ from serving import (  # noqa: E402
     sync,
 )
 
+import molora.kernels.dispatch as dispatch  # noqa: E402
 import molora.kernels.triton_linear as triton_linear  # noqa: E402
+import molora.models.engine.decoder as lean_decoder  # noqa: E402
 from molora.kernels.graphs import graph_paths  # noqa: E402
 from molora.models.engine.core import Done, Engine, EngineConfig  # noqa: E402
 from molora.models.engine.generation import GenerationConfig, Request  # noqa: E402
@@ -110,54 +113,85 @@ def engine_rows(routed, vocab, device: str, new: int, lean: bool, overlap: bool,
     return rows, engine
 
 
-def set_wide_decode(tokens: int) -> None:
-    """Calls of up to `tokens` tokens take the decode tiles (kernels/triton_linear.py WIDE_DECODE_MAX_TOKENS; 16:
-    the small tiles above 16 tokens, as before). Read when a step is captured."""
-    triton_linear.WIDE_DECODE_MAX_TOKENS = tokens
+def set_wide_decode(tiles: int, every_group: int) -> None:
+    """Calls of up to `tiles` tokens take the decode tiles (kernels/triton_linear.py WIDE_DECODE_MAX_TOKENS; 16: the
+    small tiles above 16 tokens, as before 2026-12-06), and calls of up to `every_group` tokens run every routed
+    group as one GEMM (kernels/dispatch.py fuses_base; 16: above 16 tokens only q/k/v, the others cuBLAS onto the
+    group call's deltas). Read when a step is captured."""
+    triton_linear.WIDE_DECODE_MAX_TOKENS = tiles
     triton_linear.linear_config.cache_clear()
+    dispatch.WIDE_DECODE_MAX_TOKENS = every_group
 
 
-def wide_decode_ab(routed, vocab, device: str, new: int, rng: random.Random) -> dict:
-    """The routed q/k/v GEMMs of 17-32 token steps with the decode tiles and a row tile of 32 (the default) against
-    the small tiles of before, in one run: two lean engines, each captured with its tiles, timed in turns (best of
-    3, batch 1 and 32, 2 adapters by vocabulary); then each one's captured steps (GPU ms of a replay) and the
-    kernels of its width-32 step."""
+SHIPPED_PIECES = (lean_decoder._add_norm, lean_decoder._gated)
+
+
+def set_elementwise(shipped: bool) -> None:
+    """The lean decoder's residual add + RMSNorm and gated activation as shipped, or (False) as no kernel at all:
+    the add_norm returns (x, delta) and the activation its gate, so the GEMMs read unnormalised inputs. Wrong
+    numbers, the right shapes: the step's time without these 3 kernels a block bounds what fusing them into the
+    GEMMs could save. Read when a decoder first runs (LeanDecoder._fuse), i.e. before an engine captures."""
+    if shipped:
+        lean_decoder._add_norm, lean_decoder._gated = SHIPPED_PIECES
+    else:
+        lean_decoder._add_norm = lambda x, delta, weight, eps: (x, delta)
+        lean_decoder._gated = lambda gate, up, act: gate
+
+
+def engine_ab(routed, vocab, device: str, new: int, rng: random.Random, variants: dict[str, Any]) -> dict:
+    """Engine variants in one run (`variants`: label -> a function that sets that variant; the first is the shipped
+    one, set again at the end, and each ratio is the first's rate over another's): each captured with its variant,
+    timed in turns (best of 3, batch 1 and 32, 2 adapters by vocabulary); then each one's captured steps (GPU ms of
+    a replay) and the kernels of its width-1 and width-32 steps."""
     config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, **GREEDY)
     router = VocabRangeRouter(vocab, "txt", "img")
-    variants = {"decode tiles to 32 tokens": 32, "small tiles above 16": 16}
     engines: dict[str, Engine] = {}
     requests = {batch: [Request(prompt_ids(vocab, 32, rng), router) for _ in range(batch)] for batch in (1, 32)}
-    shipped = triton_linear.WIDE_DECODE_MAX_TOKENS
     try:
-        for label, tokens in variants.items():
-            set_wide_decode(tokens)
+        for label, set_variant in variants.items():
+            set_variant()
             engines[label] = Engine(routed, vocab, device=device, config=EngineConfig(max_rows=64, max_len=32 + new + 8))
             for batch in (1, 32):
                 run_engine(engines[label], requests[batch], [config] * batch)  # warm-up: captures
         result: dict = {}
-        first, second = variants
+        first, *others = variants
         for batch in (1, 32):
             runs: dict[str, list[float]] = {label: [] for label in engines}
             for _ in range(3):
                 for label, engine in engines.items():
+                    variants[label]()
                     runs[label].append(run_engine(engine, requests[batch], [config] * batch)["tok_s"])
             for label in engines:
                 result[f"{label}, batch {batch}"] = round(max(runs[label]), 1)
-            ratio = max(runs[first]) / max(runs[second])
-            result[f"ratio batch {batch}"] = round(ratio, 3)
-            print(f"{first} / {second}, batch {batch}: {max(runs[first]):.1f} / {max(runs[second]):.1f} tok/s = "
-                  f"{ratio:.3f}", flush=True)
+            for other in others:
+                ratio = max(runs[first]) / max(runs[other])
+                result[f"ratio batch {batch} vs {other}"] = round(ratio, 3)
+                print(f"{first} / {other}, batch {batch}: {max(runs[first]):.1f} / {max(runs[other]):.1f} tok/s = "
+                      f"{ratio:.3f}", flush=True)
         for label, engine in engines.items() if device == "cuda" else ():
-            set_wide_decode(variants[label])
+            variants[label]()
             result[f"replay_ms {label}"] = {w: round(ms, 3) for w, ms in replay_ms(engine).items()}
             with graph_paths():
-                result[f"profile {label}"] = profile_step(engine, 32, f"{label}, width 32")
+                for width in (1, 32):
+                    result[f"profile {label}, width {width}"] = profile_step(engine, width, f"{label}, width {width}")
             print(f"captured step GPU ms ({label}):", result[f"replay_ms {label}"], flush=True)
     finally:
-        set_wide_decode(shipped)
+        variants[first]()
         for engine in engines.values():
             engine.close()
     return result
+
+
+AB_VARIANTS = {
+    # 17-32 token calls (a batch-32 step): every routed group one GEMM at the decode tiles, a row tile of 32
+    # (shipped); only q/k/v so (o, down, gate/up: cuBLAS onto the group call's deltas); q/k/v at the small tiles
+    "wide_decode_ab": {"every group, decode tiles": lambda: set_wide_decode(32, 32),
+                       "q/k/v only, decode tiles": lambda: set_wide_decode(32, 16),
+                       "q/k/v only, small tiles": lambda: set_wide_decode(16, 16)},
+    # the residual add + norm and the activation: shipped, or no kernel (a bound on fusing them into the GEMMs)
+    "elementwise_bound": {"shipped": lambda: set_elementwise(True),
+                          "no norm / activation kernels": lambda: set_elementwise(False)},
+}
 
 
 def greedy_tokens(engine: Engine, vocab, requests: list[Request], new: int) -> list[list[int]]:
@@ -319,7 +353,9 @@ def main() -> None:
     parser.add_argument("--compiled-decision", action="store_true",
                         help="--learned: torch.compile's decision on CUDA, not the one-launch Triton kernel")
     parser.add_argument("--wide-decode-ab", action="store_true",
-                        help="17-32 token q/k/v calls with the decode tiles vs the small tiles (see wide_decode_ab)")
+                        help="17-32 token calls: every group one GEMM at the decode tiles, or as before (AB_VARIANTS)")
+    parser.add_argument("--elementwise-bound", action="store_true",
+                        help="the step as shipped vs without its norm / activation kernels (AB_VARIANTS; timing only)")
     args = parser.parse_args()
     device, new = args.device, args.new
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -347,8 +383,9 @@ def main() -> None:
     table: dict = {}
 
     rng = random.Random(0)
-    if args.wide_decode_ab:
-        results["wide_decode_ab"] = wide_decode_ab(routed, vocab, device, new, rng)
+    ab = "wide_decode_ab" if args.wide_decode_ab else "elementwise_bound" if args.elementwise_bound else None
+    if ab is not None:
+        results[ab] = engine_ab(routed, vocab, device, new, rng, AB_VARIANTS[ab])
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
         return

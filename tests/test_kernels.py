@@ -484,8 +484,8 @@ def test_routed_linear_takes_q_k_v_between_decode_and_prefill_sizes_on_narrow_ho
     with graph_paths():
         assert dispatch.fuses_base(cuda_x(1), 4, 16, 3) and dispatch.fuses_base(cuda_x(eager), 4, 16, 3)
         assert not dispatch.fuses_base(cuda_x(hi + 1), 4, 16, 3)
-        decode = dispatch.DECODE_MAX_TOKENS  # a decode step: o, down and gate/up too, with the decode tiles
-        assert all(dispatch.fuses_base(cuda_x(n), 4, 16, p) for n in (1, decode) for p in (1, 2))
+        decode = dispatch.WIDE_DECODE_MAX_TOKENS  # a decode step: o, down and gate/up too, with the decode tiles
+        assert all(dispatch.fuses_base(cuda_x(n), 4, 16, p) for n in (1, 17, decode) for p in (1, 2))
         assert not dispatch.fuses_base(cuda_x(decode + 1), 4, 16, 2) and not dispatch.fuses_base(cuda_x(1), 4, 32, 1)
 
 

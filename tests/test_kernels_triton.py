@@ -65,12 +65,15 @@ GROUP_CASES = {
 
 # The whole routed linear as one GEMM (kernels/triton_linear.py) on the group cases, plus an input width the
 # K tiles divide (its unmasked K loop) with several row groups, and decode steps at the GPU's decode tiles
-# (DECODE_TILES: one row tile of 16, K steps of 256; "decode_*" cases run with them instead of the interpreter's
-# tiny tiles): one projection over a partial column tile, two and three over a partial K step and a full one.
+# (DECODE_TILES: one row tile of 16, K steps of 256; "decode_wide_*" above 16 tokens: WIDE_DECODE_TILES, a row
+# tile of 32; "decode_*" cases run with them instead of the interpreter's tiny tiles): one projection over a
+# partial column tile, two and three over a partial K step and a full one.
 LINEAR_CASES = {**GROUP_CASES, "linear_even_k_fp16": (70, 32, (48, 16, 16), 4, 16, 2, "random", "float16"),
                 "decode_one_fp16": (1, 512, (80,), 4, 16, 1, "random_valid", "float16"),
                 "decode_two_fp32": (3, 300, (48, 100), 4, 16, 2, "random", "float32"),
                 "decode_three_fp16": (16, 256, (64, 32, 32), 4, 16, 1, "random", "float16"),
+                "decode_wide_one_fp16": (32, 512, (80,), 4, 16, 2, "random_valid", "float16"),
+                "decode_wide_two_fp32": (19, 300, (48, 100), 4, 16, 1, "random", "float32"),
                 "decode_wide_three_fp16": (27, 256, (64, 32, 32), 4, 16, 1, "random", "float16")}
 
 # Training on the GPU runs the Triton forward and the torch-path backward (kernels/autograd.py); float64 always
@@ -242,7 +245,7 @@ def _run_linear_case(name: str, seed: int) -> dict:
     refs = routed_lora_group_reference(x, A, B, slots, weights, scale, tuple(bounds))
     real_empty = torch.empty
     torch.empty = lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))  # (every float buffer is written)
-    config = linear_mod.decode_config(len(outs), 16 if n <= 16 else 32) if name.startswith("decode_") else None
+    config = linear_mod.decode_config(len(outs), n) if name.startswith("decode_") else None
     try:
         flat = linear_mod.stacked_linear_group(x, W, A, B, slots, weights, scale, tuple(bounds), config)
     finally:

@@ -294,9 +294,9 @@ def test_cuda_eager_group_outputs_match_base_plus_reference_and_capture(n, k, mo
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("names", [("o_proj",), ("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj")])
 def test_cuda_captured_decode_calls_run_every_group_as_one_gemm_with_the_decode_tiles(names, monkeypatch):
-    """A captured decode step (graph mode, 1..16 tokens; q/k/v up to 32, with a row tile of 32 above 16) runs
-    every routed group, one projection, two or three, as one GEMM with the deltas inside at the decode tiles
-    (kernels/triton_linear.py DECODE_TILES); each member's output equals its base linear plus the reference delta,
+    """A captured decode step (graph mode, 1..32 tokens, a row tile of 32 above 16) runs every routed group, one
+    projection, two or three, as one GEMM with the deltas inside at the decode tiles (kernels/triton_linear.py
+    DECODE_TILES, WIDE_DECODE_TILES); each member's output equals its base linear plus the reference delta,
     replayed with new slot values."""
     from molora.kernels.graphs import capture_graph
 
@@ -311,7 +311,7 @@ def test_cuda_captured_decode_calls_run_every_group_as_one_gemm_with_the_decode_
     _fill_slots(layers, gen, 16)
     for layer in layers:
         layer.to("cuda", torch.bfloat16)
-    for n in (1, 2, 16) + ((17, 32) if len(names) == 3 else ()):
+    for n in (1, 2, 16, 17, 32):
         x = torch.randn(1, n, 384, generator=gen).to("cuda", torch.bfloat16)
         slots = torch.randint(-1, 4, (n, 1), generator=gen).cuda()
 

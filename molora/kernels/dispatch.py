@@ -57,7 +57,7 @@ from molora.kernels.triton_common import (
     interpreting,
     stacked_width,
 )
-from molora.kernels.triton_linear import DECODE_MAX_TOKENS
+from molora.kernels.triton_linear import WIDE_DECODE_MAX_TOKENS
 
 if HAS_TRITON:
     from molora.kernels.stacked_gemm import gemm_lora, gemm_lora_group
@@ -183,9 +183,10 @@ CPU_DENSE_MAX_MACS = 24_000_000
 #   36.9 / 27.6
 #   gate/up (2048 -> 6144 each, P=2): N=32 27.1 / 37.8 / 33.1, N=64 26.9 / 38.1 / 40.1, N=256 30.9 / 43.4 / 43.1:
 #   no steady gain, so two projections keep the group call; one projection at d=4096, N=256: 24.4 / 35.9 / 42.6
-# Decode steps (N <= triton_linear.DECODE_MAX_TOKENS, graph mode) take it for every projection count: with the
+# Decode steps (N <= triton_linear.WIDE_DECODE_MAX_TOKENS, graph mode) take it for every projection count: with the
 # decode tiles it beat cuBLAS onto the group call's deltas for one projection (o, down) and two (gate/up) at every
-# Qwen3-1.7B and Emu3-8B shape, N = 1, 2, 16 (H200, 2026-12-05; triton_linear.py, DECODE_TILES): 0.71-0.96x the time.
+# Qwen3-1.7B and Emu3-8B shape, N = 1, 2, 16 (H200, 2026-12-05; triton_linear.py, DECODE_TILES): 0.71-0.96x the time;
+# and at the 1.7B shape, N = 32 (H100, 2026-12-06; WIDE_DECODE_TILES): 0.81-0.93x.
 LINEAR_MIN_PROJECTIONS = 3
 LINEAR_MIN_TOKENS = 1
 LINEAR_MAX_TOKENS = 256
@@ -287,7 +288,7 @@ def fuses_base(x: torch.Tensor, num_slots: int, rank: int, proj: int) -> bool:
     GEMM with the delta inside (kernels/triton_linear.py)? Shapes and graph mode only; any k (the k choices only
     change the shrink's coefficients). The kernel has no backward: callers use it without autograd."""
     n = x.shape[0]
-    least = 1 if n <= DECODE_MAX_TOKENS else LINEAR_MIN_PROJECTIONS
+    least = 1 if n <= WIDE_DECODE_MAX_TOKENS else LINEAR_MIN_PROJECTIONS
     return (HAS_TRITON and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
             and least <= proj <= MAX_PROJECTIONS and LINEAR_MIN_TOKENS <= n <= LINEAR_MAX_TOKENS
             and stacked_width(num_slots, rank) <= STACKED_MAX_WIDTH

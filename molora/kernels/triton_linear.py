@@ -126,10 +126,14 @@ WIDE_MIN_PROGRAMS = 64
 #   o 23.6 -> 20.6 (19.4), down 47.7 -> 44.7 (42.4); each within 4% of the best tiles of its shape at N = 1, 2, 16
 DECODE_MAX_TOKENS = 16
 DECODE_TILES = {1: (32, 256, 4, 4), 2: (64, 256, 4, 3), 3: (64, 256, 4, 4)}
-# Calls of 17 to WIDE_DECODE_MAX_TOKENS tokens (in a batch-32 step the q/k/v groups: dispatch fuses no others
-# there) take the same tiles with one row tile of 32. The small tiles' K steps of 64 kept too few weight bytes in
-# flight: the 1.7B q/k/v call took 16.4 us in the captured width-32 step for 5.6 us of weights (H100, 2026-12-06).
+# Calls of 17 to WIDE_DECODE_MAX_TOKENS tokens (a batch-32 step) take one row tile of 32 and WIDE_DECODE_TILES. The
+# small tiles' K steps of 64 kept too few weight bytes in flight: the 1.7B q/k/v call took 16.4 us in the captured
+# width-32 step for 5.6 us of weights. H100, 2026-12-06 (`python benchmarks/lora_kernels.py --only decode
+# --decode-n 32 --decode-shapes 1.7B`, the same grid as above), median us at N = 32, the step's call before -> these
+# (cuBLAS alone, no delta): q/k/v 19.3 (decode tiles, small tiles 16.4 in the step) -> 18.4 (24.0); gate/up 41.7
+# (cuBLAS onto the group call's deltas) -> 33.9 (33.3); o 16.2 -> 15.1 (10.9); down 27.7 -> 25.4 (20.3)
 WIDE_DECODE_MAX_TOKENS = 32
+WIDE_DECODE_TILES = {1: (16, 256, 4, 4), 2: (64, 128, 8, 3), 3: (32, 256, 8, 4)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -138,16 +142,18 @@ def linear_config(n: int, widths: tuple[int, ...]) -> dict:
     if interpreting():  # tiny tiles so interpreter tests walk row groups, column tiles, K steps and masks
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)
     if n <= WIDE_DECODE_MAX_TOKENS:
-        return decode_config(len(widths), 16 if n <= DECODE_MAX_TOKENS else 32)
+        return decode_config(len(widths), n)
     bm, bn = LARGE_TILES[:2]
     large = cdiv(n, bm) * sum(cdiv(w, bn) for w in widths) >= WIDE_MIN_PROGRAMS
     bm, bn, bk, gm, warps, stages = LARGE_TILES if large else SMALL_TILES
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
 
 
-def decode_config(projections: int, rows: int = 16) -> dict:
-    """The decode tiles of a call of `projections` projections (one row tile of `rows` tokens)."""
-    bn, bk, warps, stages = DECODE_TILES[min(projections, 3)]
+def decode_config(projections: int, n: int = 1) -> dict:
+    """The decode tiles of a call of `projections` projections and `n` tokens (up to WIDE_DECODE_MAX_TOKENS: one row
+    tile, of 16 up to DECODE_MAX_TOKENS, else of 32)."""
+    rows, table = (16, DECODE_TILES) if n <= DECODE_MAX_TOKENS else (32, WIDE_DECODE_TILES)
+    bn, bk, warps, stages = table[min(projections, 3)]
     return dict(BLOCK_M=rows, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=warps, num_stages=stages)
 
 

@@ -204,7 +204,9 @@ TARGET_PROGRAMS = 264
 #   2026-12-06 (--only topkdecode, Qwen3-1.7B shapes, shrink + expand): o 10.85 -> 10.37, down 12.64 -> 12.00,
 #   gate/up (a group) 16.22 -> 11.07: EXPAND_M 16 and more output slices, where the 256-token tiles left a 32-token
 #   call 16 expand programs walking 768 columns each. The captured width-32 learned step: the 84 expands 571 -> 400
-#   us, the step 3.87 -> 3.70 ms (benchmarks/RESULTS.md, E1).
+#   us, the step 3.87 -> 3.70 ms (benchmarks/RESULTS.md, E1). Such steps now run every group as one GEMM
+#   (triton_linear.py WIDE_DECODE_TILES); these tiles serve the 17-32 token calls that keep the delta apart (with
+#   autograd, float32, or no base weights).
 STACKED_TILES: dict[tuple[int, bool], tuple[tuple[int, tuple[int, ...]], ...]] = {
     (256, False): ((64, (16, 64, 128, 4, 16, 128, 32, 4)), (256, (64, 64, 128, 4, 32, 128, 16, 4))),
     (64, False): ((32, (16, 64, 128, 8, 16, 128, 32, 8)), (256, (16, 64, 128, 8, 32, 128, 32, 8)),

@@ -12,9 +12,10 @@ kernel call for all the deltas, x read once, and the members' base GEMMs next to
 theirs up from the call's CallRouting with no work of their own (an eager decode step is host-bound: each layer's
 reshape, checks and GEMM call cost host time).  The base GEMMs and the deltas meet without an extra pass over the
 output: on the eager decode path the GEMMs write one [N, O] buffer and the one-launch kernel adds the deltas into
-it; groups of three or more (q/k/v) on narrow hot sets, 16-bit, up to 256 tokens (eager calls from 17, captured
-ones from 1; kernels.dispatch.fuses_base), with no gradient recorded, run as one GEMM with the deltas inside
-(kernels/triton_linear.py); on the others each GEMM runs *onto* its member's fresh delta (addmm_, beta = 1).
+it; on narrow hot sets, 16-bit, with no gradient recorded, groups of three or more (q/k/v) up to 256 tokens and
+every group up to 32 (eager calls from 17, captured ones from 1; kernels.dispatch.fuses_base) run as one GEMM with
+the deltas inside (kernels/triton_linear.py); on the others each GEMM runs *onto* its member's fresh delta
+(addmm_, beta = 1).
 
 The layer builds no routing metadata: it reads the per-call `CallRouting` (routing/context.py) that
 RoutedModel.forward set up once for the whole pass.  No routing active -> exactly the base linear.
