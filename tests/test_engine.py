@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+import molora.models.engine.core as core
 from molora.models.engine.core import Done, Engine, EngineConfig, Token
 from molora.models.engine.generation import GenerationConfig, Request
 from molora.models.engine.sampling import GenerationError, SamplingConfig
@@ -246,6 +247,34 @@ def test_bad_requests_are_refused_before_queueing(model):
     with pytest.raises(GenerationError, match="SequenceRouter"):
         engine.submit(Request([vocab.bos_id], object()), short)
     assert engine.stats()["waiting"] == 0 and engine.stats()["running"] == 0
+
+
+def test_a_batch_is_queued_at_once_and_prefilled_together_or_not_at_all(model, monkeypatch):
+    """engine.stream (and the pipeline) queue a batch in one step: the engine admits all of it in one pass (one
+    prefill where prefills are batched), not the pieces that arrived while it prefilled the first; a bad request
+    in the batch raises, naming the problem, with none of the others queued."""
+    routed, vocab = model
+    engine = Engine(routed, vocab, device="cpu", config=EngineConfig(max_len=128, batch_prefill=True))
+    groups = []
+    real_prefill, real_route = Engine._prefill, core._route_of
+    monkeypatch.setattr(Engine, "_prefill", lambda self, group: groups.append(len(group)) or real_prefill(self, group))
+    # checking a request takes a while (as when the submitting thread loses the GIL): the engine thread wakes
+    # meanwhile. Queued one by one, as before, the batch went in pieces: [1, 5], [1, 1, 1, 1, 1, 1]
+    monkeypatch.setattr(core, "_route_of", lambda *args: (time.sleep(0.01), real_route(*args))[1])
+    config = GenerationConfig(max_new_tokens=6, seed=0, **GREEDY)
+    requests = [Request(p, VocabRangeRouter(vocab, "a", "b")) for p in prompts(vocab, 6, seed=4)]
+    for _ in range(3):
+        groups.clear()
+        tokens, ends = collect(engine.stream(requests, config))
+        assert groups == [6] and len(tokens) == 6 and set(ends.values()) == {"length"}
+    bad = Request([vocab.bos_id], SequenceRouter("nope"))
+    with pytest.raises(UnknownAdapterError, match="nope"):
+        engine.stream([*requests[:3], bad], config)
+    with pytest.raises(GenerationError, match="2 configs and 3 tags for 3 requests"):
+        engine.submit_all(requests[:3], [config] * 2, None)
+    time.sleep(0.05)
+    assert engine.stats()["waiting"] == 0 and engine.stats()["running"] == 0 and engine.stats()["starting"] == 0
+    engine.close()
 
 
 def test_batched_prefill_gives_the_same_greedy_tokens(model):

@@ -42,7 +42,7 @@ from molora.models.document import Document
 from molora.models.engine.best_of import candidate_config, stream_best_of
 from molora.models.engine.budget import document_events
 from molora.models.engine.builder import DocumentBuilder
-from molora.models.engine.core import Engine, EngineConfig, RequestHandle
+from molora.models.engine.core import Engine, EngineConfig
 from molora.models.engine.events import Event, Finished
 from molora.models.engine.generation import GenerationConfig, Request, StopSignal, check_text, open_image_span
 from molora.models.engine.sampling import GenerationError
@@ -392,14 +392,8 @@ class InterleavedPipeline:
         the pipeline enforces, as the engine's may be larger; the first token the engine generates blind to a
         picture, or None)."""
         sink: queue.Queue = queue.Queue()
-        handles: list[RequestHandle] = []
-        try:  # bad requests raise here, before any event
-            for index, request in enumerate(requests):
-                handles.append(self.engine.submit(request, config, sink=sink, tag=index))
-        except BaseException:
-            for handle in handles:
-                handle.cancel()
-            raise
+        # bad requests raise here, before any event and with none queued; the rest start together
+        handles = self.engine.submit_all(requests, [config] * len(requests), sink)
         if stop is not None:
             stop.attach(handles)
         return document_events(sink, handles, builders, budget, stop, self.vocab, self.max_positions)

@@ -353,6 +353,28 @@ class Engine:
                tag: Any = None) -> RequestHandle:
         """Queue one request; its Tokens and final Done go to `sink` as (tag, item), errors as (tag, exception).
         Bad requests raise here (GenerationError / CacheFullError / UnknownAdapterError), before queueing."""
+        return self.submit_all([request], [config], sink if sink is not None else queue.Queue(), [tag])[0]
+
+    def submit_all(self, requests: Sequence[Request], configs: Sequence[GenerationConfig], sink: queue.Queue,
+                   tags: Sequence[Any] | None = None) -> list[RequestHandle]:
+        """Queue several requests as one batch, their items going to `sink` tagged by `tags` (default: their
+        indices). Every request is checked first: a bad one raises, naming the problem, and none is queued. Then
+        all are queued at once, so the engine admits them in one pass as far as rows and slots allow (on CUDA, one
+        prefill), not in the pieces that arrived while it was already prefilling the first."""
+        tags = list(range(len(requests))) if tags is None else list(tags)
+        if not len(configs) == len(tags) == len(requests):
+            raise GenerationError(f"{len(configs)} configs and {len(tags)} tags for {len(requests)} requests")
+        jobs = [self._job(request, config, sink, tag) for request, config, tag in zip(requests, configs, tags)]
+        with self._lock:
+            if self._closed:
+                raise GenerationError("the engine was closed")
+            self._incoming.extend(jobs)
+            self._start_thread()
+            self._lock.notify_all()
+        return [job.handle for job in jobs]
+
+    def _job(self, request: Request, config: GenerationConfig, sink: queue.Queue, tag: Any) -> _Job:
+        """A checked request, ready to queue (raises GenerationError / CacheFullError / UnknownAdapterError)."""
         prompt = list(request.prompt_ids)
         vocab = self.vocab
         if not prompt:
@@ -382,34 +404,19 @@ class Engine:
         if len(names) > cache.num_slots:
             raise CacheFullError(f"this request routes over {len(names)} distinct adapters but the hot set has only "
                                  f"{cache.num_slots} slots; choose fewer adapters")
-        job = _Job(RequestHandle(self, sink if sink is not None else queue.Queue(), tag), prompt, config, text, image,
-                   learned, span, time.monotonic(), time.perf_counter(), names=names, uncond=uncond)
+        job = _Job(RequestHandle(self, sink, tag), prompt, config, text, image, learned, span, time.monotonic(),
+                   time.perf_counter(), names=names, uncond=uncond)
         if job.rows_needed > self.max_rows:
             raise GenerationError(f"classifier-free guidance needs two rows; this engine has {self.max_rows}")
-        with self._lock:
-            if self._closed:
-                raise GenerationError("the engine was closed")
-            self._incoming.append(job)
-            self._start_thread()
-            self._lock.notify_all()
-        return job.handle
+        return job
 
     def stream(self, requests: Sequence[Request], config: GenerationConfig | Sequence[GenerationConfig]
                ) -> Generator[tuple[int, Token | Done], None, None]:
         """Submit `requests` (one config, or one per request) and yield (request index, Token / Done) as they
         come. Closing the iterator early cancels whatever has not finished."""
         configs = list(config) if isinstance(config, (list, tuple)) else [config] * len(requests)
-        if len(configs) != len(requests):
-            raise GenerationError(f"{len(configs)} configs for {len(requests)} requests")
         sink: queue.Queue = queue.Queue()
-        handles = []
-        try:
-            for index, (request, cfg) in enumerate(zip(requests, configs)):
-                handles.append(self.submit(request, cfg, sink=sink, tag=index))
-        except BaseException:
-            for handle in handles:
-                handle.cancel()
-            raise
+        handles = self.submit_all(requests, configs, sink)
         return self._drain(sink, handles)
 
     def _drain(self, sink: queue.Queue, handles: list[RequestHandle]
