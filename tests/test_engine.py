@@ -268,7 +268,7 @@ def test_a_batch_is_queued_at_once_and_prefilled_together_or_not_at_all(model, m
         tokens, ends = collect(engine.stream(requests, config))
         assert groups == [6] and len(tokens) == 6 and set(ends.values()) == {"length"}
     bad = Request([vocab.bos_id], SequenceRouter("nope"))
-    with pytest.raises(UnknownAdapterError, match="nope"):
+    with pytest.raises(UnknownAdapterError, match="request 3 of 4: .*nope"):
         engine.stream([*requests[:3], bad], config)
     with pytest.raises(GenerationError, match="2 configs and 3 tags for 3 requests"):
         engine.submit_all(requests[:3], [config] * 2, None)

@@ -358,13 +358,21 @@ class Engine:
     def submit_all(self, requests: Sequence[Request], configs: Sequence[GenerationConfig], sink: queue.Queue,
                    tags: Sequence[Any] | None = None) -> list[RequestHandle]:
         """Queue several requests as one batch, their items going to `sink` tagged by `tags` (default: their
-        indices). Every request is checked first: a bad one raises, naming the problem, and none is queued. Then
-        all are queued at once, so the engine admits them in one pass as far as rows and slots allow (on CUDA, one
-        prefill), not in the pieces that arrived while it was already prefilling the first."""
+        indices). Every request is checked first: a bad one raises, naming the problem (and, in a batch of several,
+        which request), and none is queued. Then all are queued at once, so the engine admits them in one pass as far
+        as rows and slots allow (on CUDA, one prefill), not in the pieces that arrived while it was already
+        prefilling the first."""
         tags = list(range(len(requests))) if tags is None else list(tags)
         if not len(configs) == len(tags) == len(requests):
             raise GenerationError(f"{len(configs)} configs and {len(tags)} tags for {len(requests)} requests")
-        jobs = [self._job(request, config, sink, tag) for request, config, tag in zip(requests, configs, tags)]
+        jobs = []
+        for index, (request, config, tag) in enumerate(zip(requests, configs, tags)):
+            try:
+                jobs.append(self._job(request, config, sink, tag))
+            except MoLoRAError as err:
+                if len(requests) == 1:
+                    raise
+                raise type(err)(f"request {index} of {len(requests)}: {err}") from err
         with self._lock:
             if self._closed:
                 raise GenerationError("the engine was closed")
