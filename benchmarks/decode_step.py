@@ -147,6 +147,7 @@ def engine_ab(routed, vocab, device: str, new: int, rng: random.Random, variants
     router = VocabRangeRouter(vocab, "txt", "img")
     engines: dict[str, Engine] = {}
     requests = {batch: [Request(prompt_ids(vocab, 32, rng), router) for _ in range(batch)] for batch in (1, 32)}
+    first, *others = variants
     try:
         for label, set_variant in variants.items():
             set_variant()
@@ -154,7 +155,6 @@ def engine_ab(routed, vocab, device: str, new: int, rng: random.Random, variants
             for batch in (1, 32):
                 run_engine(engines[label], requests[batch], [config] * batch)  # warm-up: captures
         result: dict = {}
-        first, *others = variants
         for batch in (1, 32):
             runs: dict[str, list[float]] = {label: [] for label in engines}
             for _ in range(3):
@@ -341,20 +341,21 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128, help="new tokens per request")
     parser.add_argument("--no-compile", action="store_true", help="skip the static cache + compile baseline")
     parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--picture", action="store_true", help="E3: one guided Emu3-sized picture (see above)")
+    modes = parser.add_mutually_exclusive_group()  # what the run measures (none: E1, E2 and E4)
+    modes.add_argument("--picture", action="store_true", help="E3: one guided Emu3-sized picture (see above)")
     parser.add_argument("--grid", type=int, nargs=2, default=[90, 90], help="--picture: rows and columns of codes")
     parser.add_argument("--codebook", type=int, default=32768, help="--picture: codes (the vocabulary's last ids)")
     parser.add_argument("--profile-loop", type=int, nargs=2, default=None, metavar=("FIRST", "STEPS"),
                         help="--picture on CUDA: profile STEPS steps of another picture from its token FIRST")
     parser.add_argument("--sdpa-too", action="store_true",
                         help="--picture: also the same picture with sdpa attention (the engine before split-K)")
-    parser.add_argument("--learned", action="store_true",
+    modes.add_argument("--learned", action="store_true",
                         help="only learned top-2 rows (random gates) against vocabulary routing, default engine")
     parser.add_argument("--compiled-decision", action="store_true",
                         help="--learned: torch.compile's decision on CUDA, not the one-launch Triton kernel")
-    parser.add_argument("--wide-decode-ab", action="store_true",
+    modes.add_argument("--wide-decode-ab", action="store_true",
                         help="17-32 token calls: every group one GEMM at the decode tiles, or as before (AB_VARIANTS)")
-    parser.add_argument("--elementwise-bound", action="store_true",
+    modes.add_argument("--elementwise-bound", action="store_true",
                         help="the step as shipped vs without its norm / activation kernels (AB_VARIANTS; timing only)")
     args = parser.parse_args()
     device, new = args.device, args.new
@@ -399,6 +400,7 @@ def main() -> None:
             ratio = rows[("learned top-2 over 2 adapters", batch)] / rows[("2 adapters by vocabulary", batch)]
             print(f"learned top-2 / vocabulary routing, batch {batch}: {ratio:.3f}")
             results[f"learned_ratio_batch_{batch}"] = round(ratio, 3)
+        results["rows"] = {f"{label} | {batch}": round(rate, 1) for (label, batch), rate in rows.items()}
         if device == "cuda":
             results["graphs"] = graph_costs(engine)
         if args.json:

@@ -1043,7 +1043,7 @@ def run_linear() -> None:
     RESULTS["linear"] = res
 
 
-# Decode tiles: one row tile of 16 (a decode step has 1-16 tokens), column tiles of 16-64 and long K steps, so each
+# Decode tiles: one row tile (16 up to 16 tokens, else the next power of two), column tiles of 16-64 and long K steps, so each
 # program of a GEMV keeps much of its weight in flight (the table's small tiles: 64 rows, K steps of 64)
 DECODE_GRID = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256], "num_warps": [4, 8], "num_stages": [3, 4]}
 # (name, input width, output widths): every routed projection of a Qwen3-1.7B and an Emu3-8B block

@@ -268,10 +268,13 @@ def test_a_batch_is_queued_at_once_and_prefilled_together_or_not_at_all(model, m
         tokens, ends = collect(engine.stream(requests, config))
         assert groups == [6] and len(tokens) == 6 and set(ends.values()) == {"length"}
     bad = Request([vocab.bos_id], SequenceRouter("nope"))
-    with pytest.raises(UnknownAdapterError, match="request 3 of 4: .*nope"):
+    with pytest.raises(UnknownAdapterError, match="request 4 of 4: .*nope"):
         engine.stream([*requests[:3], bad], config)
-    with pytest.raises(GenerationError, match="2 configs and 3 tags for 3 requests"):
-        engine.submit_all(requests[:3], [config] * 2, None)
+    with pytest.raises(GenerationError, match="2 configs for 3 requests"):
+        engine.submit_all(requests[:3], [config] * 2)
+    with pytest.raises(GenerationError, match="1 tags for 2 requests"):
+        engine.submit_all(requests[:2], [config] * 2, tags=["x"])
+    assert list(engine.stream([], config)) == []
     time.sleep(0.05)
     assert engine.stats()["waiting"] == 0 and engine.stats()["running"] == 0 and engine.stats()["starting"] == 0
     engine.close()

@@ -481,6 +481,9 @@ def test_routed_linear_takes_q_k_v_between_decode_and_prefill_sizes_on_narrow_ho
     assert not dispatch.fuses_base(cuda_x(64, torch.float32), 4, 16, 3)
     assert not dispatch.fuses_base(SimpleNamespace(shape=(64, 64), is_cuda=False, dtype=torch.bfloat16), 4, 16, 3)
     assert not dispatch.fuses_base(cuda_x(1), 4, 16, 3) and not dispatch.fuses_base(cuda_x(eager), 4, 16, 3)
+    wide = dispatch.WIDE_DECODE_MAX_TOKENS  # eager calls above the eager decode path's sizes: every group too
+    assert all(dispatch.fuses_base(cuda_x(n), 4, 16, p) for n in (eager + 1, wide) for p in (1, 2))
+    assert not dispatch.fuses_base(cuda_x(wide + 1), 4, 16, 1)
     with graph_paths():
         assert dispatch.fuses_base(cuda_x(1), 4, 16, 3) and dispatch.fuses_base(cuda_x(eager), 4, 16, 3)
         assert not dispatch.fuses_base(cuda_x(hi + 1), 4, 16, 3)

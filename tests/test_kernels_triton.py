@@ -72,7 +72,7 @@ LINEAR_CASES = {**GROUP_CASES, "linear_even_k_fp16": (70, 32, (48, 16, 16), 4, 1
                 "decode_one_fp16": (1, 512, (80,), 4, 16, 1, "random_valid", "float16"),
                 "decode_two_fp32": (3, 300, (48, 100), 4, 16, 2, "random", "float32"),
                 "decode_three_fp16": (16, 256, (64, 32, 32), 4, 16, 1, "random", "float16"),
-                "decode_wide_one_fp16": (32, 512, (80,), 4, 16, 2, "random_valid", "float16"),
+                "decode_wide_one_fp16": (29, 300, (72,), 4, 16, 2, "random_valid", "float16"),
                 "decode_wide_two_fp32": (19, 300, (48, 100), 4, 16, 1, "random", "float32"),
                 "decode_wide_three_fp16": (27, 256, (64, 32, 32), 4, 16, 1, "random", "float16")}
 

@@ -183,7 +183,8 @@ CPU_DENSE_MAX_MACS = 24_000_000
 #   36.9 / 27.6
 #   gate/up (2048 -> 6144 each, P=2): N=32 27.1 / 37.8 / 33.1, N=64 26.9 / 38.1 / 40.1, N=256 30.9 / 43.4 / 43.1:
 #   no steady gain, so two projections keep the group call; one projection at d=4096, N=256: 24.4 / 35.9 / 42.6
-# Decode steps (N <= triton_linear.WIDE_DECODE_MAX_TOKENS, graph mode) take it for every projection count: with the
+# Decode-sized calls (N <= triton_linear.WIDE_DECODE_MAX_TOKENS; outside graph mode from 17, as eager calls up to
+# EAGER_MAX_TOKENS take the fused path, above) take it for every projection count: with the
 # decode tiles it beat cuBLAS onto the group call's deltas for one projection (o, down) and two (gate/up) at every
 # Qwen3-1.7B and Emu3-8B shape, N = 1, 2, 16 (H200, 2026-12-05; triton_linear.py, DECODE_TILES): 0.71-0.96x the time;
 # and at the 1.7B shape, N = 32 (H100, 2026-12-06; WIDE_DECODE_TILES): 0.81-0.93x.

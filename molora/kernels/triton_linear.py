@@ -12,7 +12,8 @@ SR_PAD / in more GEMM work (1.6% at r = 16 on 4 slots, d = 4096) over the base G
 and a second pass. Top-k costs what k = 1 does (the k choices only change T's coefficients). Triton's GEMM
 trails cuBLAS's on one projection and on larger N, so the routed layers take this path for q/k/v up to 256
 tokens (kernels/dispatch.py: fuses_base), where one launch for all three GEMMs beats three cuBLAS launches
-(H200, d = 4096, N = 256: 1.12x the three base GEMMs with the delta, against 1.25x for the delta then the GEMMs).
+(H200, d = 4096, N = 256: 1.12x the three base GEMMs with the delta, against 1.25x for the delta then the GEMMs),
+and for every group up to WIDE_DECODE_MAX_TOKENS (decode sizes, at the decode tiles below).
 
   grid (cdiv(N, BLOCK_M) * column tiles,): column tiles run over the projections in turn (each projection's
   columns cut into BLOCK_N tiles; a tile never straddles two projections), and programs go GROUP_M row tiles at

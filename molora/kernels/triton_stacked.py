@@ -199,8 +199,8 @@ TARGET_PROGRAMS = 264
 #   N=2048 24.4 (35.1), N=8192 55.5 (75.5); q/k/v N=256 16.6 (22.8), N=2048 40.5 (68.4). Taller expand tiles won
 #   at every size (EXPAND_M 128 above 256 tokens: B's [64, BLOCK_N] tile read once per 128 rows, not per 32).
 # - 64 columns, top-2, N <= 32 (a batch-32 decode step's learned rows), expand tiles only: the shrink's tiles and warps
-#   stay those of the 256-token entry, so the routed linear of graph-mode decode steps up to 16 tokens, which takes
-#   only the shrink's tiles, is unchanged; other two-phase calls up to 32 tokens take these expand tiles. H100,
+#   stay those of the 256-token entry, so the routed linear of decode steps up to 32 tokens, which takes only the
+#   shrink's tiles, is unchanged; other two-phase calls up to 32 tokens take these expand tiles. H100,
 #   2026-12-06 (--only topkdecode, Qwen3-1.7B shapes, shrink + expand): o 10.85 -> 10.37, down 12.64 -> 12.00,
 #   gate/up (a group) 16.22 -> 11.07: EXPAND_M 16 and more output slices, where the 256-token tiles left a 32-token
 #   call 16 expand programs walking 768 columns each. The captured width-32 learned step: the 84 expands 571 -> 400

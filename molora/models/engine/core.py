@@ -10,8 +10,9 @@ One background thread owns the model (gpt-fast's loop, vLLM's scheduler in minia
     2. admit waiting requests, first come first served, while rows (two with CFG), KV space and hot-set slots
        allow: their adapters are pinned ONCE for the whole request (`HotSetCache.acquire_nowait`; a copy into a
        slot runs on a side stream and only the request that needs it waits for it);
-    3. prefill each admitted request alone (batch 1, its own row of the static KV cache) and sample its first
-       token;
+    3. prefill the admitted requests whose adapter copies have landed, each into its own row of the static KV
+       cache (on CUDA together, one forward; on the CPU each alone, so its numbers never depend on its
+       neighbours), and sample their first tokens;
     4. decode one token for every running row in one forward of fixed width (a bucket), captured as a CUDA
        graph on the GPU and replayed; on the CPU one call of the C step where the model allows
        (models/engine/cpu_step.py: only the live rows, each on its own); sampling is per row (own settings, own
@@ -353,26 +354,30 @@ class Engine:
                tag: Any = None) -> RequestHandle:
         """Queue one request; its Tokens and final Done go to `sink` as (tag, item), errors as (tag, exception).
         Bad requests raise here (GenerationError / CacheFullError / UnknownAdapterError), before queueing."""
-        return self.submit_all([request], [config], sink if sink is not None else queue.Queue(), [tag])[0]
+        return self.submit_all([request], [config], sink, [tag])[0]
 
-    def submit_all(self, requests: Sequence[Request], configs: Sequence[GenerationConfig], sink: queue.Queue,
-                   tags: Sequence[Any] | None = None) -> list[RequestHandle]:
-        """Queue several requests as one batch, their items going to `sink` tagged by `tags` (default: their
-        indices). Every request is checked first: a bad one raises, naming the problem (and, in a batch of several,
-        which request), and none is queued. Then all are queued at once, so the engine admits them in one pass as far
-        as rows and slots allow (on CUDA, one prefill), not in the pieces that arrived while it was already
-        prefilling the first."""
-        tags = list(range(len(requests))) if tags is None else list(tags)
-        if not len(configs) == len(tags) == len(requests):
-            raise GenerationError(f"{len(configs)} configs and {len(tags)} tags for {len(requests)} requests")
+    def submit_all(self, requests: Sequence[Request], configs: Sequence[GenerationConfig],
+                   sink: queue.Queue | None = None, tags: Sequence[Any] | None = None) -> list[RequestHandle]:
+        """Queue several requests as one batch, their items going to `sink` (default: a new queue) tagged by `tags`
+        (default: their indices). Every request is checked first: a bad one raises, naming the problem (and, in a
+        batch of several, which request, counting from 1), and none is queued. Then all are queued at once, so the
+        engine admits them in one pass as far as rows, slots and adapter copies allow (on CUDA, one prefill), not in
+        the pieces that arrived while it was already prefilling the first."""
+        if len(configs) != len(requests):
+            raise GenerationError(f"{len(configs)} configs for {len(requests)} requests")
+        if tags is not None and len(tags) != len(requests):
+            raise GenerationError(f"{len(tags)} tags for {len(requests)} requests")
+        sink = queue.Queue() if sink is None else sink
         jobs = []
-        for index, (request, config, tag) in enumerate(zip(requests, configs, tags)):
+        for index, (request, config) in enumerate(zip(requests, configs)):
             try:
-                jobs.append(self._job(request, config, sink, tag))
+                jobs.append(self._job(request, config, sink, index if tags is None else tags[index]))
             except MoLoRAError as err:
                 if len(requests) == 1:
                     raise
-                raise type(err)(f"request {index} of {len(requests)}: {err}") from err
+                raise type(err)(f"request {index + 1} of {len(requests)}: {err}") from err
+        if not jobs:
+            return []
         with self._lock:
             if self._closed:
                 raise GenerationError("the engine was closed")
