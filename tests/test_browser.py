@@ -21,6 +21,11 @@ from molora.models import InterleavedPipeline
 from molora.models.families.shapes.testing import write_tiny_adapter
 from tests.app_process import free_port
 
+try:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+except ImportError:  # (no playwright: the browser fixture skips, or fails under MOLORA_REQUIRE_BROWSER)
+    PlaywrightTimeout = TimeoutError
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
                  "--no-first-run", "--disable-component-update", "--disable-sync"]
@@ -71,12 +76,6 @@ def run(page) -> None:
     page.locator("#generate").click()
     page.wait_for_function("window.__busy && document.querySelector('#stats')?.innerText.includes('done in')",
                            timeout=180_000)
-
-
-try:
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-except ImportError:  # (no playwright: the browser fixture skips, or fails under MOLORA_REQUIRE_BROWSER)
-    PlaywrightTimeout = TimeoutError
 
 
 @pytest.fixture(scope="module")
